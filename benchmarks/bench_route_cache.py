@@ -1,0 +1,183 @@
+"""Route cache throughput against raw redis-py on the same bytes, and stored bytes per token.
+
+For each geometry (Qwen3-30B-A3B, DeepSeek-V3), sample length (4K, 32K tokens) and route
+distribution (uniform, Zipf-like per layer), in the same run against the same Redis:
+
+- raw: the records' uint8 route bytes through redis-py pipelines (SET all, then GET all);
+- service: the records written one by one through the route cache (validated, checksummed,
+  chunked over gRPC, committed by Lua) and read back in one ReadBatch stream (checksums
+  verified, decoded to numpy).
+
+Prints and records median throughput over repeats and the service/raw ratio (target: at
+least 0.5 for write and batch read), and bytes per token of the routes as int32, int16, raw
+uint8 and this project's stored forms (target: at most raw uint8).
+
+Usage: python benchmarks/bench_route_cache.py [--quick] [--redis-url URL]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import numpy as np
+import redis
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+from common import machine, median_time, write_section  # noqa: E402
+
+from route_cache.embedded import start_embedded_redis  # noqa: E402
+from routereplay.client import RouteCacheClient  # noqa: E402
+from routereplay.codec import Encoding, encode_routes  # noqa: E402
+from routereplay.launch import start_service, stop_process  # noqa: E402
+from routereplay.synthetic import DEEPSEEK_V3, QWEN3_30B_A3B, synthetic_record  # noqa: E402
+
+MIB = 2**20
+DISTRIBUTIONS = {"uniform": 0.0, "zipf": 1.0}
+
+
+def bench_case(args, raw_client, cache, writers, geometry, tokens, dist, rng):
+    batch = 8 if tokens <= 4096 else 4
+    # Two distinct records, cycled: generating 32K-token routes is slower than storing them.
+    pool = [synthetic_record("x", geometry, tokens, rng, skew=DISTRIBUTIONS[dist]) for _ in (0, 1)]
+    records = [pool[i % 2] for i in range(batch)]
+    route_bytes = sum(r.routes.nbytes for r in records)
+    payloads = [r.routes.tobytes() for r in records]
+    prefix = uuid.uuid4().hex[:8]
+    counter = itertools.count()
+
+    def raw_keys():
+        return [f"raw:{prefix}:{i}" for i in range(batch)]
+
+    def raw_write():
+        pipe = raw_client.pipeline(transaction=False)
+        for key, data in zip(raw_keys(), payloads, strict=True):
+            pipe.set(key, data)
+        pipe.execute()
+
+    def raw_read():
+        pipe = raw_client.pipeline(transaction=False)
+        for key in raw_keys():
+            pipe.get(key)
+        assert sum(len(v) for v in pipe.execute()) == route_bytes
+
+    result = {"geometry": geometry.model_id, "tokens": tokens, "dist": dist, "batch": batch}
+    result["redis_write_mibs"] = route_bytes / median_time(raw_write, args.repeats) / MIB
+    result["redis_read_mibs"] = route_bytes / median_time(raw_read, args.repeats) / MIB
+    raw_client.delete(*raw_keys())
+
+    ids: list[str] = []
+    for encoding in (Encoding.RAW, Encoding.ZSTD):
+        cache.encoding = encoding
+
+        def service_write():
+            # The batch's records in flight together, as a rollout fleet writes them.
+            ids[:] = [f"bench-{prefix}-{next(counter)}" for _ in records]
+            batch = [replace(r, sample_id=i) for r, i in zip(records, ids, strict=True)]
+            list(writers.map(cache.write, batch))
+
+        def service_read():
+            got = list(cache.read_batch(ids))
+            assert sum(r.routes.nbytes for r in got) == route_bytes
+
+        tag = f"service_{encoding.value}"
+        result[f"{tag}_write_mibs"] = route_bytes / median_time(service_write, args.repeats) / MIB
+        result[f"{tag}_read_mibs"] = route_bytes / median_time(service_read, args.repeats) / MIB
+        stat = cache.stat(ids[0])
+        result[f"{tag}_record_bytes_per_token"] = stat.stored_bytes / stat.num_tokens
+        encoded = encode_routes(records[0].routes, encoding)
+        result[f"{tag}_route_bytes_per_token"] = len(encoded.data) / records[0].num_tokens
+        for key in raw_client.scan_iter(match=f"rr:{{bench-{prefix}-*"):
+            raw_client.delete(key)
+    lk = geometry.num_moe_layers * geometry.topk
+    result.update(int32_bytes_per_token=4 * lk, int16_bytes_per_token=2 * lk,
+                  uint8_bytes_per_token=lk * geometry.dtype.itemsize)  # fmt: skip
+    result["write_ratio"] = result["service_raw_write_mibs"] / result["redis_write_mibs"]
+    result["read_ratio"] = result["service_raw_read_mibs"] / result["redis_read_mibs"]
+    return result
+
+
+def table(results: list[dict]) -> str:
+    lines = [
+        "| geometry | tokens | routes | redis-py write / read | service write / read "
+        "| **ratio** write / read | service zstd write / read | int32 / int16 / uint8 "
+        "| stored routes raw / zstd | stored record |",
+        "|---" * 10 + "|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['geometry']} | {r['tokens']} | {r['dist']} "
+            f"| {r['redis_write_mibs']:.0f} / {r['redis_read_mibs']:.0f} "
+            f"| {r['service_raw_write_mibs']:.0f} / {r['service_raw_read_mibs']:.0f} "
+            f"| **{r['write_ratio']:.2f} / {r['read_ratio']:.2f}** "
+            f"| {r['service_zstd_write_mibs']:.0f} / {r['service_zstd_read_mibs']:.0f} "
+            f"| {r['int32_bytes_per_token']} / {r['int16_bytes_per_token']} / "
+            f"{r['uint8_bytes_per_token']} "
+            f"| {r['service_raw_route_bytes_per_token']:.0f} / "
+            f"{r['service_zstd_route_bytes_per_token']:.0f} "
+            f"| {r['service_raw_record_bytes_per_token']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--redis-url", default="", help="default: an embedded server")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--writers", type=int, default=4, help="concurrent write streams")
+    parser.add_argument("--quick", action="store_true", help="4K tokens only, 2 repeats")
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats = 2
+    embedded = None
+    url = args.redis_url
+    if not url:
+        embedded, url = start_embedded_redis()
+    server = None
+    results = []
+    try:
+        server, target = start_service(
+            "route_cache", "--redis-url", url, "--ttl-s", "600", quiet=True
+        )
+        raw_client = redis.Redis.from_url(url)
+        redis_version = raw_client.info("server").get("redis_version")
+        rng = np.random.default_rng(0)
+        with (
+            RouteCacheClient(target, timeout_s=120) as cache,
+            ThreadPoolExecutor(args.writers) as writers,
+        ):
+            for geometry, tokens, dist in itertools.product(
+                (QWEN3_30B_A3B, DEEPSEEK_V3), (4096,) if args.quick else (4096, 32768),
+                DISTRIBUTIONS,
+            ):  # fmt: skip
+                r = bench_case(args, raw_client, cache, writers, geometry, tokens, dist, rng)
+                results.append(r)
+                print(f"{r['geometry']} {tokens} {dist}: service/redis-py write "
+                      f"{r['write_ratio']:.2f}, read {r['read_ratio']:.2f}")  # fmt: skip
+    finally:
+        if server is not None:
+            stop_process(server)
+        if embedded is not None:
+            embedded.stop()
+    markdown = (
+        f"## Route cache against raw redis-py\n\n"
+        f"`make bench` (`python benchmarks/bench_route_cache.py`{' --quick' if args.quick else ''}"
+        f"), {args.repeats} repeats, medians. Machine: {machine()}; Redis-compatible server "
+        f"{redis_version}. Throughput in MiB/s of route bytes; bytes per token of routes.\n"
+        f"Write: the batch written through the service as {args.writers} concurrent streams "
+        "(validated, checksummed, 1 MiB chunks over gRPC, staged and committed in Redis) "
+        "against one redis-py pipeline of SETs of the same bytes. Read: one ReadBatch "
+        "stream (checksums verified, decoded to numpy) against one pipeline of GETs. "
+        "Targets: ratio >= 0.5; stored <= uint8.\n\n" + table(results)
+    )
+    write_section("route_cache", markdown, {"machine": machine(), "results": results})
+    print(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

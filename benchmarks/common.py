@@ -1,0 +1,49 @@
+"""What the benchmarks share: timing with medians, the machine's description, and writing a
+results table into its own section of docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import statistics
+import time
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs" / "benchmarks.md"
+RESULTS = ROOT / "results"
+
+
+def median_time(fn, repeats: int) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs (these machines are noisy)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def machine() -> str:
+    versions = ", ".join(
+        f"{name} {metadata.version(name)}" for name in ("grpcio", "protobuf", "redis", "numpy")
+    )
+    return (
+        f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
+        f"{versions}"
+    )
+
+
+def write_section(name: str, markdown: str, results: dict) -> None:
+    """Replace the ``name`` section of docs/benchmarks.md and save the raw results as JSON."""
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=2))
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    block = f"{begin}\n{markdown.strip()}\n{end}"
+    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else f"{text}\n{block}\n"
+    DOCS.write_text(text)

@@ -1,0 +1,171 @@
+"""Every benchmark of the project, one after the other (``make bench``).
+
+Each benchmark compares against a baseline measured in the same run, on the same data:
+
+- ``route_cache``: records written and batch-read through the route cache service against the
+  same bytes through raw redis-py pipelines (target: at least 0.5x), and stored bytes per token
+  against int32, int16 and raw uint8 routes.
+- ``rollout``: generation with routed-expert capture and record writes against the same server
+  with capture off (same model, prompts and greedy tokens; target: at most 3% fewer tokens/s),
+  and the delay from a sample's last token to its record being readable.
+- ``trainer``: a training step with R3 replay against ``disabled`` on the same batches and
+  weights (target: at most 2%), alignment on its own, and fetch + align against step time from
+  a real route cache with prefetch on and off.
+- ``reshard``: one rank's share of a batch's routes for several parallel layouts against a
+  plain copy of the same bytes.
+
+Each writes its section of docs/benchmarks.md and results/<name>.json. ``--quick`` runs every
+benchmark at a small size as a smoke test and writes to results/quick/ instead, so the numbers
+in the docs stay those of full runs.
+
+Usage: python benchmarks/run_all.py [--quick] [--only NAME ...] [--list]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HERE = ROOT / "benchmarks"
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str  # its section of the docs and its results file
+    script: str
+    quick: tuple[str, ...]  # arguments of the smoke run
+    measures: str
+
+
+BENCHMARKS = (
+    Benchmark(
+        "route_cache", "bench_route_cache.py", ("--quick",),
+        "route cache write / batch read vs raw redis-py; bytes per token",
+    ),
+    Benchmark(
+        "rollout", "bench_rollout.py",
+        ("--size", "tiny", "--prompts", "2", "--n", "2", "--max-tokens", "16", "--repeats", "2"),
+        "rollout tokens/s with capture + record writes vs capture off",
+    ),
+    Benchmark(
+        "trainer", "bench_trainer.py", ("--repeats", "3", "--batches", "2"),
+        "training step with R3 replay vs disabled; fetch + align vs step",
+    ),
+    Benchmark(
+        "reshard", "bench_reshard.py", ("--tokens", "4096", "--samples", "2", "--repeats", "2"),
+        "one rank's share of the routes per layout vs a plain copy",
+    ),
+    Benchmark(
+        "alternatives", "bench_alternatives.py", ("--quick",),
+        "int32/int16 tensors via pickle and torch.save vs the codec vs memcpy; bytes vs limit",
+    ),
+    Benchmark(
+        "load", "bench_load.py", ("--quick",),
+        "concurrent writers and batch readers: latencies, errors, records lost",
+    ),
+)  # fmt: skip
+
+
+def run_one(docs: str, results: str, script: str, *args: str) -> None:
+    """In a child process: run ``script`` as ``__main__`` with its sections written to
+    ``docs`` and its JSON to ``results``."""
+    sys.path[:0] = [str(ROOT), str(HERE)]
+    import common  # bench_route_cache imports it under this name
+
+    import benchmarks.common
+
+    for module in (common, benchmarks.common):
+        module.DOCS, module.RESULTS = Path(docs), Path(results)
+    sys.argv = [script, *args]
+    runpy.run_path(script, run_name="__main__")
+
+
+def rollout_section(path: Path, machine: str) -> tuple[str, dict]:
+    """bench_rollout.py writes JSON only: its section of the docs, from that JSON."""
+    data = json.loads(path.read_text())
+    on, off = data["capture_on"], data["capture_off"]
+    work = data["workload"]
+    markdown = f"""## Rollout: capture overhead
+
+`python benchmarks/bench_rollout.py` (from `make bench`): {work["prompts"]} prompts x
+{work["n"]} samples of {work["max_tokens"]} tokens, {work["repeats"]} repeats, medians; model
+{work["size"]}. Machine: {machine}. The same server code, model and prompts with capture on (routes captured, validated and written
+to a real route cache over Redis) against capture off (vLLM's
+`enable_return_routed_experts=False`, nothing stored), in the same run. Target: overhead at most
+3%.
+
+| run | tokens/s (median) | last token -> record stored, median / p95 |
+|---|---|---|
+| capture + cache writes | {on["tokens_per_s_median"]:.1f} | {on["store_delay_ms_median"]:.1f} / {on["store_delay_ms_p95"]:.1f} ms |
+| capture off | {off["tokens_per_s_median"]:.1f} | - |
+
+Overhead: **{data["overhead_percent"]:.1f}%**.
+"""  # noqa: E501
+    return markdown, data
+
+
+def rel(path: Path) -> Path:
+    return path.relative_to(ROOT)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_one"]:
+        run_one(*argv[1:])
+        return 0
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="benchmarks: " + ", ".join(b.name for b in BENCHMARKS),  # fmt: skip
+    )
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes, a smoke test; writes to results/quick/")  # fmt: skip
+    parser.add_argument("--only", nargs="+", choices=[b.name for b in BENCHMARKS],
+                        help="run only these")  # fmt: skip
+    parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    args = parser.parse_args(argv)
+    if args.list:
+        for b in BENCHMARKS:
+            print(f"{b.name:12} {b.script:22} {b.measures}")
+        return 0
+    results = ROOT / "results" / ("quick" if args.quick else "")
+    docs = results / "benchmarks.md" if args.quick else ROOT / "docs" / "benchmarks.md"
+    results.mkdir(parents=True, exist_ok=True)
+    chosen = [b for b in BENCHMARKS if not args.only or b.name in args.only]
+    summary = []
+    for i, bench in enumerate(chosen, 1):
+        extra = list(bench.quick if args.quick else ())
+        if bench.name == "rollout":
+            extra += ["--out", str(results / "rollout.raw.json")]
+        print(f"\n=== [{i}/{len(chosen)}] {bench.name}: {bench.measures}", flush=True)
+        command = [sys.executable, str(Path(__file__).resolve()), "_one", str(docs),
+                   str(results), str(HERE / bench.script), *extra]  # fmt: skip
+        start = time.perf_counter()
+        code = subprocess.run(command, cwd=ROOT, env=os.environ.copy()).returncode
+        if code == 0 and bench.name == "rollout":
+            sys.path[:0] = [str(ROOT)]
+            import benchmarks.common as common
+
+            common.DOCS, common.RESULTS = docs, results
+            raw = results / "rollout.raw.json"
+            markdown, data = rollout_section(raw, common.machine())
+            common.write_section("rollout", markdown, {"machine": common.machine(), **data})
+            raw.unlink()
+        summary.append((bench.name, code, time.perf_counter() - start))
+    print(f"\n=== {'quick ' if args.quick else ''}benchmarks done")
+    for name, code, seconds in summary:
+        status = "ok" if code == 0 else f"FAILED (exit {code})"
+        print(f"  {name:12} {status:18} {seconds:7.0f} s   {rel(results / (name + '.json'))}")
+    print(f"  sections in {rel(docs)}")
+    return 0 if all(code == 0 for _, code, _ in summary) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The main job: the whole pipeline as local processes, on embedded defaults."""

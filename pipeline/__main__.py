@@ -1,0 +1,173 @@
+"""``python -m pipeline``: run the main job on this machine, with no GPU, Docker or Redis.
+
+Starts the route cache (with an embedded Redis-compatible server) and the rollout server
+(vLLM on the CPU, serving the embedded tiny Qwen3-MoE), generates a batch of GRPO groups
+while streaming tokens, continues one sample with a second turn, reads every record back from
+the route cache in one batch and checks it; then trains on those records with megatron-core
+in each replay mode (disabled, R3, R2) and reports how far training is from the rollout with
+and without replay, printed and as a PNG figure. The trainer runs in bfloat16 against the
+float32 rollout: different numerics, as between a GPU engine and a trainer, which flip
+near-tied routing choices. Every process it starts is stopped on exit, Ctrl-C included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pipeline.report import MODES, figure, mode_lines
+from rollout_server.client import RolloutClient
+from rollout_server.engine import SamplingOptions
+from rollout_server.samples import SampleDelta, SampleDone, SampleFailed
+from routereplay.client import RouteCacheClient
+from routereplay.launch import start_service, stop_process
+from routereplay.record import check_routes
+
+PROMPTS = [
+    "The router picks two experts for every token because",
+    "In reinforcement learning, a policy is",
+    "Mixture-of-experts models route each token to",
+    "A cache keyed by sample id lets the trainer",
+]
+
+
+def log(message: str) -> None:
+    print(f"[pipeline] {message}", flush=True)
+
+
+def start(module: str, args: list[str], name: str, procs: list) -> str:
+    log(f"starting {name}")
+    proc, target = start_service(module, *args, timeout_s=300)
+    procs.append(proc)
+    log(f"{name} is serving on {target}")
+    return target
+
+
+async def rollout(target: str, n: int, max_tokens: int) -> tuple[list[SampleDone], int]:
+    options = SamplingOptions(temperature=1.0, max_tokens=max_tokens)
+    done: list[SampleDone] = []
+    streamed = 0
+    async with RolloutClient(target) as client:
+        groups = [f"group-{i}" for i in range(len(PROMPTS))]
+        async for event in client.generate_batch(PROMPTS, n, options, group_ids=groups):
+            if isinstance(event, SampleDelta):
+                streamed += len(event.delta.token_ids)
+            elif isinstance(event, SampleDone):
+                done.append(event)
+                log(f"  {event.sample_id} ({event.group_id}): {event.generated_tokens} tokens, "
+                    f"{event.finish_reason}, stored={event.stored}")  # fmt: skip
+            elif isinstance(event, SampleFailed):
+                raise SystemExit(f"[pipeline] {event.sample_id} failed: {event.message}")
+        second = SamplingOptions(temperature=0.0, max_tokens=max_tokens // 2)
+        async for event in client.continue_sample(done[0].sample_id, " And then", second):
+            if isinstance(event, SampleDelta):
+                streamed += len(event.delta.token_ids)
+            elif isinstance(event, SampleDone):
+                log(f"  {event.sample_id}: second turn, {event.generated_tokens} tokens, record "
+                    f"now {event.num_tokens} tokens, stored={event.stored}")  # fmt: skip
+    return done, streamed
+
+
+def run_trainer(mode: str, cache: str, model_dir: str, ids_file: Path, args) -> list[dict]:
+    """One trainer process in ``mode``; returns its per-step reports."""
+    report = args.out / f"trainer-{mode}.json"
+    # Two data-parallel ranks on gloo, as trainer pods would run them.
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={args.trainer_ranks}", "-m", "trainer",
+               f"parallel.dp={args.trainer_ranks}", f"router_replay.mode={mode}",
+               f"model.path={model_dir}", f"route_cache.target={cache}",
+               f"train.dtype={args.trainer_dtype}", "train.batch_size=8",
+               "train.micro_batch_size=4", "--ids", f"@{ids_file}", "--steps", "2",
+               "--report", str(report)]  # fmt: skip
+    # megatron warns at length about missing TransformerEngine and Apex: not news here.
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=env)
+    return json.loads(report.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__)
+    parser.add_argument("--n", type=int, default=4, help="samples per prompt (GRPO group size)")
+    parser.add_argument("--max-tokens", type=int, default=48, help="tokens per sample")
+    parser.add_argument("--model", default="", help="a local HF MoE checkpoint (default: tiny)")
+    parser.add_argument("--out", type=Path, default=Path("results"), help="report folder")
+    parser.add_argument("--trainer-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--trainer-ranks", type=int, default=2, help="data-parallel ranks")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    procs: list[subprocess.Popen] = []
+    stages: dict[str, float] = {}
+    try:
+        t0 = time.perf_counter()
+        cache = start("route_cache", [], "the route cache (embedded Redis)", procs)
+        tiny = Path(tempfile.gettempdir()) / "router-replay-tiny-moe"
+        model = ["--model", args.model] if args.model else ["--tiny-model-dir", str(tiny)]
+        rollout_target = start("rollout_server", ["--route-cache", cache, *model],
+                               "the rollout server (vLLM on the CPU)", procs)  # fmt: skip
+        stages["start services"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        log(f"generating {len(PROMPTS)} prompts x {args.n} samples, streaming tokens")
+        done, streamed = asyncio.run(rollout(rollout_target, args.n, args.max_tokens))
+        stages["generate + store"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        with RouteCacheClient(cache) as client:
+            records = list(client.read_batch([d.sample_id for d in done]))
+            stored_bytes = sum(client.stat(r.sample_id).stored_bytes for r in records)
+        stages["batch read"] = time.perf_counter() - t0
+        for record in records:
+            check_routes(record.routes, record.geometry, record.num_tokens - 1)
+        geometry = records[0].geometry
+        tokens = sum(r.num_tokens for r in records)
+        generated = sum(int(t.num_generated) for r in records for t in r.turns)
+        multi = max(records, key=lambda r: len(r.turns))
+        log(f"model {geometry.model_id}: MoE layers {list(geometry.moe_layers)} (dense layers "
+            f"dropped), top-{geometry.topk} of {geometry.num_experts} experts")  # fmt: skip
+        log(f"{len(records)} records read back in one batch, every route valid; {tokens} "
+            f"tokens ({generated} generated, {streamed} streamed as deltas)")  # fmt: skip
+        log(f"{multi.sample_id} has {len(multi.turns)} turns, rows match tokens one for one: "
+            f"{multi.num_rows} rows for {multi.num_tokens} tokens")  # fmt: skip
+        route_bytes = sum(r.routes.nbytes for r in records)
+        log(f"route bytes per token {route_bytes / tokens:.1f} (uint8); stored bytes per token "
+            f"{stored_bytes / tokens:.1f} (routes, tokens, log-probs, metadata)")  # fmt: skip
+
+        ids_file = args.out / "sample-ids.txt"
+        ids_file.write_text("\n".join(r.sample_id for r in records if len(r.turns) == 1))
+        model_dir = args.model or str(tiny)
+        reports = {}
+        for mode in MODES:
+            t0 = time.perf_counter()
+            log(
+                f"training in mode {mode} ({args.trainer_dtype}, {args.trainer_ranks} ranks) "
+                "on the stored records"
+            )
+            reports[mode] = run_trainer(mode, cache, model_dir, ids_file, args)
+            stages[f"train {mode}"] = time.perf_counter() - t0
+        log("training against the rollout (natural routing vs replayed, same step):")
+        for mode in MODES:
+            for line in mode_lines(mode, reports[mode]):
+                print(line, flush=True)
+        (args.out / "report.json").write_text(json.dumps(reports, indent=2))
+        log(f"figure: {figure(reports, args.out / 'report.png')}; data: {args.out / 'report.json'}")
+        log("time per stage: " + ", ".join(f"{k} {v:.1f} s" for k, v in stages.items()))
+    finally:
+        for proc in reversed(procs):
+            stop_process(proc)
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,1 @@
+"""Rollout server: the gRPC service around the generation engine."""

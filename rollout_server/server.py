@@ -1,0 +1,146 @@
+"""The Rollout servicer (protobuf in, domain calls, protobuf out) and the server process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from rollout_server.config import Config
+from rollout_server.convert import event_to_pb, prompt_from_pb, sampling_from_pb
+from rollout_server.engine import Engine
+from rollout_server.rollout import Rollout, RolloutLimits
+from rollout_server.samples import SampleRequest
+from rollout_server.writer import RecordWriter
+from routereplay.client import AsyncRouteCacheClient
+from routereplay.grpc_server import make_aio_server, set_serving_aio
+from routereplay.v1 import rollout_pb2, rollout_pb2_grpc
+from routereplay.wire import geometry_to_pb
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
+    """Thin: converts messages, calls ``Rollout``; domain errors become statuses in the
+    interceptor."""
+
+    def __init__(self, rollout: Rollout) -> None:
+        self.rollout = rollout
+
+    async def Generate(self, request, context):
+        sample = SampleRequest(
+            sample_id=request.sample_id,
+            group_id=request.group_id,
+            prompt=prompt_from_pb(request.prompt, "prompt"),
+            options=sampling_from_pb(request.sampling),
+            return_routes=request.return_routes,
+        )
+        async for event in self.rollout.generate(sample):
+            yield event_to_pb(event)
+
+    async def GenerateBatch(self, request, context):
+        prompts = [prompt_from_pb(p, f"prompts[{i}]") for i, p in enumerate(request.prompts)]
+        events = self.rollout.generate_batch(
+            prompts,
+            request.n,
+            sampling_from_pb(request.sampling),
+            list(request.sample_ids),
+            list(request.group_ids),
+            request.return_routes,
+        )
+        async for event in events:
+            yield event_to_pb(event)
+
+    async def Continue(self, request, context):
+        events = self.rollout.continue_sample(
+            request.sample_id,
+            prompt_from_pb(request.prompt, "prompt"),
+            sampling_from_pb(request.sampling),
+            request.return_routes,
+        )
+        async for event in events:
+            yield event_to_pb(event)
+
+    async def UpdateWeights(self, request, context):
+        version, drain_s, load_s = await self.rollout.update_weights(
+            request.path, request.policy_version
+        )
+        return rollout_pb2.UpdateWeightsResponse(
+            policy_version=version, drain_seconds=drain_s, load_seconds=load_s
+        )
+
+    async def GetStatus(self, request, context):
+        rollout = self.rollout
+        counters = {**rollout.counters, **rollout.writer.counters}
+        return rollout_pb2.ServerStatus(
+            geometry=geometry_to_pb(rollout.engine.geometry),
+            policy_version=rollout.policy_version,
+            max_model_len=rollout.engine.max_model_len,
+            running=rollout.num_running,
+            pending_writes=rollout.writer.num_pending,
+            max_pending_writes=rollout.writer.max_pending,
+            counters=counters,
+        )
+
+
+class RolloutServer:
+    """The rollout server: ``await start()``, then ``await stop(grace)`` or ``await wait()``.
+
+    Runs on the event loop the engine is bound to. The route cache client is created here
+    (on this loop) from ``config.route_cache``.
+
+    Args:
+        config: The server's settings.
+        engine: A started engine (the caller owns it and shuts it down).
+    """
+
+    def __init__(self, config: Config, engine: Engine) -> None:
+        self.config = config
+        self.engine = engine
+        self.cache: AsyncRouteCacheClient | None = None
+        self.rollout: Rollout | None = None
+        self.port = 0
+        self._server = None
+        self._health = None
+
+    async def start(self) -> RolloutServer:
+        config = self.config
+        self.cache = AsyncRouteCacheClient(config.route_cache, timeout_s=config.cache_timeout_s)
+        writer = RecordWriter(
+            self.cache, config.max_pending_writes, config.write_workers, config.write_retry_s
+        )
+        limits = RolloutLimits(
+            config.max_n, config.max_prompts, config.store_wait_s, config.capture_routes
+        )
+        self.rollout = Rollout(self.engine, self.cache, writer, limits, config.policy_version)
+        self._server, self._health = await make_aio_server(config.limits, [SERVICE_NAME])
+        rollout_pb2_grpc.add_RolloutServicer_to_server(RolloutServicer(self.rollout), self._server)
+        self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        writer.start()
+        await self._server.start()
+        await set_serving_aio(self._health, [SERVICE_NAME], True)
+        log.info("rollout server listening on %s:%d", config.host, self.port)
+        return self
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop accepting calls, let running ones and pending record writes finish."""
+        grace = self.config.grace_s if grace_s is None else grace_s
+        if self._server is None:
+            return
+        await set_serving_aio(self._health, [SERVICE_NAME], False)
+        await self._server.stop(grace)
+        await self.rollout.writer.stop(grace)
+        await self.cache.close()
+        self._server = None
+
+    async def wait(self) -> None:
+        """Serve until SIGTERM or SIGINT, then stop gracefully."""
+        stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stopping.set)
+        await stopping.wait()
+        log.info("stopping: finishing in-flight calls (grace %.0f s)", self.config.grace_s)
+        await self.stop()

@@ -1,0 +1,1 @@
+"""The route cache: a stateless gRPC service that stores records in Redis or Redis Cluster."""

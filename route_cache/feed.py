@@ -1,0 +1,203 @@
+"""The ready feed: committed records announced on a Redis Stream, read through consumer groups.
+
+After a ``WriteRecord`` commits (a duplicate write too: the retry of a write whose announcement
+may have been lost), the servicer ``publish``es one entry, and answers the writer only after
+that, so with the writer's retries every committed record is announced at least once.
+
+The stream is one key (``--ready-stream``, default ``rr:ready``). In Redis Cluster it lives in
+its own slot, not the record's, so the announcement cannot join the record's Lua commit: it is
+a second command after it. A route cache that dies between the two leaves the record committed
+but unannounced until the writer's retry (a duplicate write) announces it.
+
+Entries hold ``sample_id``, ``group_id``, ``num_tokens`` and ``policy_versions`` (the turns'
+versions, comma-separated). The stream is capped near ``maxlen`` entries (``XADD MAXLEN ~``):
+a consumer group more than that far behind loses the oldest entries it had not read, and
+pending entries trimmed before their acknowledgement come back as ``trimmed`` counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Sequence
+
+import redis
+
+from route_cache.store import unavailable_on_connection_errors
+from routereplay.errors import InvalidArgument
+from routereplay.ready import ReadyEntry, ReadyPage
+
+log = logging.getLogger(__name__)
+
+# A stream entry id, or a bare millisecond part ("0": from the first).
+_ENTRY_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
+
+
+_UINT64_MAX = 2**64 - 1
+
+
+def check_entry_id(entry_id: str, name: str) -> None:
+    """Refuse what Redis would refuse: both parts of ``<ms>-<seq>`` are unsigned 64-bit."""
+    if not _ENTRY_ID.fullmatch(entry_id) or any(
+        int(part) > _UINT64_MAX for part in entry_id.split("-")
+    ):
+        raise InvalidArgument(f"{name} {entry_id[:64]!r} is not a stream entry id (<ms>-<seq>)")
+
+
+class ReadyFeed:
+    """Publishes, reads and acknowledges ready entries.
+
+    Args:
+        client: a ``redis.Redis`` or ``redis.cluster.RedisCluster`` (passed in, never global).
+        stream: the stream's key.
+        maxlen: keep about this many entries (approximate trimming); 0 keeps all.
+    """
+
+    def __init__(self, client, stream: str, maxlen: int = 100_000):
+        self.client = client
+        self.stream = stream
+        self.maxlen = maxlen
+
+    def publish(self, entry: ReadyEntry) -> str:
+        """Append ``entry`` (its ``entry_id`` is ignored). Returns the new entry id."""
+        fields = {
+            "sample_id": entry.sample_id,
+            "group_id": entry.group_id,
+            "num_tokens": entry.num_tokens,
+            "policy_versions": ",".join(str(v) for v in entry.policy_versions),
+        }
+        with unavailable_on_connection_errors():
+            entry_id = self.client.xadd(
+                self.stream, fields, maxlen=self.maxlen or None, approximate=True
+            )
+        return _text(entry_id)
+
+    def read(
+        self,
+        group: str,
+        consumer: str,
+        count: int,
+        block_ms: int = 0,
+        pending_cursor: str = "",
+        claim_idle_ms: int = 0,
+        claim_cursor: str = "",
+        start_from_latest: bool = False,
+    ) -> ReadyPage:
+        """Entries for ``consumer`` of ``group``, from the first of three stages that has any:
+
+        1. with ``pending_cursor``: this consumer's pending entries after that id;
+        2. with ``claim_idle_ms``: entries pending that long with any consumer, now its own
+           (``XAUTOCLAIM`` from ``claim_cursor``);
+        3. new entries, waiting up to ``block_ms`` (0: not at all) for one.
+
+        The group is created on first use (with the stream, if need be), reading from the
+        stream's first entry, or from its end with ``start_from_latest``.
+        """
+        claim_cursor = claim_cursor or "0-0"
+        with unavailable_on_connection_errors():
+            if pending_cursor:
+                found = _stream_entries(
+                    self._in_group(
+                        group,
+                        start_from_latest,
+                        lambda: self.client.xreadgroup(
+                            group, consumer, {self.stream: pending_cursor}, count=count
+                        ),
+                    )
+                )
+                if found:
+                    entries, lost = self._parse(group, found)
+                    cursor = _text(found[-1][0]) if len(found) == count else ""
+                    return ReadyPage(entries, cursor, claim_cursor, lost)
+            if claim_idle_ms:
+                result = self._in_group(
+                    group,
+                    start_from_latest,
+                    lambda: self.client.xautoclaim(
+                        self.stream, group, consumer, claim_idle_ms, claim_cursor, count=count
+                    ),
+                )
+                claim_cursor = _text(result[0])
+                deleted = result[2] if len(result) > 2 else []  # trimmed: Redis dropped them
+                if result[1] or deleted:
+                    entries, lost = self._parse(group, result[1])
+                    return ReadyPage(entries, "", claim_cursor, lost + len(deleted))
+            found = _stream_entries(
+                self._in_group(
+                    group,
+                    start_from_latest,
+                    lambda: self.client.xreadgroup(
+                        group, consumer, {self.stream: ">"}, count=count, block=block_ms or None
+                    ),
+                )
+            )
+            entries, lost = self._parse(group, found)
+        return ReadyPage(entries, "", claim_cursor, lost)
+
+    def ack(self, group: str, entry_ids: Sequence[str]) -> int:
+        """Acknowledge entries of ``group``. Returns how many were pending."""
+        with unavailable_on_connection_errors():
+            return int(self.client.xack(self.stream, group, *entry_ids))
+
+    def _in_group(self, group: str, start_from_latest: bool, call: Callable):
+        """``call()``, creating the consumer group first when Redis says it does not exist."""
+        try:
+            return call()
+        except redis.ResponseError as exc:
+            if not str(exc).startswith("NOGROUP"):
+                raise
+        try:
+            self.client.xgroup_create(
+                self.stream, group, id="$" if start_from_latest else "0", mkstream=True
+            )
+            log.info("created consumer group %r on %r", group, self.stream)
+        except redis.ResponseError as exc:
+            if not str(exc).startswith("BUSYGROUP"):  # another replica created it meanwhile
+                raise
+        return call()
+
+    def _parse(self, group: str, found: list) -> tuple[list[ReadyEntry], int]:
+        """The entries of a read, and how many were lost: pending entries whose stream entry
+        was trimmed (no fields) or that cannot be read; those are acknowledged here."""
+        entries, lost = [], []
+        for raw_id, fields in found:
+            entry = _entry(_text(raw_id), fields) if raw_id is not None else None
+            if entry is not None:
+                entries.append(entry)
+            elif raw_id is not None:
+                lost.append(_text(raw_id))
+        if lost:
+            log.warning("%d pending entries of %r were trimmed or unreadable", len(lost), group)
+            self.client.xack(self.stream, group, *lost)
+        return entries, len(lost)
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _stream_entries(found) -> list:
+    """``[(id, fields), ...]`` of the one stream read, whichever reply shape redis-py gives."""
+    if not found:
+        return []
+    if isinstance(found, dict):
+        (value,) = found.values()
+        return value[0] if value and isinstance(value[0], list) else value
+    return found[0][1]
+
+
+def _entry(entry_id: str, fields: dict | None) -> ReadyEntry | None:
+    if not fields:
+        return None
+    fields = {_text(k): _text(v) for k, v in fields.items()}
+    try:
+        versions = fields.get("policy_versions", "")
+        return ReadyEntry(
+            entry_id,
+            fields["sample_id"],
+            fields.get("group_id", ""),
+            int(fields.get("num_tokens", 0)),
+            tuple(int(v) for v in versions.split(",")) if versions else (),
+        )
+    except (KeyError, ValueError):
+        return None

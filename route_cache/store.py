@@ -1,0 +1,372 @@
+"""Records in Redis or Redis Cluster, through one code path.
+
+Layout: a record is ONE hash key, ``rr:{<sample_id>}`` (the braces are a Cluster hash tag), so
+it lives in one slot, commits atomically, expires as a unit and reads in one round trip:
+
+    geometry        JSON of the geometry (and the storage format version)
+    group           the group id
+    rows, tokens    row and token counts (rows == tokens - 1)
+    b@<row_start>   JSON descriptor of the block written at that row (turns, checksums)
+    t@<row_start>   its token ids (int32 LE) then its turns' log-probs (float32 LE)
+    r@<row_start>   its encoded route bytes
+
+A new record is first written whole into a staging hash ``rr:{<sample_id>}:stage:<random>``
+(with the record's fields and a short expiry, in one MULTI), then committed by a small Lua
+script that RENAMEs it into place when the id is free: a reader sees a record whole or not at
+all, and a staging hash left by a crashed writer expires on its own. (Passing the routes as
+script arguments instead costs three copies of them inside Redis: measured 4.4 ms against 1.5
+ms for a plain HSET of a 1.5 MB block.) An append runs as one Lua script that checks the row
+count it expects in the same step that applies it.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import redis
+import redis.cluster
+import xxhash
+
+from routereplay.codec import EncodedRoutes, Encoding
+from routereplay.errors import (
+    AlreadyExists,
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
+from routereplay.record import Geometry, Turn
+
+FORMAT_VERSION = 1
+
+# KEYS: record, staging hash. ARGV: geometry JSON, group, block field, block descriptor, ttl.
+_COMMIT = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return -2 end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('DEL', KEYS[2])
+  if redis.call('HGET', KEYS[1], 'geometry') == ARGV[1]
+      and redis.call('HGET', KEYS[1], 'group') == ARGV[2]
+      and redis.call('HGET', KEYS[1], ARGV[3]) == ARGV[4] then
+    return 1
+  end
+  return -1
+end
+redis.call('RENAME', KEYS[2], KEYS[1])
+if tonumber(ARGV[5]) > 0 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[5])
+else
+  redis.call('PERSIST', KEYS[1])
+end
+return 0
+"""
+
+STAGING_TTL_MS = 600_000
+
+_APPEND = """
+local rows = redis.call('HGET', KEYS[1], 'rows')
+if not rows then return {-2, 0} end
+if redis.call('HGET', KEYS[1], 'geometry') ~= ARGV[1] then return {-3, 0} end
+rows = tonumber(rows)
+local offset = tonumber(ARGV[2])
+if offset == rows then
+  local added = tonumber(ARGV[3])
+  redis.call('HSET', KEYS[1], 'rows', rows + added, 'tokens', rows + added + 1,
+             ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9])
+  if tonumber(ARGV[10]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[10]) end
+  return {0, rows + added}
+end
+if offset < rows and redis.call('HGET', KEYS[1], ARGV[4]) == ARGV[5] then
+  return {1, rows}
+end
+return {-1, rows}
+"""
+
+# What redis-py raises when the server cannot be reached or a cluster is failing over.
+CONNECTION_ERRORS = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.MasterDownError,
+)
+
+
+@dataclass
+class StoredBlock:
+    """Rows ``[row_start, row_start + routes.num_rows)`` and the tokens that came with them:
+    ``token_ids`` int32 ``[N]`` are tokens ``[token_start, token_start + N)`` of the record."""
+
+    row_start: int
+    token_start: int
+    token_ids: np.ndarray
+    turns: list[Turn]
+    routes: EncodedRoutes
+
+
+@dataclass
+class StoredRecord:
+    sample_id: str
+    group_id: str
+    geometry: Geometry
+    blocks: list[StoredBlock] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(b.routes.num_rows for b in self.blocks)
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        return np.concatenate([b.token_ids for b in self.blocks])
+
+    @property
+    def turns(self) -> list[Turn]:
+        return [t for b in self.blocks for t in b.turns]
+
+
+@dataclass
+class RecordStat:
+    record: StoredRecord  # blocks carry no token ids, log-probs or route bytes
+    num_tokens: int
+    stored_bytes: int
+    ttl_ms: int  # -1: never expires
+
+
+def record_key(sample_id: str) -> str:
+    return f"rr:{{{sample_id}}}"
+
+
+def connect(url: str, cluster: bool, **kwargs) -> redis.Redis | redis.cluster.RedisCluster:
+    """A redis-py client for a single server or a cluster; the rest of the code is the same."""
+    if cluster:
+        return redis.cluster.RedisCluster.from_url(url, **kwargs)
+    return redis.Redis.from_url(url, **kwargs)
+
+
+class RouteStore:
+    """Reads and writes records; see the module docstring for the layout.
+
+    Args:
+        client: a ``redis.Redis`` or ``redis.cluster.RedisCluster`` (passed in, never global).
+        ttl_ms: records expire this long after their last write; 0 keeps them.
+        batch_window: records fetched per pipeline round trip in ``read_many``.
+    """
+
+    def __init__(self, client, ttl_ms: int = 0, batch_window: int = 8):
+        self.client = client
+        self.ttl_ms = ttl_ms
+        self.batch_window = batch_window
+        self._commit = client.register_script(_COMMIT)
+        self._append = client.register_script(_APPEND)
+
+    def ping(self) -> bool:
+        try:
+            return bool(self.client.ping())
+        except CONNECTION_ERRORS:
+            return False
+
+    def write(self, sample_id: str, group_id: str, geometry: Geometry, block: StoredBlock) -> bool:
+        """Store a new record made of ``block``. Returns True when an identical record was
+        already stored (a retry).
+
+        Raises:
+            AlreadyExists: a different record has this id.
+        """
+        desc, tokens = _block_fields(block)
+        rows = block.routes.num_rows
+        key, geometry_json = record_key(sample_id), _geometry_json(geometry)
+        staging = f"{key}:stage:{secrets.token_hex(8)}"
+        fields = {
+            "geometry": geometry_json, "group": group_id, "rows": rows, "tokens": rows + 1,
+            f"b@{block.row_start}": desc, f"t@{block.row_start}": tokens,
+            f"r@{block.row_start}": block.routes.data,
+        }  # fmt: skip
+        with unavailable_on_connection_errors():
+            with self.client.pipeline(transaction=True) as pipe:
+                pipe.hset(staging, mapping=fields)
+                pipe.pexpire(staging, STAGING_TTL_MS)
+                pipe.execute()
+            result = self._commit(
+                keys=[key, staging],
+                args=[geometry_json, group_id, f"b@{block.row_start}", desc, self.ttl_ms],
+            )
+        if result == -2:
+            raise Unavailable(f"the staged record of {sample_id!r} vanished before its commit")
+        if result == -1:
+            raise AlreadyExists(f"sample_id {sample_id!r} already holds a different record")
+        return result == 1
+
+    def append(self, sample_id: str, geometry: Geometry, block: StoredBlock) -> tuple[bool, int]:
+        """Append ``block`` at ``block.row_start``, which must equal the stored row count.
+
+        Returns:
+            (duplicate, rows): duplicate is True when this very block was already appended.
+
+        Raises:
+            NotFound, InvalidArgument (geometry differs), FailedPrecondition (stale offset).
+        """
+        desc, tokens = _block_fields(block)
+        offset = block.row_start
+        with unavailable_on_connection_errors():
+            status, rows = self._append(
+                keys=[record_key(sample_id)],
+                args=[
+                    _geometry_json(geometry), offset, block.routes.num_rows,
+                    f"b@{offset}", desc, f"t@{offset}", tokens, f"r@{offset}",
+                    block.routes.data, self.ttl_ms,
+                ],
+            )  # fmt: skip
+        if status == -2:
+            raise NotFound(f"no record for sample_id {sample_id!r}")
+        if status == -3:
+            raise InvalidArgument(
+                f"geometry differs from the stored record of {sample_id!r}: appends must keep it"
+            )
+        if status == -1:
+            raise FailedPrecondition(
+                f"append at row_offset {offset} refused: the record of {sample_id!r} has {rows} "
+                "rows (a stale or out-of-order append)"
+            )
+        return status == 1, int(rows)
+
+    def read(self, sample_id: str) -> StoredRecord:
+        record = next(self.read_many([sample_id]))
+        if record is None:
+            raise NotFound(f"no record for sample_id {sample_id!r}")
+        return record
+
+    def read_many(self, sample_ids: Sequence[str]) -> Iterator[StoredRecord | None]:
+        """Records in the order asked (None for unknown ids), ``batch_window`` per round trip,
+        so a large batch streams instead of sitting in memory whole. The next window is
+        fetched while the caller consumes this one."""
+        windows = [
+            sample_ids[start : start + self.batch_window]
+            for start in range(0, len(sample_ids), self.batch_window)
+        ]
+        with ThreadPoolExecutor(max_workers=1) as prefetch:
+            pending = prefetch.submit(self._fetch, windows[0]) if windows else None
+            for i, window in enumerate(windows):
+                results = pending.result()
+                if i + 1 < len(windows):
+                    pending = prefetch.submit(self._fetch, windows[i + 1])
+                for sample_id, fields in zip(window, results, strict=True):
+                    yield _parse_record(sample_id, fields) if fields else None
+
+    def _fetch(self, window: Sequence[str]) -> list[dict]:
+        with unavailable_on_connection_errors():
+            pipe = self.client.pipeline(transaction=False)
+            for sample_id in window:
+                pipe.hgetall(record_key(sample_id))
+            return pipe.execute()
+
+    def stat(self, sample_id: str) -> RecordStat:
+        """Everything but the payload: geometry, counts, turns, size and time to live."""
+        key = record_key(sample_id)
+        with unavailable_on_connection_errors():
+            names = self.client.hkeys(key)
+            if not names:
+                raise NotFound(f"no record for sample_id {sample_id!r}")
+            wanted = [n for n in names if not n.startswith((b"t@", b"r@"))]
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hmget(key, wanted)
+            pipe.memory_usage(key, samples=0)
+            pipe.pttl(key)
+            values, usage, ttl = pipe.execute()
+        fields = dict(zip(wanted, values, strict=True))
+        if fields.get(b"geometry") is None:  # deleted between the two calls
+            raise NotFound(f"no record for sample_id {sample_id!r}")
+        record = _parse_record(sample_id, fields, payload=False)
+        return RecordStat(record, int(fields[b"tokens"]), int(usage or 0), int(ttl))
+
+    def delete(self, sample_id: str) -> None:
+        with unavailable_on_connection_errors():
+            if not self.client.delete(record_key(sample_id)):
+                raise NotFound(f"no record for sample_id {sample_id!r}")
+
+
+class unavailable_on_connection_errors:
+    """Turns redis-py's connection failures into Unavailable (gRPC UNAVAILABLE)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None and issubclass(exc_type, CONNECTION_ERRORS):
+            raise Unavailable(f"redis is unreachable: {exc}") from exc
+        return False
+
+
+def _geometry_json(geometry: Geometry) -> str:
+    return json.dumps(
+        {
+            "format": FORMAT_VERSION,
+            "moe_layers": list(geometry.moe_layers),
+            "topk": geometry.topk,
+            "num_experts": geometry.num_experts,
+            "model_id": geometry.model_id,
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+
+
+def _block_fields(block: StoredBlock) -> tuple[str, bytes]:
+    """The block's descriptor (JSON) and its token/log-prob bytes."""
+    tokens = np.asarray(block.token_ids, "<i4").tobytes() + b"".join(
+        np.asarray(t.logprobs, "<f4").tobytes() for t in block.turns
+    )
+    desc = {
+        "row_start": block.row_start,
+        "num_rows": block.routes.num_rows,
+        "token_start": block.token_start,
+        "num_tokens": int(block.token_ids.size),
+        "encoding": block.routes.encoding.value,
+        "checksum": block.routes.checksum,
+        "tokens_checksum": xxhash.xxh3_64_intdigest(tokens),
+        "turns": [
+            [t.token_start, t.token_end, t.generated_start, t.policy_version, t.logprobs.size]
+            for t in block.turns
+        ],
+    }
+    return json.dumps(desc, separators=(",", ":")), tokens
+
+
+def _parse_record(sample_id: str, fields: dict, payload: bool = True) -> StoredRecord:
+    geometry = json.loads(fields[b"geometry"])
+    if geometry.get("format") != FORMAT_VERSION:
+        raise DataLoss(f"record {sample_id!r} has storage format {geometry.get('format')}")
+    record = StoredRecord(
+        sample_id,
+        fields[b"group"].decode(),
+        Geometry(
+            tuple(geometry["moe_layers"]),
+            geometry["topk"],
+            geometry["num_experts"],
+            geometry["model_id"],
+        ),
+    )
+    starts = sorted(int(name[2:]) for name in fields if name.startswith(b"b@"))
+    for row_start in starts:
+        desc = json.loads(fields[b"b@%d" % row_start])
+        n_tokens = desc["num_tokens"]
+        turns = [Turn(ts, te, gs, pv) for ts, te, gs, pv, _ in desc["turns"]]
+        token_ids = np.zeros(0, np.int32)
+        data = b""
+        if payload:
+            tokens = fields[b"t@%d" % row_start]
+            if xxhash.xxh3_64_intdigest(tokens) != desc["tokens_checksum"]:
+                raise DataLoss(f"record {sample_id!r}: token bytes of block {row_start} corrupt")
+            token_ids = np.frombuffer(tokens, "<i4", count=n_tokens)
+            offset = 4 * n_tokens
+            for turn, (*_, n_logprobs) in zip(turns, desc["turns"], strict=True):
+                turn.logprobs = np.frombuffer(tokens, "<f4", count=n_logprobs, offset=offset)
+                offset += 4 * n_logprobs
+            data = fields[b"r@%d" % row_start]
+        routes = EncodedRoutes(Encoding(desc["encoding"]), data, desc["checksum"], desc["num_rows"])
+        record.blocks.append(StoredBlock(row_start, desc["token_start"], token_ids, turns, routes))
+    return record

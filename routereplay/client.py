@@ -1,0 +1,385 @@
+"""Clients of the route cache, sync and asyncio, for the other services and for users.
+
+Every call has a deadline; calls that fail with UNAVAILABLE are retried with exponential
+backoff (writes and appends are idempotent, and a batch read resumes after the last record it
+delivered). Errors come back as the domain exceptions of ``routereplay.errors``.
+
+The ready feed (``read_ready``, ``ack_ready``) is read through ``routereplay.ready``'s
+``ReadyConsumer``, which drops repeats and assembles whole GRPO groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from routereplay.codec import Encoding, encode_routes
+from routereplay.errors import BY_STATUS, RouteReplayError
+from routereplay.grpc_server import channel_options
+from routereplay.ready import ReadyPage
+from routereplay.record import Geometry, Record, Turn, TurnAppend
+from routereplay.v1 import route_cache_pb2, route_cache_pb2_grpc
+from routereplay.wire import (
+    DEFAULT_CHUNK_BYTES,
+    Missing,
+    RecordAssembler,
+    append_requests,
+    geometry_from_pb,
+    read_records,
+    ready_page_from_pb,
+    turn_from_pb,
+    write_requests,
+)
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    sample_id: str
+    num_tokens: int
+    num_rows: int
+    duplicate: bool  # the same data was already stored
+
+
+@dataclass(frozen=True)
+class RecordInfo:
+    """A record without its payload (StatRecord)."""
+
+    sample_id: str
+    group_id: str
+    geometry: Geometry
+    num_tokens: int
+    num_rows: int
+    turns: list[Turn]
+    stored_bytes: int
+    ttl_ms: int
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 5
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 2.0
+
+    def backoff(self, attempt: int) -> float:
+        base = min(self.max_backoff_s, self.initial_backoff_s * 2**attempt)
+        return base * (0.5 + random.random() / 2)
+
+
+def domain_error(exc: grpc.RpcError) -> RouteReplayError:
+    """The domain exception for a failed call, with the server's message."""
+    code = exc.code()
+    cls = BY_STATUS.get(code.name if code else "", RouteReplayError)
+    return cls(exc.details() or str(code))
+
+
+def _retryable(exc: grpc.RpcError) -> bool:
+    return exc.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def _write_result(response) -> WriteResult:
+    return WriteResult(
+        response.sample_id, response.num_tokens, response.num_rows, response.duplicate
+    )
+
+
+def _info(stat) -> RecordInfo:
+    return RecordInfo(
+        stat.sample_id,
+        stat.group_id,
+        geometry_from_pb(stat.geometry),
+        stat.num_tokens,
+        stat.num_rows,
+        [turn_from_pb(t, i) for i, t in enumerate(stat.turns)],
+        stat.stored_bytes,
+        stat.ttl_ms,
+    )
+
+
+def _ready_request(
+    consumer_group: str,
+    consumer: str,
+    max_entries: int,
+    block_ms: int,
+    pending_cursor: str,
+    claim_idle_ms: int,
+    claim_cursor: str,
+    start_from_latest: bool,
+) -> route_cache_pb2.ReadReadyRequest:
+    return route_cache_pb2.ReadReadyRequest(
+        consumer_group=consumer_group,
+        consumer=consumer,
+        max_entries=max_entries,
+        block_ms=block_ms,
+        pending_cursor=pending_cursor,
+        claim_idle_ms=claim_idle_ms,
+        claim_cursor=claim_cursor,
+        start_from_latest=start_from_latest,
+    )
+
+
+def _after_lost_reply(request: route_cache_pb2.ReadReadyRequest) -> None:
+    """A read whose reply was lost may still have delivered new entries: they wait in this
+    consumer's pending list, so the retry re-reads that list from its start."""
+    if not request.pending_cursor:
+        request.pending_cursor = "0"
+
+
+class _Base:
+    def __init__(
+        self,
+        target: str,
+        timeout_s: float = 60.0,
+        retry: RetryPolicy | None = None,
+        encoding: Encoding = Encoding.RAW,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ):
+        self.target = target
+        self.timeout_s = timeout_s
+        self.retry = retry or RetryPolicy()
+        self.encoding = Encoding(encoding)
+        self.chunk_bytes = chunk_bytes
+
+
+class RouteCacheClient(_Base):
+    """Blocking client. Args: target ``host:port``; timeout_s per call; the retry policy;
+    the encoding of written routes (RAW, or ZSTD for memory-bound Redis); chunk size."""
+
+    def __init__(self, target: str, **kwargs):
+        super().__init__(target, **kwargs)
+        self.channel = grpc.insecure_channel(target, options=channel_options())
+        self.stub = route_cache_pb2_grpc.RouteCacheStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _call(self, fn):
+        for attempt in range(self.retry.attempts):
+            try:
+                return fn()
+            except grpc.RpcError as exc:
+                if not _retryable(exc) or attempt == self.retry.attempts - 1:
+                    raise domain_error(exc) from None
+                time.sleep(self.retry.backoff(attempt))
+
+    def write(self, record: Record) -> WriteResult:
+        """Check, encode once, and store a new record (retried whole on UNAVAILABLE).
+
+        The check here is structural; the server checks every expert id."""
+        record.validate(check_ids=False)
+        encoded = encode_routes(record.routes, self.encoding)
+        return _write_result(
+            self._call(
+                lambda: self.stub.WriteRecord(
+                    write_requests(record, encoded, self.chunk_bytes), timeout=self.timeout_s
+                )
+            )
+        )
+
+    def append(self, append: TurnAppend) -> WriteResult:
+        append.validate(check_ids=False)
+        encoded = encode_routes(append.routes, self.encoding)
+        return _write_result(
+            self._call(
+                lambda: self.stub.AppendTurn(
+                    append_requests(append, encoded, self.chunk_bytes), timeout=self.timeout_s
+                )
+            )
+        )
+
+    def read(self, sample_id: str) -> Record:
+        def once():
+            stream = self.stub.ReadRecord(
+                route_cache_pb2.ReadRecordRequest(sample_id=sample_id), timeout=self.timeout_s
+            )
+            return next(read_records(stream))
+
+        return self._call(once)
+
+    def read_batch(
+        self, sample_ids: Sequence[str], skip_missing: bool = False
+    ) -> Iterator[Record | Missing]:
+        """Records in the order asked, streamed; unknown ids raise NotFound, or come back as
+        ``Missing`` with ``skip_missing``. After UNAVAILABLE, resumes after the last one."""
+        done = 0
+        for attempt in range(self.retry.attempts):
+            request = route_cache_pb2.ReadBatchRequest(
+                sample_ids=sample_ids[done:], skip_missing=skip_missing
+            )
+            try:
+                for item in read_records(self.stub.ReadBatch(request, timeout=self.timeout_s)):
+                    done += 1
+                    yield item
+                return
+            except grpc.RpcError as exc:
+                if not _retryable(exc) or attempt == self.retry.attempts - 1:
+                    raise domain_error(exc) from None
+                time.sleep(self.retry.backoff(attempt))
+
+    def stat(self, sample_id: str) -> RecordInfo:
+        request = route_cache_pb2.StatRecordRequest(sample_id=sample_id)
+        return _info(self._call(lambda: self.stub.StatRecord(request, timeout=self.timeout_s)))
+
+    def delete(self, sample_id: str) -> None:
+        request = route_cache_pb2.DeleteRecordRequest(sample_id=sample_id)
+        self._call(lambda: self.stub.DeleteRecord(request, timeout=self.timeout_s))
+
+    def read_ready(
+        self,
+        consumer_group: str,
+        consumer: str,
+        max_entries: int = 256,
+        block_ms: int = 0,
+        pending_cursor: str = "",
+        claim_idle_ms: int = 0,
+        claim_cursor: str = "",
+        start_from_latest: bool = False,
+    ) -> ReadyPage:
+        """One read of the ready feed (the ReadReady call; see its docs in the proto).
+
+        A retried read (UNAVAILABLE) re-reads this consumer's pending entries, so entries a
+        lost reply delivered are not stranded: expect repeats; ``ReadyConsumer`` drops them."""
+        request = _ready_request(
+            consumer_group, consumer, max_entries, block_ms, pending_cursor,
+            claim_idle_ms, claim_cursor, start_from_latest,
+        )  # fmt: skip
+        timeout = self.timeout_s + block_ms / 1000
+        for attempt in range(self.retry.attempts):
+            try:
+                return ready_page_from_pb(self.stub.ReadReady(request, timeout=timeout))
+            except grpc.RpcError as exc:
+                if not _retryable(exc) or attempt == self.retry.attempts - 1:
+                    raise domain_error(exc) from None
+                _after_lost_reply(request)
+                time.sleep(self.retry.backoff(attempt))
+
+    def ack_ready(self, consumer_group: str, entry_ids: Sequence[str]) -> int:
+        """Acknowledge ready entries (idempotent). Returns how many were still pending."""
+        request = route_cache_pb2.AckReadyRequest(
+            consumer_group=consumer_group, entry_ids=list(entry_ids)
+        )
+        return self._call(lambda: self.stub.AckReady(request, timeout=self.timeout_s)).acknowledged
+
+
+class AsyncRouteCacheClient(_Base):
+    """The same calls for asyncio (``grpc.aio``)."""
+
+    def __init__(self, target: str, **kwargs):
+        super().__init__(target, **kwargs)
+        self.channel = grpc.aio.insecure_channel(target, options=channel_options())
+        self.stub = route_cache_pb2_grpc.RouteCacheStub(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    async def _call(self, fn):
+        for attempt in range(self.retry.attempts):
+            try:
+                return await fn()
+            except grpc.RpcError as exc:
+                if not _retryable(exc) or attempt == self.retry.attempts - 1:
+                    raise domain_error(exc) from None
+                await asyncio.sleep(self.retry.backoff(attempt))
+
+    async def write(self, record: Record) -> WriteResult:
+        record.validate(check_ids=False)
+        encoded = encode_routes(record.routes, self.encoding)
+        response = await self._call(
+            lambda: self.stub.WriteRecord(
+                write_requests(record, encoded, self.chunk_bytes), timeout=self.timeout_s
+            )
+        )
+        return _write_result(response)
+
+    async def append(self, append: TurnAppend) -> WriteResult:
+        append.validate(check_ids=False)
+        encoded = encode_routes(append.routes, self.encoding)
+        response = await self._call(
+            lambda: self.stub.AppendTurn(
+                append_requests(append, encoded, self.chunk_bytes), timeout=self.timeout_s
+            )
+        )
+        return _write_result(response)
+
+    async def read(self, sample_id: str) -> Record:
+        records = [r async for r in self.read_batch([sample_id])]
+        return records[0]
+
+    async def read_batch(
+        self, sample_ids: Sequence[str], skip_missing: bool = False
+    ) -> AsyncIterator[Record | Missing]:
+        done = 0
+        for attempt in range(self.retry.attempts):
+            request = route_cache_pb2.ReadBatchRequest(
+                sample_ids=sample_ids[done:], skip_missing=skip_missing
+            )
+            try:
+                assembler = RecordAssembler()
+                async for response in self.stub.ReadBatch(request, timeout=self.timeout_s):
+                    item = assembler.feed(response)
+                    if item is not None:
+                        done += 1
+                        yield item
+                return
+            except grpc.RpcError as exc:
+                if not _retryable(exc) or attempt == self.retry.attempts - 1:
+                    raise domain_error(exc) from None
+                await asyncio.sleep(self.retry.backoff(attempt))
+
+    async def stat(self, sample_id: str) -> RecordInfo:
+        request = route_cache_pb2.StatRecordRequest(sample_id=sample_id)
+        return _info(
+            await self._call(lambda: self.stub.StatRecord(request, timeout=self.timeout_s))
+        )
+
+    async def delete(self, sample_id: str) -> None:
+        request = route_cache_pb2.DeleteRecordRequest(sample_id=sample_id)
+        await self._call(lambda: self.stub.DeleteRecord(request, timeout=self.timeout_s))
+
+    async def read_ready(
+        self,
+        consumer_group: str,
+        consumer: str,
+        max_entries: int = 256,
+        block_ms: int = 0,
+        pending_cursor: str = "",
+        claim_idle_ms: int = 0,
+        claim_cursor: str = "",
+        start_from_latest: bool = False,
+    ) -> ReadyPage:
+        request = _ready_request(
+            consumer_group, consumer, max_entries, block_ms, pending_cursor,
+            claim_idle_ms, claim_cursor, start_from_latest,
+        )  # fmt: skip
+        timeout = self.timeout_s + block_ms / 1000
+        for attempt in range(self.retry.attempts):
+            try:
+                return ready_page_from_pb(await self.stub.ReadReady(request, timeout=timeout))
+            except grpc.RpcError as exc:
+                if not _retryable(exc) or attempt == self.retry.attempts - 1:
+                    raise domain_error(exc) from None
+                _after_lost_reply(request)
+                await asyncio.sleep(self.retry.backoff(attempt))
+
+    async def ack_ready(self, consumer_group: str, entry_ids: Sequence[str]) -> int:
+        request = route_cache_pb2.AckReadyRequest(
+            consumer_group=consumer_group, entry_ids=list(entry_ids)
+        )
+        response = await self._call(lambda: self.stub.AckReady(request, timeout=self.timeout_s))
+        return response.acknowledged

@@ -1,0 +1,52 @@
+"""Domain errors. Each names the gRPC status it is answered with, so one interceptor maps
+them all and the client can raise the same classes back to its callers."""
+
+
+class RouteReplayError(Exception):
+    """Base class. ``status`` is the name of a ``grpc.StatusCode``."""
+
+    status = "INTERNAL"
+
+
+class InvalidArgument(RouteReplayError):
+    status = "INVALID_ARGUMENT"
+
+
+class NotFound(RouteReplayError):
+    status = "NOT_FOUND"
+
+
+class AlreadyExists(RouteReplayError):
+    status = "ALREADY_EXISTS"
+
+
+class FailedPrecondition(RouteReplayError):
+    status = "FAILED_PRECONDITION"
+
+
+class Unavailable(RouteReplayError):
+    status = "UNAVAILABLE"
+
+
+class ResourceExhausted(RouteReplayError):
+    status = "RESOURCE_EXHAUSTED"
+
+
+class DataLoss(RouteReplayError):
+    """Stored or received bytes fail their checksum."""
+
+    status = "DATA_LOSS"
+
+
+BY_STATUS = {
+    cls.status: cls
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        AlreadyExists,
+        FailedPrecondition,
+        Unavailable,
+        ResourceExhausted,
+        DataLoss,
+    )
+}

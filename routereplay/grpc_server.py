@@ -1,0 +1,261 @@
+"""What every Router Replay gRPC server shares: the error interceptor, explicit limits, the
+health and reflection services, and a graceful stop on SIGTERM/SIGINT.
+
+Two flavours with the same behaviour: thread-pool servers (``make_server``) and asyncio
+servers (``make_aio_server``), for services whose work is bound to one event loop (the
+rollout server's engine)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Iterable
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from routereplay.errors import RouteReplayError
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+
+# HTTP/2 settings for clients and servers alike. Measured with 1 MiB chunks on loopback: the
+# defaults stream about 630 MiB/s; a larger write buffer and frame size about 1,200 MiB/s.
+TRANSPORT_OPTIONS = [
+    ("grpc.http2.write_buffer_size", 8 * MIB),
+    ("grpc.http2.max_frame_size", 16 * MIB - 1),
+]
+
+
+def channel_options(max_message_bytes: int = 8 * MIB) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        *TRANSPORT_OPTIONS,
+    ]
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Limits that keep one client from exhausting a server.
+
+    Attributes:
+        max_message_bytes: largest single message either way (route chunks are 1 MiB).
+        max_concurrent_rpcs: in-flight calls; beyond it new calls get RESOURCE_EXHAUSTED.
+        max_concurrent_streams: HTTP/2 streams per connection.
+        workers: handler threads.
+    """
+
+    max_message_bytes: int = 8 * MIB
+    max_concurrent_rpcs: int = 64
+    max_concurrent_streams: int = 32
+    workers: int = 16
+
+
+INTERNAL_MESSAGE = "internal error (details are in the server log)"
+
+
+def _domain_status(exc: Exception) -> tuple[grpc.StatusCode, str] | None:
+    """The status and message a domain error is answered with; None for anything else."""
+    if isinstance(exc, RouteReplayError):
+        return grpc.StatusCode[exc.status], str(exc)
+    return None
+
+
+def _abort(context: grpc.ServicerContext, exc: Exception, method: str):
+    status = _domain_status(exc)
+    if status is not None:
+        context.abort(*status)
+    if not context.is_active():  # the client went away: nothing to answer
+        raise exc
+    log.exception("unexpected error in %s", method)
+    context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+
+
+async def _abort_aio(context: grpc.aio.ServicerContext, exc: Exception, method: str):
+    if isinstance(exc, grpc.aio.AbortError):  # the handler aborted with its own status
+        raise exc
+    status = _domain_status(exc)
+    if status is not None:
+        await context.abort(*status)
+    if context.done():  # the client went away: nothing to answer
+        raise exc
+    log.exception("unexpected error in %s", method)
+    await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+
+
+class ErrorInterceptor(grpc.ServerInterceptor):
+    """Maps domain errors to their status with their message; anything else is logged in full
+    and answered with a generic INTERNAL, so internals never leak to clients."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+
+        def unary(behavior):
+            def wrapped(request, context):
+                try:
+                    return behavior(request, context)
+                except Exception as exc:  # noqa: BLE001 - mapped to a status
+                    _abort(context, exc, method)
+
+            return wrapped
+
+        def streaming(behavior):
+            def wrapped(request, context):
+                try:
+                    yield from behavior(request, context)
+                except Exception as exc:  # noqa: BLE001 - mapped to a status
+                    _abort(context, exc, method)
+
+            return wrapped
+
+        kinds = {
+            "unary_unary": unary,
+            "stream_unary": unary,
+            "unary_stream": streaming,
+            "stream_stream": streaming,
+        }
+        for kind, wrap in kinds.items():
+            behavior = getattr(handler, kind)
+            if behavior is not None:
+                return handler._replace(**{kind: wrap(behavior)})
+        return handler
+
+
+class AioErrorInterceptor(grpc.aio.ServerInterceptor):
+    """``ErrorInterceptor`` for asyncio servers: the same mapping of errors to statuses.
+
+    Cancellation (a client that went away) is not an ``Exception`` and passes through.
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+
+        def unary(behavior):
+            async def wrapped(request, context):
+                try:
+                    return await behavior(request, context)
+                except Exception as exc:  # noqa: BLE001 - mapped to a status
+                    await _abort_aio(context, exc, method)
+
+            return wrapped
+
+        def streaming(behavior):
+            async def wrapped(request, context):
+                try:
+                    async for response in behavior(request, context):
+                        yield response
+                except Exception as exc:  # noqa: BLE001 - mapped to a status
+                    await _abort_aio(context, exc, method)
+
+            return wrapped
+
+        kinds = {
+            "unary_unary": unary,
+            "stream_unary": unary,
+            "unary_stream": streaming,
+            "stream_stream": streaming,
+        }
+        for kind, wrap in kinds.items():
+            behavior = getattr(handler, kind)
+            if behavior is not None:
+                return handler._replace(**{kind: wrap(behavior)})
+        return handler
+
+
+def _options(limits: ServerLimits) -> list[tuple[str, int]]:
+    return [
+        *channel_options(limits.max_message_bytes),
+        ("grpc.max_concurrent_streams", limits.max_concurrent_streams),
+    ]
+
+
+def _add_health_and_reflection(server, health_servicer, service_names: Iterable[str]):
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = list(service_names)
+    reflection.enable_server_reflection(
+        [*names, reflection.SERVICE_NAME, health.SERVICE_NAME], server
+    )
+    return names
+
+
+def make_server(
+    limits: ServerLimits, service_names: Iterable[str]
+) -> tuple[grpc.Server, health.HealthServicer]:
+    """A server with the interceptor, the limits, health (NOT_SERVING until told otherwise) and
+    reflection. Add the servicers, then ``add_insecure_port`` and ``start``."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=limits.workers),
+        interceptors=[ErrorInterceptor()],
+        options=_options(limits),
+        maximum_concurrent_rpcs=limits.max_concurrent_rpcs,
+    )
+    health_servicer = health.HealthServicer()
+    names = _add_health_and_reflection(server, health_servicer, service_names)
+    for name in ["", *names]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    return server, health_servicer
+
+
+async def make_aio_server(
+    limits: ServerLimits, service_names: Iterable[str]
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """``make_server`` for asyncio: the same interceptor mapping, limits, health (NOT_SERVING
+    until told otherwise, see ``set_serving_aio``) and reflection. Call it on the event loop
+    the server will run on; ``limits.workers`` does not apply (handlers are coroutines)."""
+    server = grpc.aio.server(
+        interceptors=[AioErrorInterceptor()],
+        options=_options(limits),
+        maximum_concurrent_rpcs=limits.max_concurrent_rpcs,
+    )
+    health_servicer = health.aio.HealthServicer()
+    names = _add_health_and_reflection(server, health_servicer, service_names)
+    await set_serving_aio(health_servicer, names, False)
+    return server, health_servicer
+
+
+def set_serving(health_servicer: health.HealthServicer, names: Iterable[str], serving: bool):
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in ["", *names]:
+        health_servicer.set(name, status)
+
+
+async def set_serving_aio(
+    health_servicer: health.aio.HealthServicer, names: Iterable[str], serving: bool
+) -> None:
+    """``set_serving`` for the asyncio health servicer."""
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in ["", *names]:
+        await health_servicer.set(name, status)
+
+
+def wait_for_termination(server: grpc.Server, grace_s: float, on_stop=None) -> None:
+    """Block until SIGTERM or SIGINT, then stop accepting calls and let in-flight ones finish
+    for up to ``grace_s`` seconds."""
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
+    stopping.wait()
+    log.info("stopping: finishing in-flight calls (grace %.0f s)", grace_s)
+    if on_stop is not None:
+        on_stop()
+    server.stop(grace_s).wait()

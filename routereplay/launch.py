@@ -1,0 +1,80 @@
+"""Starting and stopping the services as local processes (the main job, benchmarks, tests)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(target: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Block until the gRPC health service at ``target`` answers SERVING.
+
+    Raises:
+        RuntimeError: ``proc`` exited, or ``timeout_s`` passed.
+    """
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{proc.args[:3]} exited with code {proc.returncode}")
+            try:
+                reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise RuntimeError(f"{target} did not become healthy within {timeout_s:.0f} s")
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 30.0) -> int:
+    """SIGTERM, then SIGKILL after ``grace_s``; returns the exit code."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            return proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
+
+
+def start_service(
+    module: str,
+    *args: str,
+    port: int | None = None,
+    env: dict[str, str] | None = None,
+    quiet: bool = False,
+    timeout_s: float = 60.0,
+) -> tuple[subprocess.Popen, str]:
+    """``python -m module ARGS --host 127.0.0.1 --port PORT``, returned once it is healthy.
+
+    Returns:
+        (process, target ``host:port``). A process that never becomes healthy is stopped.
+    """
+    port = port or free_port()
+    target = f"127.0.0.1:{port}"
+    output = subprocess.DEVNULL if quiet else None
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *args, "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=output,
+        stderr=output,
+    )
+    try:
+        wait_serving(target, proc, timeout_s)
+    except BaseException:
+        stop_process(proc, 5)
+        raise
+    return proc, target

@@ -1,0 +1,284 @@
+"""The ready feed, seen from a trainer: which finished samples, as whole GRPO groups, form its
+next batch.
+
+The route cache announces every committed record on a Redis Stream (see ``docs/route_cache.md``,
+"Ready feed"). Delivery is at least once: a retried write announces its record again, and
+entries not acknowledged come back to a restarted consumer. ``ReadyConsumer`` turns that into
+"once per consumer process": it drops repeated sample ids, holds samples until their whole
+group is there, and acknowledges a group only when the caller says it was trained, so a crash
+before that leads to redelivery, never to loss.
+
+Plain Python: no protobuf here (``routereplay.wire`` converts).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReadyEntry:
+    """One committed record, as the feed announces it.
+
+    Attributes:
+        entry_id: the stream entry id (``"<ms>-<seq>"``); what ``ack_ready`` takes.
+        sample_id, group_id: the record's ids (group_id empty when it has none).
+        num_tokens: the record's token count when it was written.
+        policy_versions: the policy version of each turn, in order.
+    """
+
+    entry_id: str
+    sample_id: str
+    group_id: str
+    num_tokens: int
+    policy_versions: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ReadyPage:
+    """One ``read_ready`` answer.
+
+    Attributes:
+        entries: in stream order.
+        pending_cursor: send it back with the next read; empty once this consumer's pending
+            entries have all come back.
+        claim_cursor: send it back with the next read that claims.
+        trimmed: pending entries met whose stream entries were trimmed before anyone
+            acknowledged them (acknowledged by the server; their samples cannot be named).
+    """
+
+    entries: list[ReadyEntry]
+    pending_cursor: str = ""
+    claim_cursor: str = ""
+    trimmed: int = 0
+
+
+class ReadyClient(Protocol):
+    """What ``ReadyConsumer`` needs of a route cache client (``RouteCacheClient`` has it)."""
+
+    def read_ready(
+        self,
+        consumer_group: str,
+        consumer: str,
+        max_entries: int = ...,
+        block_ms: int = ...,
+        pending_cursor: str = ...,
+        claim_idle_ms: int = ...,
+        claim_cursor: str = ...,
+        start_from_latest: bool = ...,
+    ) -> ReadyPage: ...
+
+    def ack_ready(self, consumer_group: str, entry_ids: Sequence[str]) -> int: ...
+
+
+@dataclass
+class ReadyGroup:
+    """A GRPO group whose samples have all been announced.
+
+    Attributes:
+        group_id: the records' group id; empty for a sample without one (a group of one).
+        entries: one per sample, in arrival order.
+        entry_ids: every stream entry to acknowledge for it, repeated deliveries included.
+    """
+
+    group_id: str
+    entries: list[ReadyEntry] = field(default_factory=list)
+    entry_ids: list[str] = field(default_factory=list)
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return [e.sample_id for e in self.entries]
+
+    @property
+    def key(self) -> tuple[str, str]:
+        # A sample without a group id is its own group; the tag keeps the two name spaces apart.
+        if self.group_id:
+            return ("group", self.group_id)
+        return ("sample", self.entries[0].sample_id)
+
+
+def _key(entry: ReadyEntry) -> tuple[str, str]:
+    return ("group", entry.group_id) if entry.group_id else ("sample", entry.sample_id)
+
+
+class _Bounded:
+    """An insertion-ordered set that forgets its oldest members past ``limit``."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._items: OrderedDict = OrderedDict()
+
+    def add(self, item) -> None:
+        self._items[item] = None
+        self._items.move_to_end(item)
+        while len(self._items) > self.limit:
+            self._items.popitem(last=False)
+
+    def __contains__(self, item) -> bool:
+        return item in self._items
+
+
+class ReadyConsumer:
+    """One consumer of a consumer group on the ready feed, handing out whole GRPO groups.
+
+    All of a group's entries must reach the same consumer for the group to complete: run one
+    ``ReadyConsumer`` per consumer group (for example on trainer rank 0, which then tells every
+    rank its share of the batch's sample ids), and more only as stand-bys that claim the
+    entries of a dead one (``claim_idle_ms``).
+
+    Args:
+        client: a ``RouteCacheClient`` (or anything with ``read_ready`` and ``ack_ready``).
+        consumer_group: the consumer group (one per job that needs every sample once).
+        consumer: this consumer's name; a restarted process must reuse it to get back the
+            entries it had not acknowledged.
+        group_size: samples per GRPO group. Samples without a group id are groups of one.
+        max_entries: entries per read.
+        block_ms: how long a read waits for new entries.
+        claim_idle_ms: 0, or take over entries other consumers left unacknowledged this long.
+            It must exceed the longest a live consumer holds an entry (assembling its group,
+            then training on it), or live consumers lose entries to each other (then both
+            train on them: still at least once).
+        start_from_latest: when this consumer creates the consumer group, skip the entries
+            already in the stream (samples of an earlier run).
+        remember: how many acknowledged sample ids and group ids are remembered to drop
+            late repeats.
+    """
+
+    def __init__(
+        self,
+        client: ReadyClient,
+        consumer_group: str,
+        consumer: str,
+        group_size: int,
+        *,
+        max_entries: int = 256,
+        block_ms: int = 1000,
+        claim_idle_ms: int = 0,
+        start_from_latest: bool = False,
+        remember: int = 1_000_000,
+    ):
+        if group_size < 1:
+            raise ValueError(f"group_size must be at least 1, got {group_size}")
+        self.client = client
+        self.consumer_group = consumer_group
+        self.consumer = consumer
+        self.group_size = group_size
+        self.max_entries = max_entries
+        self.block_ms = block_ms
+        self.claim_idle_ms = claim_idle_ms
+        self.start_from_latest = start_from_latest
+        self._pending_cursor = "0"  # a (re)started consumer first re-reads its pending entries
+        self._claim_cursor = ""
+        # Every group not yet acknowledged: assembling, complete, or handed out.
+        self._groups: dict[tuple[str, str], ReadyGroup] = {}
+        self._complete: deque[ReadyGroup] = deque()  # complete, not handed out yet
+        self._acked_samples = _Bounded(remember)
+        self._acked_groups = _Bounded(remember)
+        self.duplicates = 0  # repeated deliveries dropped
+        self.extra = 0  # samples beyond group_size, acknowledged and dropped
+        self.trimmed = 0  # pending entries the server found trimmed
+
+    def poll(self, block_ms: int | None = None) -> int:
+        """One read of the feed. Returns how many entries it brought (repeats included)."""
+        try:
+            page = self.client.read_ready(
+                self.consumer_group,
+                self.consumer,
+                max_entries=self.max_entries,
+                block_ms=self.block_ms if block_ms is None else block_ms,
+                pending_cursor=self._pending_cursor,
+                claim_idle_ms=self.claim_idle_ms,
+                claim_cursor=self._claim_cursor,
+                start_from_latest=self.start_from_latest,
+            )
+        except Exception:
+            # A failed read may still have delivered entries: they wait in this consumer's
+            # pending list, so re-read it next time.
+            self._pending_cursor = "0"
+            raise
+        self._pending_cursor = page.pending_cursor
+        self._claim_cursor = page.claim_cursor
+        self.trimmed += page.trimmed
+        stale = [entry.entry_id for entry in page.entries if not self._accept(entry)]
+        if stale:
+            self.client.ack_ready(self.consumer_group, stale)
+        return len(page.entries)
+
+    def _accept(self, entry: ReadyEntry) -> bool:
+        """File ``entry``; False when it is to be acknowledged now (nothing to train)."""
+        key = _key(entry)
+        if entry.sample_id in self._acked_samples:
+            self.duplicates += 1
+            return False
+        group = self._groups.get(key)
+        if group is None and key in self._acked_groups:
+            self._extra(entry)
+            return False
+        if group is None:
+            group = self._groups[key] = ReadyGroup(entry.group_id)
+        if entry.entry_id in group.entry_ids:  # the same delivery again (pending re-read)
+            return True
+        group.entry_ids.append(entry.entry_id)  # acknowledged with its group
+        size = self._size(key)
+        if entry.sample_id in group.sample_ids:
+            self.duplicates += 1
+        elif len(group.entries) >= size:
+            self._extra(entry)
+        else:
+            group.entries.append(entry)
+            if len(group.entries) == size:
+                self._complete.append(group)
+        return True
+
+    def _size(self, key: tuple[str, str]) -> int:
+        return self.group_size if key[0] == "group" else 1
+
+    def _extra(self, entry: ReadyEntry) -> None:
+        self.extra += 1
+        log.warning(
+            "sample %r is beyond group %r's %d samples: dropped",
+            entry.sample_id, entry.group_id, self.group_size,
+        )  # fmt: skip
+
+    def next_groups(self, count: int, timeout_s: float | None = None) -> list[ReadyGroup]:
+        """Up to ``count`` complete groups, reading the feed until there are that many or
+        ``timeout_s`` has passed (None: wait as long as it takes). Each group is handed out
+        once per process; acknowledge it with ``ack`` after training on it."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while len(self._complete) < count:
+            wait_ms = self.block_ms
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                wait_ms = min(wait_ms, int(left * 1000))
+            # Pending and claimed entries come without waiting; only new ones are awaited.
+            self.poll(block_ms=wait_ms)
+        return [self._complete.popleft() for _ in range(min(count, len(self._complete)))]
+
+    def incomplete(self) -> list[ReadyGroup]:
+        """Groups still waiting for samples (a rollout that never finished leaves one)."""
+        return [g for g in self._groups.values() if len(g.entries) < self._size(g.key)]
+
+    def ack(self, groups: Iterable[ReadyGroup], chunk: int = 512) -> int:
+        """Acknowledge ``groups`` (trained, or given up on): their entries are not delivered
+        again, and later repeats of their samples are dropped. Returns how many entries the
+        server still had pending."""
+        groups = list(groups)
+        ids = [entry_id for group in groups for entry_id in group.entry_ids]
+        acknowledged = 0
+        for start in range(0, len(ids), chunk):
+            acknowledged += self.client.ack_ready(self.consumer_group, ids[start : start + chunk])
+        for group in groups:
+            self._groups.pop(group.key, None)
+            self._acked_groups.add(group.key)
+            for sample_id in group.sample_ids:
+                self._acked_samples.add(sample_id)
+        return acknowledged

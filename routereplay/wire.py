@@ -1,0 +1,306 @@
+"""Conversion between the domain types and the ``routereplay.v1`` messages.
+
+Protobuf stays at this edge: the codec, the store and the trainer never see a message.
+Route bytes move as chunks of one block's encoded bytes, never per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from routereplay.codec import EncodedRoutes, Encoding, decode_routes
+from routereplay.errors import InvalidArgument
+from routereplay.ready import ReadyEntry, ReadyPage
+from routereplay.record import Geometry, Record, Turn, TurnAppend
+from routereplay.v1 import record_pb2, route_cache_pb2
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+_ENCODINGS = {
+    Encoding.RAW: record_pb2.ENCODING_RAW,
+    Encoding.ZSTD: record_pb2.ENCODING_ZSTD,
+}
+_ENCODINGS_BACK = {v: k for k, v in _ENCODINGS.items()}
+_DTYPES = {1: record_pb2.ROUTE_DTYPE_UINT8, 2: record_pb2.ROUTE_DTYPE_UINT16}
+
+
+def geometry_to_pb(geometry: Geometry) -> record_pb2.Geometry:
+    return record_pb2.Geometry(
+        moe_layers=geometry.moe_layers,
+        topk=geometry.topk,
+        num_experts=geometry.num_experts,
+        model_id=geometry.model_id,
+    )
+
+
+def geometry_from_pb(pb: record_pb2.Geometry) -> Geometry:
+    return Geometry(tuple(pb.moe_layers), pb.topk, pb.num_experts, pb.model_id)
+
+
+def turn_to_pb(turn: Turn, with_logprobs: bool = True) -> record_pb2.Turn:
+    return record_pb2.Turn(
+        token_start=turn.token_start,
+        token_end=turn.token_end,
+        generated_start=turn.generated_start,
+        policy_version=turn.policy_version,
+        logprobs=np.asarray(turn.logprobs, "<f4").tobytes() if with_logprobs else b"",
+    )
+
+
+def turn_from_pb(pb: record_pb2.Turn, index: int = 0) -> Turn:
+    return Turn(
+        pb.token_start,
+        pb.token_end,
+        pb.generated_start,
+        pb.policy_version,
+        array_from_bytes(pb.logprobs, "<f4", f"turns[{index}].logprobs"),
+    )
+
+
+def array_from_bytes(data: bytes, dtype: str, name: str) -> np.ndarray:
+    """A read-only little-endian array over ``data``, without a copy."""
+    itemsize = np.dtype(dtype).itemsize
+    if len(data) % itemsize:
+        raise InvalidArgument(f"{name} has {len(data)} bytes, not a multiple of {itemsize}")
+    return np.frombuffer(data, dtype=dtype)
+
+
+def tokens_from_pb(data: bytes, name: str = "token_ids") -> np.ndarray:
+    return array_from_bytes(data, "<i4", name).astype(np.int32, copy=False)
+
+
+def block_to_pb(
+    encoded: EncodedRoutes, row_start: int, geometry: Geometry
+) -> record_pb2.RouteBlock:
+    return record_pb2.RouteBlock(
+        row_start=row_start,
+        num_rows=encoded.num_rows,
+        dtype=_DTYPES[geometry.dtype.itemsize],
+        encoding=_ENCODINGS[encoded.encoding],
+        encoded_size=len(encoded.data),
+        checksum=encoded.checksum,
+    )
+
+
+def _enum_name(enum, value: int) -> str:
+    """The enum value's name, or its number when the sender used one this version lacks."""
+    try:
+        return enum.Name(value)
+    except ValueError:
+        return str(value)
+
+
+def check_block(block: record_pb2.RouteBlock, geometry: Geometry, row_start: int, num_rows: int):
+    """Refuse a block header whose rows, dtype or encoding disagree with the record."""
+    if block.row_start != row_start or block.num_rows != num_rows:
+        raise InvalidArgument(
+            f"block covers rows [{block.row_start}, {block.row_start + block.num_rows}); "
+            f"the tokens need rows [{row_start}, {row_start + num_rows})"
+        )
+    if block.dtype != _DTYPES[geometry.dtype.itemsize]:
+        raise InvalidArgument(
+            f"block.dtype is {_enum_name(record_pb2.RouteDtype, block.dtype)}; "
+            f"num_experts={geometry.num_experts} needs {geometry.dtype}"
+        )
+    if block.encoding not in _ENCODINGS_BACK:
+        raise InvalidArgument(f"block.encoding {block.encoding} is not a known encoding")
+    limit = num_rows * geometry.row_bytes
+    if block.encoded_size > limit + 1024:  # a zstd frame may exceed raw by a header
+        raise InvalidArgument(f"block.encoded_size {block.encoded_size} exceeds raw size {limit}")
+
+
+def encoded_from_pb(block: record_pb2.RouteBlock, data: bytes) -> EncodedRoutes:
+    return EncodedRoutes(_ENCODINGS_BACK[block.encoding], data, block.checksum, block.num_rows)
+
+
+def chunks_to_pb(data: bytes, block: int, chunk_bytes: int) -> Iterator[record_pb2.RouteChunk]:
+    """Slice a block's encoded bytes into chunks; the last one is marked (even when empty)."""
+    view = memoryview(data)
+    offsets = range(0, max(len(data), 1), chunk_bytes)
+    for offset in offsets:
+        yield record_pb2.RouteChunk(
+            block=block,
+            offset=offset,
+            data=bytes(view[offset : offset + chunk_bytes]),
+            last=offset + chunk_bytes >= len(data),
+        )
+
+
+class ChunkCollector:
+    """Reassembles one block's chunks, refusing any out of order, overlapping or missing."""
+
+    def __init__(self, block_index: int, size: int):
+        self.block_index = block_index
+        self.size = size
+        self._parts: list[bytes] = []
+        self._received = 0
+        self.done = False
+
+    def add(self, chunk: record_pb2.RouteChunk) -> bytes | None:
+        """Add a chunk; returns the block's bytes on its last chunk."""
+        if self.done:
+            raise InvalidArgument(f"chunk after the last chunk of block {self.block_index}")
+        if chunk.block != self.block_index:
+            raise InvalidArgument(f"chunk of block {chunk.block}; expected {self.block_index}")
+        if chunk.offset != self._received:
+            kind = "overlapping" if chunk.offset < self._received else "out of order or missing"
+            raise InvalidArgument(
+                f"chunk at offset {chunk.offset}, expected {self._received} ({kind})"
+            )
+        self._received += len(chunk.data)
+        if self._received > self.size:
+            raise InvalidArgument(f"chunks carry more than block.encoded_size={self.size} bytes")
+        self._parts.append(chunk.data)
+        if not chunk.last:
+            return None
+        if self._received != self.size:
+            raise InvalidArgument(
+                f"last chunk ends at {self._received} bytes; block.encoded_size is {self.size}"
+            )
+        self.done = True
+        data = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
+        self._parts = []
+        return data
+
+
+def write_requests(
+    record: Record, encoded: EncodedRoutes, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Iterator[route_cache_pb2.WriteRecordRequest]:
+    header = route_cache_pb2.RecordHeader(
+        sample_id=record.sample_id,
+        group_id=record.group_id,
+        geometry=geometry_to_pb(record.geometry),
+        token_ids=np.asarray(record.token_ids, "<i4").tobytes(),
+        turns=[turn_to_pb(t) for t in record.turns],
+        block=block_to_pb(encoded, 0, record.geometry),
+    )
+    yield route_cache_pb2.WriteRecordRequest(header=header)
+    for chunk in chunks_to_pb(encoded.data, 0, chunk_bytes):
+        yield route_cache_pb2.WriteRecordRequest(chunk=chunk)
+
+
+def append_requests(
+    append: TurnAppend, encoded: EncodedRoutes, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Iterator[route_cache_pb2.AppendTurnRequest]:
+    header = route_cache_pb2.AppendHeader(
+        sample_id=append.sample_id,
+        geometry=geometry_to_pb(append.geometry),
+        row_offset=append.row_offset,
+        token_ids=np.asarray(append.token_ids, "<i4").tobytes(),
+        turns=[turn_to_pb(t) for t in append.turns],
+        block=block_to_pb(encoded, append.row_offset, append.geometry),
+    )
+    yield route_cache_pb2.AppendTurnRequest(header=header)
+    for chunk in chunks_to_pb(encoded.data, 0, chunk_bytes):
+        yield route_cache_pb2.AppendTurnRequest(chunk=chunk)
+
+
+@dataclass
+class Missing:
+    """A sample id that a batch read found no record for."""
+
+    sample_id: str
+
+
+class RecordAssembler:
+    """Turns a read stream's messages back into records, verifying every block's checksum.
+    Push-style, so the sync and the asyncio client share it."""
+
+    def __init__(self):
+        self._info = None
+        self._blocks: list[np.ndarray] = []
+        self._collector: ChunkCollector | None = None
+
+    def feed(self, response: route_cache_pb2.ReadResponse) -> Record | Missing | None:
+        """Returns a record (or a missing id) when ``response`` completes one."""
+        part = response.WhichOneof("part")
+        if part == "missing_sample_id":
+            return Missing(response.missing_sample_id)
+        if part == "record":
+            self._info, self._blocks = response.record, []
+            self._collector = _next_collector(self._info, 0)
+        elif part == "chunk":
+            if self._collector is None:
+                raise InvalidArgument("route chunk before its record header")
+            data = self._collector.add(response.chunk)
+            if data is None:
+                return None
+            index = self._collector.block_index
+            encoded = encoded_from_pb(self._info.blocks[index], data)
+            self._blocks.append(decode_routes(encoded, geometry_from_pb(self._info.geometry)))
+            self._collector = _next_collector(self._info, index + 1)
+        else:
+            raise InvalidArgument(f"unexpected read response part {part!r}")
+        if self._collector is None:
+            return _record_from_info(self._info, self._blocks)
+        return None
+
+
+def read_records(responses: Iterable[route_cache_pb2.ReadResponse]) -> Iterator[Record | Missing]:
+    """The records (and missing ids) of a read stream, as they complete."""
+    assembler = RecordAssembler()
+    for response in responses:
+        item = assembler.feed(response)
+        if item is not None:
+            yield item
+
+
+def _next_collector(info: route_cache_pb2.RecordInfo, index: int) -> ChunkCollector | None:
+    if index >= len(info.blocks):
+        return None
+    return ChunkCollector(index, info.blocks[index].encoded_size)
+
+
+def _record_from_info(info: route_cache_pb2.RecordInfo, blocks: list[np.ndarray]) -> Record:
+    geometry = geometry_from_pb(info.geometry)
+    if len(blocks) == 1:
+        routes = blocks[0]
+    elif blocks:
+        routes = np.concatenate(blocks)
+    else:
+        routes = np.zeros((0, geometry.num_moe_layers, geometry.topk), geometry.dtype)
+    return Record(
+        sample_id=info.sample_id,
+        geometry=geometry,
+        token_ids=tokens_from_pb(info.token_ids),
+        routes=routes,
+        turns=[turn_from_pb(t, i) for i, t in enumerate(info.turns)],
+        group_id=info.group_id,
+    )
+
+
+def ready_entry_to_pb(entry: ReadyEntry) -> route_cache_pb2.ReadyEntry:
+    return route_cache_pb2.ReadyEntry(
+        entry_id=entry.entry_id,
+        sample_id=entry.sample_id,
+        group_id=entry.group_id,
+        num_tokens=entry.num_tokens,
+        policy_versions=entry.policy_versions,
+    )
+
+
+def ready_entry_from_pb(pb: route_cache_pb2.ReadyEntry) -> ReadyEntry:
+    return ReadyEntry(
+        pb.entry_id, pb.sample_id, pb.group_id, pb.num_tokens, tuple(pb.policy_versions)
+    )
+
+
+def ready_page_to_pb(page: ReadyPage) -> route_cache_pb2.ReadReadyResponse:
+    return route_cache_pb2.ReadReadyResponse(
+        entries=[ready_entry_to_pb(e) for e in page.entries],
+        pending_cursor=page.pending_cursor,
+        claim_cursor=page.claim_cursor,
+        trimmed=page.trimmed,
+    )
+
+
+def ready_page_from_pb(pb: route_cache_pb2.ReadReadyResponse) -> ReadyPage:
+    return ReadyPage(
+        [ready_entry_from_pb(e) for e in pb.entries],
+        pb.pending_cursor,
+        pb.claim_cursor,
+        pb.trimmed,
+    )

@@ -1,0 +1,59 @@
+"""The routing oracle, independent of vLLM: teacher-force tokens through transformers.
+
+``prompt + generated[:-1]`` through the Hugging Face model (float32,
+``output_router_logits=True``); the top-k experts of every MoE layer are what the engine must
+have routed, compared as sets.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def load_hf_model(model_dir):
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+def oracle(hf_model, geometry, token_ids):
+    """Teacher-force ``token_ids`` through transformers.
+
+    Returns:
+        routes: top-k experts per MoE layer, ``[len(token_ids), num_moe_layers, topk]``.
+        logprobs: ``[len(token_ids), vocab]`` log-softmax of the next-token logits.
+    """
+    import torch
+
+    with torch.no_grad():
+        out = hf_model(torch.tensor([list(token_ids)]), output_router_logits=True)
+    # transformers returns router logits for the MoE layers only, in order.
+    assert len(out.router_logits) == geometry.num_moe_layers
+    top = [
+        lg.reshape(len(token_ids), -1).topk(geometry.topk, dim=-1).indices
+        for lg in out.router_logits
+    ]
+    logprobs = out.logits[0].log_softmax(-1)
+    return torch.stack(top, dim=1).numpy(), logprobs.numpy()
+
+
+def agreement(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """Per MoE layer, the share of rows whose top-k sets are equal. ``[num_moe_layers]``."""
+    assert got.shape == want.shape, (got.shape, want.shape)
+    return (np.sort(got, -1) == np.sort(want, -1)).all(-1).mean(0)
+
+
+def assert_record_matches(hf_model, record):
+    """A record read back from the cache equals the oracle on every row and MoE layer,
+    prompt rows included, and its generated tokens' log-probs equal transformers'."""
+    tokens = record.token_ids.tolist()
+    routes, logprobs = oracle(hf_model, record.geometry, tokens[:-1])
+    same = agreement(record.routes, routes)
+    assert (same == 1.0).all(), f"agreement per MoE layer: {same}"
+    for turn in record.turns:
+        if turn.logprobs.size:
+            positions = np.arange(turn.generated_start - 1, turn.token_end - 1)
+            ref = logprobs[positions, record.token_ids[turn.generated_start : turn.token_end]]
+            np.testing.assert_allclose(turn.logprobs, ref, atol=1e-4)

@@ -1,0 +1,276 @@
+"""The ready feed over real gRPC, on a real single node and a real cluster: announcements on
+commit, consumer groups, redelivery of what was not acknowledged, whole GRPO groups."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+
+import pytest
+
+from route_cache.config import Config, parse_config
+from route_cache.server import RouteCacheServer
+from route_cache.store import RouteStore, connect
+from routereplay.client import AsyncRouteCacheClient, RouteCacheClient
+from routereplay.errors import FailedPrecondition, InvalidArgument
+from routereplay.ready import ReadyConsumer
+from routereplay.synthetic import synthetic_record
+from tests.route_cache.conftest import SMALL
+
+
+class Feed:
+    """A route cache server with its own ready stream, and what tests need around it."""
+
+    def __init__(self, store: RouteStore, **overrides):
+        self.stream = f"rr:ready:{uuid.uuid4().hex[:8]}"
+        settings = dict(
+            host="127.0.0.1", port=0, grace_s=1, health_interval_s=0.1,
+            ready_stream=self.stream, ready_max_block_ms=5000, max_batch=300,
+        )  # fmt: skip
+        self.redis = store.client
+        self.server = RouteCacheServer(Config(**{**settings, **overrides}), store).start()
+        self.target = f"127.0.0.1:{self.server.port}"
+        self._clients: list[RouteCacheClient] = []
+        self.client = self.connect()
+
+    def connect(self) -> RouteCacheClient:
+        client = RouteCacheClient(self.target, timeout_s=10)
+        self._clients.append(client)
+        return client
+
+    def consumer(self, name: str, group_size: int = 1, group: str = "trainer", **kwargs):
+        """A ReadyConsumer on a client of its own (a new client: a restarted process)."""
+        kwargs.setdefault("block_ms", 200)
+        kwargs.setdefault("max_entries", 16)
+        return ReadyConsumer(self.connect(), group, name, group_size, **kwargs)
+
+    def write(self, rng, sample_id: str, group_id: str = "", policy_version: int = 0):
+        record = synthetic_record(
+            sample_id, SMALL, 8, rng, group_id=group_id, policy_version=policy_version
+        )
+        self.client.write(record)
+        return record
+
+    def pending(self, group: str = "trainer") -> int:
+        return self.redis.xpending(self.stream, group)["pending"]
+
+    def close(self):
+        for client in self._clients:
+            client.close()
+        self.server.stop(0)
+
+
+@pytest.fixture
+def feed(store):
+    feed = Feed(store)
+    yield feed
+    feed.close()
+
+
+@pytest.fixture
+def single_store(redis_node):
+    client = connect(redis_node.url, cluster=False)
+    yield RouteStore(client, ttl_ms=600_000)
+    client.close()
+
+
+def ids(groups) -> list[list[str]]:
+    return [sorted(g.sample_ids) for g in groups]
+
+
+def test_commit_announces_the_record(feed, rng, sid):
+    record = feed.write(rng, sid(), group_id="g-1", policy_version=3)
+    page = feed.client.read_ready("trainer", "rank0", max_entries=10)
+    assert [(e.sample_id, e.group_id, e.num_tokens, e.policy_versions) for e in page.entries] == [
+        (record.sample_id, "g-1", 8, (3,))
+    ]
+    assert (page.pending_cursor, page.trimmed) == ("", 0)
+    # A retried write (duplicate) announces it again: the first announcement may have been lost.
+    assert feed.client.write(record).duplicate is True
+    assert feed.redis.xlen(feed.stream) == 2
+    assert feed.client.ack_ready("trainer", [page.entries[0].entry_id]) == 1
+    assert feed.client.ack_ready("trainer", [page.entries[0].entry_id]) == 0  # idempotent
+
+
+def test_duplicate_write_yields_the_sample_once(feed, rng, sid):
+    record = feed.write(rng, sid())
+    feed.client.write(record)
+    consumer = feed.consumer("rank0")
+    (group,) = consumer.next_groups(2, timeout_s=0.3)
+    assert group.sample_ids == [record.sample_id] and len(group.entry_ids) == 2
+    assert consumer.duplicates == 1
+    assert consumer.ack([group]) == 2 and feed.pending() == 0
+    # A late repeat of a trained sample is acknowledged at once, never handed out.
+    feed.client.write(record)
+    assert consumer.next_groups(1, timeout_s=0.3) == []
+    assert consumer.duplicates == 2 and feed.pending() == 0
+
+
+def test_two_consumers_of_one_group_split_the_entries(feed, rng, sid):
+    written = {feed.write(rng, sid()).sample_id for _ in range(6)}
+    first = feed.client.read_ready("trainer", "rank0", max_entries=3)
+    second = feed.client.read_ready("trainer", "rank1", max_entries=10)
+    a = {e.sample_id for e in first.entries}
+    b = {e.sample_id for e in second.entries}
+    assert len(a) == 3 and len(b) == 3 and a | b == written
+    # Another consumer group gets every entry again.
+    other = feed.client.read_ready("evaluator", "e0", max_entries=10)
+    assert {e.sample_id for e in other.entries} == written
+
+
+def test_restarted_consumer_gets_back_what_it_had_not_acknowledged(feed, rng, sid):
+    for group_id in ("g-a", "g-b"):
+        for _ in range(2):
+            feed.write(rng, sid(), group_id=group_id)
+    consumer = feed.consumer("rank0", group_size=2, max_entries=1)
+    trained, crashed = consumer.next_groups(2, timeout_s=2)
+    consumer.ack([trained])
+    # The process dies before acknowledging the second group; it restarts under its name.
+    consumer.client.close()
+    restarted = feed.consumer("rank0", group_size=2, max_entries=1)
+    (again,) = restarted.next_groups(2, timeout_s=0.5)
+    assert (again.group_id, sorted(again.sample_ids)) == (
+        crashed.group_id, sorted(crashed.sample_ids))  # fmt: skip
+    restarted.ack([again])
+    assert feed.pending() == 0
+    assert feed.consumer("rank0", group_size=2).next_groups(1, timeout_s=0.3) == []
+
+
+def test_groups_come_out_whole(feed, rng, sid):
+    a = [feed.write(rng, sid(), group_id="g-a").sample_id for _ in range(2)]
+    b = [feed.write(rng, sid(), group_id="g-b").sample_id for _ in range(3)]
+    loose = feed.write(rng, sid()).sample_id  # no group id: a group of its own
+    consumer = feed.consumer("rank0", group_size=3)
+    groups = consumer.next_groups(3, timeout_s=0.5)
+    assert ids(groups) == [sorted(b), [loose]]
+    assert ids(consumer.incomplete()) == [sorted(a)]
+    a.append(feed.write(rng, sid(), group_id="g-a").sample_id)
+    (group,) = consumer.next_groups(1, timeout_s=2)
+    assert sorted(group.sample_ids) == sorted(a)
+    consumer.ack([*groups, group])
+    # A sample beyond a group's size is dropped (and acknowledged), not a new group.
+    feed.write(rng, sid(), group_id="g-a")
+    assert consumer.next_groups(1, timeout_s=0.3) == []
+    assert consumer.extra == 1 and feed.pending() == 0
+
+
+def test_a_stand_by_claims_the_entries_of_a_dead_consumer(feed, rng, sid):
+    written = {feed.write(rng, sid()).sample_id for _ in range(3)}
+    assert len(feed.client.read_ready("trainer", "dead", max_entries=10).entries) == 3
+    stand_by = feed.consumer("stand-by", claim_idle_ms=400, max_entries=2)
+    assert stand_by.next_groups(3, timeout_s=0.05) == []  # not idle long enough yet
+    time.sleep(0.45)
+    groups = stand_by.next_groups(3, timeout_s=2)
+    assert {s for g in groups for s in g.sample_ids} == written
+    stand_by.ack(groups)
+    assert feed.pending() == 0
+
+
+def test_trimmed_pending_entries_are_counted_and_dropped(feed, rng, sid):
+    for _ in range(2):
+        feed.write(rng, sid())
+    assert len(feed.client.read_ready("trainer", "rank0", max_entries=10).entries) == 2
+    feed.redis.xtrim(feed.stream, maxlen=0, approximate=False)
+    restarted = feed.consumer("rank0")
+    assert restarted.next_groups(1, timeout_s=0.3) == []
+    assert restarted.trimmed == 2 and feed.pending() == 0
+
+
+def test_a_waiting_read_wakes_on_a_commit(feed, rng, sid):
+    feed.client.read_ready("trainer", "rank0", max_entries=1)  # creates the group
+    result = {}
+
+    def wait():
+        start = time.monotonic()
+        result["page"] = feed.client.read_ready("trainer", "rank0", block_ms=4000)
+        result["waited"] = time.monotonic() - start
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.3)
+    record = feed.write(rng, sid())
+    waiter.join(5)
+    assert [e.sample_id for e in result["page"].entries] == [record.sample_id]
+    assert 0.2 < result["waited"] < 3
+
+
+def test_start_from_latest_skips_older_entries(feed, rng, sid):
+    feed.write(rng, sid())
+    consumer = feed.consumer("rank0", group="new-run", start_from_latest=True)
+    assert consumer.next_groups(1, timeout_s=0.2) == []
+    record = feed.write(rng, sid())
+    assert ids(consumer.next_groups(1, timeout_s=2)) == [[record.sample_id]]
+
+
+def test_async_client(single_store, rng, sid):
+    feed = Feed(single_store)
+    try:
+        record = feed.write(rng, sid())
+
+        async def run():
+            async with AsyncRouteCacheClient(feed.target, timeout_s=10) as client:
+                page = await client.read_ready("trainer", "rank0", max_entries=5, block_ms=100)
+                acked = await client.ack_ready("trainer", [e.entry_id for e in page.entries])
+                return page, acked
+
+        page, acked = asyncio.run(run())
+        assert [e.sample_id for e in page.entries] == [record.sample_id] and acked == 1
+    finally:
+        feed.close()
+
+
+@pytest.mark.parametrize(
+    "call, field",
+    [
+        (lambda c: c.read_ready("", "rank0"), "consumer_group is empty"),
+        (lambda c: c.read_ready("trainer", "rank 0"), "consumer 'rank 0'"),
+        (lambda c: c.read_ready("trainer", "r" * 257), "consumer is 257 characters"),
+        (lambda c: c.read_ready("trainer", "rank0", max_entries=0), "max_entries is 0"),
+        (lambda c: c.read_ready("trainer", "rank0", max_entries=301), "max_entries is 301"),
+        (lambda c: c.read_ready("trainer", "rank0", block_ms=5001), "block_ms is 5001"),
+        (lambda c: c.read_ready("trainer", "rank0", pending_cursor="abc"), "pending_cursor"),
+        (lambda c: c.read_ready("trainer", "rank0", claim_cursor="1-x"), "claim_cursor"),
+        (lambda c: c.ack_ready("trainer", []), "entry_ids is empty"),
+        (lambda c: c.ack_ready("trainer", ["1-0", "nope"]), "entry_ids[1]"),
+        (lambda c: c.ack_ready("trainer", ["1-0"] * 301), "entry_ids has 301 ids"),
+        # Past unsigned 64 bits: Redis would refuse it (found by fuzzing: it was INTERNAL).
+        (lambda c: c.ack_ready("trainer", ["99999999999999999999"]), "entry_ids[0]"),
+        (
+            lambda c: c.read_ready("trainer", "r", pending_cursor="1-99999999999999999999"),
+            "pending_cursor",
+        ),
+        (lambda c: c.ack_ready("{x}", ["1-0"]), "consumer_group '{x}'"),
+    ],
+)
+def test_bad_input(single_store, call, field):
+    feed = Feed(single_store)
+    try:
+        with pytest.raises(InvalidArgument, match=field.replace("[", r"\[")):
+            call(feed.client)
+    finally:
+        feed.close()
+
+
+def test_feed_disabled(single_store, rng, sid):
+    feed = Feed(single_store, ready_stream="")
+    try:
+        feed.write(rng, sid())  # records are stored as before, just not announced
+        for call in (
+            lambda: feed.client.read_ready("trainer", "rank0"),
+            lambda: feed.client.ack_ready("trainer", ["1-0"]),
+        ):
+            with pytest.raises(FailedPrecondition, match="ready feed is disabled"):
+                call()
+        assert feed.redis.exists(feed.stream) == 0
+    finally:
+        feed.close()
+
+
+def test_configuration():
+    assert parse_config([], env={}).ready_stream == "rr:ready"
+    assert parse_config([], env={"ROUTE_CACHE_READY_STREAM": ""}).ready_stream == ""
+    assert parse_config(["--ready-maxlen", "10"], env={}).ready_maxlen == 10
+    with pytest.raises(SystemExit):
+        parse_config(["--ready-max-block-ms", "60000"], env={})

@@ -1,0 +1,147 @@
+"""The deployment files, checked offline: the real Compose binary, Kubernetes schemas in
+strict mode, and hadolint on every Dockerfile. Each check is shown to fail on a broken file."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def compose_binary() -> Path:
+    compose = pytest.importorskip("compose")
+    # The package's Python wrapper always exits 0; the binary beside it is the real check.
+    return Path(compose.__file__).parent / "docker-compose"
+
+
+def run(*args, cwd=ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([str(a) for a in args], cwd=cwd, capture_output=True, text=True)
+
+
+def test_compose_file_is_valid(tmp_path):
+    binary = compose_binary()
+    result = run(binary, "-f", "docker-compose.yml", "config", "-q")
+    assert result.returncode == 0, result.stderr
+    broken = tmp_path / "docker-compose.yml"
+    text = (ROOT / "docker-compose.yml").read_text()
+    broken.write_text(text.replace("condition: service_healthy", "condition: when_ready"))
+    assert run(binary, "-f", broken, "config", "-q", cwd=ROOT).returncode != 0
+
+
+def manifests() -> list[Path]:
+    return sorted(p for p in (ROOT / "k8s").glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+@pytest.mark.parametrize("manifest", manifests(), ids=lambda p: p.name)
+def test_kubernetes_manifests_are_valid(manifest, tmp_path):
+    tool = BIN / "kubernetes-validate"
+    if not tool.exists():
+        pytest.skip("kubernetes-validate is not installed")
+    result = run(tool, "--strict", manifest)
+    assert result.returncode == 0, result.stdout + result.stderr
+    broken = tmp_path / manifest.name
+    broken.write_text(manifest.read_text().replace("containerPort", "containerPorts"))
+    assert run(tool, "--strict", broken).returncode != 0
+
+
+def test_kustomization_lists_every_manifest():
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed")
+    result = run("kubectl", "kustomize", "k8s")
+    assert result.returncode == 0, result.stderr
+    for manifest in manifests():
+        kinds_and_names = [
+            line.split(":", 1)[1].strip()
+            for line in manifest.read_text().splitlines()
+            if line.startswith("  name:")
+        ]
+        for name in kinds_and_names:
+            assert f"name: {name}" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "dockerfile", sorted(ROOT.glob("*/Dockerfile*")), ids=lambda p: f"{p.parent.name}/{p.name}"
+)
+def test_dockerfiles_pass_hadolint(dockerfile, tmp_path):
+    tool = BIN / "hadolint"
+    if not tool.exists():
+        pytest.skip("hadolint is not installed")
+    result = run(tool, dockerfile)
+    assert result.returncode == 0, result.stdout
+    broken = tmp_path / "Dockerfile"
+    broken.write_text(dockerfile.read_text().replace("USER 10001", "USER root"))
+    assert run(tool, broken).returncode != 0
+
+
+def test_every_deployment_file_is_checked():
+    """The globs above cover every manifest kustomize renders and every service's Dockerfile, so
+    a new file cannot escape the checks."""
+    yaml = pytest.importorskip("yaml")
+    kustomization = yaml.safe_load((ROOT / "k8s" / "kustomization.yaml").read_text())
+    assert sorted(kustomization["resources"]) == [p.name for p in manifests()]
+    dockerfiles = {str(p.relative_to(ROOT)) for p in ROOT.glob("*/Dockerfile*")}
+    for service in ("route_cache", "rollout_server", "trainer"):
+        assert f"{service}/Dockerfile" in dockerfiles
+    for service in ("rollout_server", "trainer"):
+        assert f"{service}/Dockerfile.gpu" in dockerfiles
+
+
+def compose_services() -> dict:
+    result = run(compose_binary(), "-f", "docker-compose.yml", "--profile", "cpu", "--profile",
+                 "gpu", "config", "--format", "json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    import json
+
+    return json.loads(result.stdout)["services"]
+
+
+def trainer_commands() -> list[tuple[str, list[str], list[str]]]:
+    """(where, torchrun's argument list, the paths mounted into the container) of every trainer
+    in docker-compose.yml and k8s/trainer.yaml."""
+    yaml = pytest.importorskip("yaml")
+    out = []
+    for name, service in compose_services().items():
+        if name.startswith("trainer"):
+            mounts = [v["target"] for v in service.get("volumes", [])]
+            out.append((f"compose {name}", service["command"], mounts))
+    for doc in yaml.safe_load_all((ROOT / "k8s" / "trainer.yaml").read_text()):
+        if doc["kind"] == "Job":
+            container = doc["spec"]["template"]["spec"]["containers"][0]
+            args = [a.replace("$(NODE_RANK)", "0") for a in container["args"]]
+            mounts = [m["mountPath"] for m in container["volumeMounts"]]
+            out.append(("k8s Job trainer", args, mounts))
+    return out
+
+
+def test_trainer_commands_match_the_code():
+    """No drift: each trainer's command parses with torchrun's own parser, its trainer arguments
+    with the trainer's parser and configuration schema (unknown keys fail), and its ids file
+    lies in a mounted folder."""
+    pytest.importorskip("torch")
+    pytest.importorskip("megatron.core")
+    from torch.distributed.run import parse_args as torchrun_args
+
+    from trainer.__main__ import parse
+    from trainer.config import load_config
+
+    commands = trainer_commands()
+    assert {where for where, _, _ in commands} == {
+        "compose trainer-cpu", "compose trainer-gpu", "k8s Job trainer"
+    }  # fmt: skip
+    for where, command, mounts in commands:
+        launcher = torchrun_args(command)
+        assert launcher.module and launcher.training_script == "trainer", where
+        args = parse(launcher.training_script_args)
+        overrides = [*args.overrides, f"train.steps={args.steps}"]
+        config = load_config(args.config, overrides)
+        assert config.router_replay.mode.value == "R3", where
+        assert config.route_cache.target == "route-cache:50051", where
+        assert args.ids.startswith("@"), where
+        ids = Path(args.ids[1:])
+        assert any(ids == Path(m) or Path(m) in ids.parents for m in mounts), (where, ids)

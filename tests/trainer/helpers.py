@@ -1,0 +1,85 @@
+"""Test helpers: observe routers through forward hooks, a next-token loss, random batches."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from routereplay.record import Geometry, Record, Turn
+from trainer.batch import PaddedBatch
+
+
+@contextlib.contextmanager
+def capture_routing(routers):
+    """Per global layer, every call's megatron routing map (bool ``[tokens, experts]``) and
+    gating logits (float ``[tokens, experts]``), in call order."""
+    maps: dict[int, list[torch.Tensor]] = defaultdict(list)
+    logits: dict[int, list[torch.Tensor]] = defaultdict(list)
+    handles = []
+    for r in routers:
+        handles.append(
+            r.router.register_forward_hook(
+                lambda m, i, o, layer=r.layer: maps[layer].append(o[1].detach().clone())
+            )
+        )
+        gating = r.router.gating
+
+        def hooked(x, layer=r.layer, gating=gating):
+            out = gating(x)
+            logits[layer].append(out.detach().reshape(-1, out.shape[-1]).clone())
+            return out
+
+        r.router.gating = hooked
+    try:
+        yield maps, logits
+    finally:
+        for h in handles:
+            h.remove()
+        for r in routers:
+            del r.router.gating
+
+
+def one_hot(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int ``[tokens, k]`` -> bool ``[tokens, num_experts]``."""
+    out = torch.zeros(ids.shape[0], num_experts, dtype=torch.bool)
+    return out.scatter_(1, ids.long(), True)
+
+
+def next_token_loss(model, batch: PaddedBatch) -> torch.Tensor:
+    """Mean cross-entropy of each real token's successor (float32 scalar)."""
+    logits = model(batch.token_ids, batch.position_ids(), batch.attention_mask())
+    valid = batch.valid
+    targets_ok = valid[:, :-1] & valid[:, 1:]
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    picked = logp.gather(-1, batch.token_ids[:, 1:, None]).squeeze(-1)
+    return -(picked * targets_ok).sum() / targets_ok.sum()
+
+
+def random_batch(seed: int, lengths, padding_side: str, vocab: int = 512) -> PaddedBatch:
+    g = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(2, vocab, (n,), generator=g).numpy() for n in lengths]
+    ids = [f"s{seed}-{i}" for i in range(len(lengths))]
+    return PaddedBatch.from_samples(ids, tokens, padding_side=padding_side, pad_id=1)
+
+
+def make_record(sample_id: str, tokens: np.ndarray, routes: np.ndarray, geometry: Geometry):
+    """A single-turn record whose generated part is everything after the first token."""
+    tokens = np.asarray(tokens, dtype=np.int32)
+    turn = Turn(token_start=0, token_end=tokens.size, generated_start=1)
+    record = Record(sample_id, geometry, tokens, routes.astype(geometry.dtype), [turn])
+    record.validate()
+    return record
+
+
+def random_routes(seed: int, rows: int, geometry: Geometry) -> np.ndarray:
+    """``[rows, L, k]`` distinct random expert ids per token and layer."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(rows, geometry.num_moe_layers, geometry.num_experts, generator=g)
+    return scores.argsort(dim=-1)[..., : geometry.topk].numpy().astype(geometry.dtype)
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -1,0 +1,44 @@
+"""The trainer configuration: YAML, dotted overrides, the names users know, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.config import ConfigError, ReplayMode, load_config
+
+
+def test_defaults_are_disabled():
+    config = load_config()
+    assert config.router_replay.mode is ReplayMode.DISABLED
+    assert not config.router_replay.enabled
+
+
+def test_yaml_then_dotted_overrides(tmp_path):
+    path = tmp_path / "trainer.yaml"
+    path.write_text(
+        "model:\n  path: some/model\nrouter_replay:\n  mode: R2\n  record_file: r.bin\n"
+        "train:\n  lr: 1\n"
+    )
+    config = load_config(path, ["router_replay.mode=R3", "router_replay.replay_file=x.bin"])
+    assert config.router_replay.mode is ReplayMode.R3
+    assert config.router_replay.replay_file == "x.bin"
+    assert config.router_replay.record_file == "r.bin"
+    assert config.train.lr == 1.0 and isinstance(config.train.lr, float)
+    assert config.model.path == "some/model"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["router_replay.mode=R4"], r"router_replay.mode='R4' is not one of \['disabled', 'R2'"),
+        (["router_replay.modes=R2"], "unknown key 'router_replay.modes'"),
+        (["train.seed=abc"], "train.seed='abc' must be of type int"),
+        (["router_replay.mode=R2", "router_replay.replay_file=f"], "which is mode R3"),
+        (["router_replay.mode=R3"], "needs route_cache.target or router_replay.replay_file"),
+        (["router_replay.missing_record=skip"], "expected 'error' or 'native'"),
+        (["router_replay"], "must look like section.key=value"),
+    ],
+)
+def test_bad_values_fail_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)

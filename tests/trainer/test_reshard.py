@@ -1,0 +1,413 @@
+"""Each rank's share of the routes (trainer/reshard.py) against megatron-core's own functions.
+
+Oracles: megatron's CP batch split (``get_batch_on_this_cp_rank``) applied to position ids,
+its sequence-parallel scatter (``_split_along_first_dim``), its pipeline layer placement
+(``get_transformer_layer_offset`` / ``get_num_layers_to_build``); packing and dynamic batching
+by round trips. No process group is needed: megatron reads CP sizes from ``parallel_state``,
+which the tests patch for the duration of one call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("megatron.core")
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import _split_along_first_dim
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.core.utils import get_batch_on_this_cp_rank
+
+from trainer.replay import MASKED
+from trainer.reshard import (
+    Layout,
+    LayoutError,
+    PackPlan,
+    PipelineSplit,
+    RankCoords,
+    check_split,
+    cp_index,
+    cp_packed_index,
+    dp_shard,
+    dynamic_microbatches,
+    pack_routes,
+    pack_rows,
+    pad_multiple,
+    padded_length,
+    reshard_packed_routes,
+    router_tensors,
+    shard_packed,
+    shard_padded,
+    sp_slice,
+    split_padded_microbatches,
+    stage_moe_layers,
+    unpack_rows,
+)
+
+SETTINGS = settings(max_examples=60, deadline=None)
+
+
+# -- megatron oracles -------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _cp_state(cp_size: int, cp_rank: int):
+    with (
+        mock.patch.object(parallel_state, "get_context_parallel_world_size", lambda: cp_size),
+        mock.patch.object(parallel_state, "get_context_parallel_rank", lambda: cp_rank),
+    ):
+        yield
+
+
+def megatron_cp(positions: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """megatron's CP split of a ``[batch, seq]`` tensor (its ``position_ids`` key)."""
+    with _cp_state(cp_size, cp_rank):
+        return get_batch_on_this_cp_rank({"position_ids": positions.clone()})["position_ids"]
+
+
+class _Group:
+    """What megatron's SP scatter asks of a process group: its size and this rank."""
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def megatron_sp(x: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
+    """megatron's scatter to the sequence-parallel region (first dimension, ``[seq, b, h]``)."""
+    return _split_along_first_dim(x, _Group(tp_size, tp_rank))
+
+
+def megatron_stage_layers(split: PipelineSplit, pp_rank: int, vp_stage: int | None) -> range:
+    config = SimpleNamespace(
+        num_layers=split.num_layers,
+        pipeline_model_parallel_size=split.pp,
+        virtual_pipeline_model_parallel_size=split.vp,
+        num_layers_in_first_pipeline_stage=split.first,
+        num_layers_in_last_pipeline_stage=split.last,
+        account_for_embedding_in_pipeline_split=split.account_for_embedding,
+        account_for_loss_in_pipeline_split=split.account_for_loss,
+        pipeline_model_parallel_layout=None,
+    )
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return range(offset, offset + n)
+
+
+# -- context parallel --------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(
+    cp=st.sampled_from([1, 2, 3, 4]),
+    tp=st.sampled_from([1, 2]),
+    length=st.integers(1, 97),
+    batch=st.integers(1, 3),
+)
+def test_cp_split_matches_megatron_on_a_padded_batch(cp, tp, length, batch):
+    multiple = pad_multiple(tp, cp, sequence_parallel=True)
+    seq = padded_length(length, multiple)  # odd lengths pad up to the layout's multiple
+    positions = torch.arange(seq)[None].repeat(batch, 1) + 1000 * torch.arange(batch)[:, None]
+    layout = Layout(tp=1, cp=cp)
+    for rank in range(cp):
+        expected = megatron_cp(positions, cp, rank)  # [batch, seq / cp]
+        assert torch.equal(positions[0, torch.from_numpy(cp_index(seq, cp, rank))], expected[0])
+        # Megatron's token order: row s * batch + b is token (b, s).
+        rows = positions.t().reshape(-1)
+        ours = shard_padded(rows, seq, layout, RankCoords(cp_rank=rank))
+        assert torch.equal(ours, expected.t().reshape(-1))
+
+
+@SETTINGS
+@given(
+    cp=st.sampled_from([2, 3, 4]),
+    tp=st.sampled_from([1, 2]),
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+)
+def test_cp_split_of_packed_sequences_matches_megatron_per_sequence(cp, tp, lengths):
+    # megatron's THD split (get_thd_batch_on_this_cp_rank) needs TransformerEngine; its
+    # padded split applied to each padded sequence on its own is the same rule per sequence.
+    plan = PackPlan.build(lengths, pad_multiple(tp, cp, sequence_parallel=True))
+    positions = torch.from_numpy(plan.position_ids())
+    for rank in range(cp):
+        expected = torch.cat(
+            [
+                megatron_cp(positions[s:e][None], cp, rank)[0]
+                for s, e in zip(
+                    plan.cu_seqlens_padded[:-1], plan.cu_seqlens_padded[1:], strict=True
+                )
+            ]
+        )
+        ours = positions[torch.from_numpy(cp_packed_index(plan, cp, rank))]
+        assert torch.equal(ours, expected)
+
+
+def test_cp_refuses_a_sequence_that_is_not_padded():
+    with pytest.raises(LayoutError, match="2 x cp = 4 chunks"):
+        cp_index(9, 2, 0)
+
+
+# -- sequence parallel -------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(
+    tp=st.sampled_from([1, 2, 4]),
+    cp=st.sampled_from([1, 2]),
+    length=st.integers(1, 50),
+    batch=st.integers(1, 3),
+)
+def test_cp_then_sp_matches_megatron(tp, cp, length, batch):
+    layout = Layout(tp=tp, cp=cp, sequence_parallel=True)
+    seq = padded_length(length, layout.multiple)
+    positions = torch.arange(seq)[None].repeat(batch, 1) + 1000 * torch.arange(batch)[:, None]
+    rows = positions.t().reshape(-1)
+    for cp_rank in range(cp):
+        # Megatron: CP split of the [b, s] batch, the embedding's [s, b, h], SP scatter.
+        local = megatron_cp(positions, cp, cp_rank).t()[:, :, None]
+        for tp_rank in range(tp):
+            expected = megatron_sp(local, tp, tp_rank).reshape(-1)
+            coords = RankCoords(tp_rank=tp_rank, cp_rank=cp_rank)
+            assert torch.equal(shard_padded(rows, seq, layout, coords), expected)
+
+
+def test_sp_slice_refuses_rows_that_do_not_divide():
+    assert sp_slice(8, 2, 1) == slice(4, 8)
+    with pytest.raises(LayoutError, match="pad the sequence"):
+        sp_slice(9, 2, 0)
+
+
+# -- pipeline stages ---------------------------------------------------------------------------
+
+
+def _splits():
+    out = []
+    for layers in (4, 6, 8, 12, 48):
+        for pp in (1, 2, 3, 4):
+            for vp in (None, 2, 3):
+                out.append(PipelineSplit(layers, pp, vp if pp > 1 else None))
+                if pp > 1:
+                    out.append(PipelineSplit(layers, pp, vp, account_for_embedding=True))
+                    out.append(PipelineSplit(layers, pp, vp, account_for_loss=True))
+                    out.append(PipelineSplit(layers, pp, vp, first=1))
+                    out.append(PipelineSplit(layers, pp, vp, first=2, last=2))
+                    out.append(PipelineSplit(layers, pp, vp, last=layers // pp + 1))
+    return out
+
+
+def _megatron_layers_or_none(split):
+    try:
+        return {
+            (p, v): megatron_stage_layers(split, p, v)
+            for p in range(split.pp)
+            for v in (range(split.vp) if split.vp else [None])
+        }
+    except (AssertionError, ZeroDivisionError):  # megatron refuses (or cannot compute) it
+        return None
+
+
+@pytest.mark.parametrize("split", _splits(), ids=str)
+def test_stage_layers_match_megatron(split):
+    expected = _megatron_layers_or_none(split)
+    # Megatron's own checks refuse some splits; where they pass but its stages would not place
+    # every layer exactly once, ours refuses too.
+    placed = expected and sorted(i for r in expected.values() for i in r)
+    if expected is None or placed != list(range(split.num_layers)):
+        with pytest.raises(LayoutError):
+            check_split(split, [0])
+        return
+    for (p, v), layers in expected.items():
+        assert split.stage_layers(p, v) == layers, (p, v)
+
+
+def test_stage_moe_layers_follow_global_layer_numbers():
+    # The tiny model: layer 0 dense, MoE layers 1-3.
+    split = PipelineSplit(4, pp=2)
+    assert stage_moe_layers(split, (1, 2, 3), 0) == (1,)
+    assert stage_moe_layers(split, (1, 2, 3), 1) == (2, 3)
+    vsplit = PipelineSplit(4, pp=2, vp=2)
+    owned = {(p, v): stage_moe_layers(vsplit, (1, 2, 3), p, v) for p in (0, 1) for v in (0, 1)}
+    assert owned == {(0, 0): (), (1, 0): (1,), (0, 1): (2,), (1, 1): (3,)}
+
+
+def test_a_split_that_disagrees_with_the_records_is_refused():
+    with pytest.raises(LayoutError, match="covers layers 0..3"):
+        stage_moe_layers(PipelineSplit(4, pp=2), (1, 2, 3, 4), 0)
+    with pytest.raises(LayoutError, match="do not divide over pp=3"):
+        stage_moe_layers(PipelineSplit(4, pp=3), (1, 2, 3), 0)
+    with pytest.raises(LayoutError, match="not divisible by vp=2"):
+        stage_moe_layers(PipelineSplit(6, pp=2, vp=2), (1, 2, 3), 0)
+
+
+def test_a_custom_pipeline_layout_is_refused():
+    config = SimpleNamespace(pipeline_model_parallel_layout=[["embedding"], ["loss"]])
+    with pytest.raises(LayoutError, match="custom layer layout"):
+        PipelineSplit.from_config(config)
+
+
+# -- packing -----------------------------------------------------------------------------------
+
+
+def _routes(lengths, layers=3, k=2, experts=8, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        np.argsort(rng.random((n - 1, layers, experts)), axis=-1)[..., :k].astype(np.uint8)
+        for n in lengths
+    ]
+
+
+@SETTINGS
+@given(
+    lengths=st.lists(st.integers(1, 30), min_size=1, max_size=6),
+    multiple=st.sampled_from([1, 2, 4, 8]),
+)
+def test_packing_round_trip(lengths, multiple):
+    plan = PackPlan.build(lengths, multiple)
+    assert (plan.padded_lengths % multiple == 0).all()
+    assert (plan.padded_lengths - plan.lengths < multiple).all()
+    assert plan.valid().sum() == sum(lengths)
+    tokens = [np.arange(n) + 100 * i for i, n in enumerate(lengths)]
+    packed = pack_rows(tokens, plan, fill=-7)
+    assert all(np.array_equal(a, b) for a, b in zip(unpack_rows(packed, plan), tokens, strict=True))
+    assert (packed[~plan.valid()] == -7).all()
+    routes = _routes(lengths)
+    packed_routes = pack_routes(routes, plan)
+    # Routes sit exactly where their tokens sit; final tokens and padding are MASKED.
+    for i, r in enumerate(routes):
+        start = plan.cu_seqlens_padded[i]
+        assert np.array_equal(packed_routes[start : start + r.shape[0]], r)
+        assert (packed_routes[start + r.shape[0] : plan.cu_seqlens_padded[i + 1]] == MASKED).all()
+    assert (packed_routes[~plan.valid()] == MASKED).all()
+    got = unpack_rows(packed_routes, plan, [r.shape[0] for r in routes])
+    assert all(np.array_equal(a, b) for a, b in zip(got, routes, strict=True))
+
+
+@SETTINGS
+@given(
+    lengths=st.lists(st.integers(2, 30), min_size=1, max_size=5),
+    tp=st.sampled_from([1, 2, 4]),
+    cp=st.sampled_from([1, 2]),
+    pp=st.sampled_from([1, 2]),
+)
+def test_every_packed_row_lands_on_exactly_one_rank(lengths, tp, cp, pp):
+    layout = Layout(tp=tp, cp=cp, pp=pp, sequence_parallel=True)
+    split = PipelineSplit(4, pp=pp)
+    moe_layers = (1, 2, 3)
+    routes = _routes(lengths)
+    plan = PackPlan.build(lengths, layout.multiple)
+    full = pack_routes(routes, plan)
+    positions = plan.position_ids()
+    seen = np.zeros(plan.total, dtype=np.int64)
+    for p in range(pp):
+        for c in range(cp):
+            for t in range(tp):
+                coords = RankCoords(tp_rank=t, cp_rank=c, pp_rank=p)
+                local, _, layers = reshard_packed_routes(
+                    routes, lengths, moe_layers, split, layout, coords
+                )
+                columns = [moe_layers.index(layer) for layer in layers]
+                # The direct gather equals pack-then-shard, and routes follow the tokens.
+                reference = shard_packed(full, plan, layout, coords)[:, columns]
+                assert np.array_equal(local, reference)
+                rows = shard_packed(np.arange(plan.total), plan, layout, coords)
+                assert np.array_equal(local, full[rows][:, columns])
+                assert np.array_equal(
+                    shard_packed(positions, plan, layout, coords), positions[rows]
+                )
+                if p == 0:
+                    seen[rows] += 1
+    assert (seen == 1).all()
+
+
+def test_router_tensors_are_megatrons_int64_per_router():
+    local = np.array([[[1, 2], [3, 4]], [[MASKED, MASKED], [5, 6]]], dtype=np.int16)
+    out = router_tensors(local)
+    assert [t.dtype for t in out] == [torch.int64, torch.int64]
+    assert out[0].tolist() == [[1, 2], [MASKED, MASKED]] and out[1].tolist() == [[3, 4], [5, 6]]
+
+
+# -- data parallel, micro-batches, dynamic batching --------------------------------------------
+
+
+def test_dp_shard_and_a_batch_that_does_not_divide():
+    assert [list(dp_shard(6, 3, r)) for r in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    with pytest.raises(LayoutError, match="does not divide over 4 DP ranks"):
+        dp_shard(6, 4, 0)
+    with pytest.raises(LayoutError, match="not divisible by tp x cp x pp"):
+        Layout(tp=4, sequence_parallel=True).dp(6)
+    with pytest.raises(LayoutError, match="sequence_parallel"):
+        Layout(tp=2).dp(2)
+    assert Layout(tp=2, ep=2, etp=1, sequence_parallel=True).dp(2) == 1
+
+
+def test_padded_microbatches_are_consecutive_samples_in_megatron_order():
+    seq, batch = 5, 4
+    rows = torch.arange(seq * batch)  # row s * batch + b
+    parts = split_padded_microbatches(rows, seq, 2)
+    for m, part in enumerate(parts):
+        expected = [s * batch + b for s in range(seq) for b in (2 * m, 2 * m + 1)]
+        assert part.tolist() == expected
+
+
+@SETTINGS
+@given(
+    lengths=st.lists(st.integers(1, 64), min_size=1, max_size=24),
+    budget=st.integers(64, 200),
+    multiple=st.sampled_from([1, 2, 4]),
+    minimum=st.integers(1, 3),
+)
+def test_dynamic_batching_permutation_round_trip(lengths, budget, multiple, minimum):
+    minimum = min(minimum, len(lengths))
+    batches = dynamic_microbatches(lengths, budget, multiple=multiple, min_microbatches=minimum)
+    order = batches.order
+    assert sorted(order.tolist()) == list(range(len(lengths)))  # every sample exactly once
+    assert len(batches.groups) >= minimum and all(batches.groups)
+    sizes = [padded_length(n, multiple) for n in lengths]
+    for group, tokens in zip(batches.groups, batches.tokens, strict=True):
+        assert tokens == sum(sizes[i] for i in group) <= budget
+    assert list(batches.tokens) == sorted(batches.tokens, reverse=True)
+    # Per-sample results computed in execution order come back in the original order.
+    results = [f"result of {i}" for i in order]
+    assert batches.restore(results) == [f"result of {i}" for i in range(len(lengths))]
+    assert np.array_equal(order[batches.inverse], np.arange(len(lengths)))
+    # Routes follow their tokens through the reordering.
+    routes = _routes([n + 1 for n in lengths], layers=1, seed=3)
+    reordered = [routes[i] for i in order]
+    back = batches.restore(reordered)
+    assert all(a is b for a, b in zip(back, routes, strict=True))
+
+
+def test_dynamic_batching_balances_and_refuses_an_oversized_sample():
+    batches = dynamic_microbatches([50, 10, 40, 30, 20, 50], 100)
+    assert sorted(batches.tokens) == [100, 100]
+    with pytest.raises(LayoutError, match="exceeds the micro-batch budget"):
+        dynamic_microbatches([10, 101], 100)
+
+
+# -- the oracles catch a wrong shard -----------------------------------------------------------
+
+
+def test_a_shard_off_by_one_token_or_one_layer_fails_the_comparison():
+    seq, cp = 16, 2
+    positions = torch.arange(seq)[None]
+    good = torch.from_numpy(cp_index(seq, cp, 1))
+    assert torch.equal(positions[0, good], megatron_cp(positions, cp, 1)[0])
+    assert not torch.equal(positions[0, good + 1], megatron_cp(positions, cp, 1)[0])
+    split = PipelineSplit(8, pp=2, vp=2)
+    layers = split.stage_layers(1, 1)
+    assert layers == megatron_stage_layers(split, 1, 1)
+    shifted = range(layers.start + 1, layers.stop + 1)
+    assert shifted != megatron_stage_layers(split, 1, 1)

@@ -1,0 +1,109 @@
+"""``python -m trainer --config FILE [section.key=value ...] --ids a,b,c --steps N``
+
+Runs N RL steps in one process (world size 1, gloo) and prints the consistency report of each
+step. Under ``torchrun`` (``WORLD_SIZE`` set) every process is one rank of the ``parallel.*``
+layout: data parallel today (``torchrun --nproc-per-node 2 -m trainer ... parallel.dp=2``);
+each DP rank trains its share of every batch and DP rank 0 prints and writes the reports.
+Samples come from the route cache (``route_cache.target`` and the ids) or from a records file
+(``router_replay.replay_file`` or ``data.records_file``; every record in it when no ids are
+given). ``--report FILE`` (or ``report.json``) writes the reports as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def parse(argv: list[str] | None):
+    parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", help="YAML configuration file")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, section.key=value")
+    parser.add_argument("--ids", help="comma-separated sample ids (or @FILE, one per line)")
+    parser.add_argument("--steps", type=int, help="steps to run (train.steps)")
+    parser.add_argument("--report", help="write the reports as JSON here (report.json)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    return parser.parse_args(argv)
+
+
+def sample_ids(spec: str | None, config) -> list[str]:
+    if spec:
+        text = Path(spec[1:]).read_text() if spec.startswith("@") else spec.replace(",", "\n")
+        return [s.strip() for s in text.splitlines() if s.strip()]
+    path = config.router_replay.replay_file or config.data.records_file
+    if not path:
+        raise SystemExit("--ids is needed with the route cache")
+    from routereplay.record_file import load_records
+
+    return [r.sample_id for r in load_records(path)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    torch.set_num_threads(args.threads)
+    from trainer import distributed
+    from trainer.config import load_config
+    from trainer.data import plan_batches
+    from trainer.train import train
+
+    overrides = list(args.overrides)
+    if args.steps:
+        overrides.append(f"train.steps={args.steps}")
+    if args.report:
+        overrides.append(f"report.json={args.report}")
+    config = load_config(args.config, overrides)
+    plans = plan_batches(sample_ids(args.ids, config), config.train.batch_size, config.train.steps)
+    if "WORLD_SIZE" in os.environ:
+        return _main_torchrun(config, plans)
+    if config.parallel.dp not in (None, 1):
+        raise SystemExit(f"parallel.dp={config.parallel.dp} needs torchrun (one process per rank)")
+    with tempfile.TemporaryDirectory() as rendezvous:
+        groups = distributed.init_single_process(f"file://{rendezvous}/pg", config.train.seed)
+        try:
+            train(config, plans, pg_collection=groups)
+        finally:
+            distributed.shutdown()
+    return 0
+
+
+def _main_torchrun(config, plans) -> int:
+    """One rank of a torchrun world: the layout's groups, the DP share, rank 0 reports."""
+    from trainer import dp as data_parallel
+    from trainer import parallel
+    from trainer.reshard import LayoutError
+    from trainer.train import train
+
+    layout = config.parallel.layout()
+    world_size = int(os.environ["WORLD_SIZE"])
+    dp_size = layout.dp(world_size)  # every rank refuses a bad world alike, before any collective
+    if config.parallel.dp is not None and config.parallel.dp != dp_size:
+        raise LayoutError(
+            f"parallel.dp={config.parallel.dp} but world size {world_size} leaves {dp_size} "
+            f"data-parallel ranks"
+        )
+    if layout.tp * layout.cp * layout.pp * layout.ep > 1 or layout.vp is not None:
+        raise LayoutError(
+            "python -m trainer runs data parallel only (parallel.tp/cp/pp/ep = 1, vp unset); "
+            "the other layouts' replay is exercised by tests/trainer/test_multirank.py"
+        )
+    if int(os.environ.get("RANK", "0")) != 0:
+        logging.getLogger().setLevel(logging.WARNING)
+    world = parallel.init_world(layout, seed=config.train.seed)
+    try:
+        train(config, plans, pg_collection=world.pg_collection, dp=data_parallel.from_world(world))
+    finally:
+        from trainer import distributed
+
+        distributed.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

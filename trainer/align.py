@@ -1,0 +1,174 @@
+"""Records to replay indices under the trainer's batch layout (architecture.md, trainer steps 2-3).
+
+A record's routes are layout-free: ``[T - 1, L, k]``, row i computed when token i was the
+input, one column per MoE layer (``Geometry.moe_layers``, global layer numbers). The trainer
+lays a sample's T tokens at columns ``[start, start + T)`` of a padded row; megatron orders
+tokens ``[seq, batch]`` and flattens them, so token (b, s) is row ``s * batch + b`` of a
+router's ``[seq * batch, k]`` index tensor. Rows with no route (each sample's final token,
+padding, a sample without a record) hold ``replay.MASKED``: they route natively.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from routereplay.errors import InvalidArgument
+from routereplay.record import Geometry, Record
+from trainer.batch import PaddedBatch
+from trainer.replay import MASKED
+
+log = logging.getLogger(__name__)
+
+MISSING_POLICIES = ("error", "native")
+
+
+@dataclass
+class AlignedRoutes:
+    """One batch's replay ids for this rank's routers.
+
+    Attributes:
+        indices: One int64 ``[seq * batch, k]`` tensor per router (in the order of
+            ``layers``), megatron's token order; ``MASKED`` rows route natively.
+        replayed: bool ``[seq, batch]``: True where a recorded route is replayed.
+        layers: Global layer number of each entry of ``indices``.
+        missing: Sample ids that had no record (routed natively under ``missing="native"``).
+    """
+
+    indices: list[torch.Tensor]
+    replayed: torch.Tensor
+    layers: tuple[int, ...]
+    missing: list[str] = field(default_factory=list)
+
+
+def check_geometry(record: Geometry, model: Geometry, sample_id: str, model_id: str | None) -> None:
+    """Refuse a record routed by another model shape, naming both sides."""
+    ours = (model.moe_layers, model.topk, model.num_experts)
+    theirs = (record.moe_layers, record.topk, record.num_experts)
+    if ours != theirs:
+        raise InvalidArgument(
+            f"record {sample_id!r}: geometry (moe_layers={list(record.moe_layers)}, "
+            f"topk={record.topk}, num_experts={record.num_experts}) does not match the model's "
+            f"(moe_layers={list(model.moe_layers)}, topk={model.topk}, "
+            f"num_experts={model.num_experts})"
+        )
+    if model_id is not None and record.model_id != model_id:
+        raise InvalidArgument(
+            f"record {sample_id!r} was routed by model {record.model_id!r}; "
+            f"the trainer runs {model_id!r}"
+        )
+
+
+def check_tokens(record: Record, tokens: np.ndarray) -> None:
+    """Refuse a record whose token ids differ from the batch's sample, naming both sides."""
+    if record.token_ids.shape == tokens.shape and np.array_equal(record.token_ids, tokens):
+        return
+    n = min(record.token_ids.size, tokens.size)
+    diff = np.flatnonzero(record.token_ids[:n] != tokens[:n])
+    where = int(diff[0]) if diff.size else n
+    raise InvalidArgument(
+        f"record {record.sample_id!r}: token ids differ from the batch's at position {where} "
+        f"(record has {record.token_ids.size} tokens, "
+        f"{record.token_ids[where : where + 4].tolist()}...; batch has {tokens.size}, "
+        f"{tokens[where : where + 4].tolist()}...)"
+    )
+
+
+def align_routes(
+    batch: PaddedBatch,
+    records: Sequence[Record | None],
+    geometry: Geometry,
+    layers: Sequence[int],
+    *,
+    missing: str = "error",
+    model_id: str | None = None,
+) -> AlignedRoutes:
+    """Build per-router replay ids for a padded batch.
+
+    Args:
+        batch: The trainer's batch; sample b's tokens sit at columns
+            ``[starts[b], starts[b] + lengths[b])``.
+        records: One record per sample, in batch order; None where none was found.
+        geometry: The model's routing geometry (records must match it).
+        layers: Global layer numbers of this rank's routers, ascending (a subset of
+            ``geometry.moe_layers`` under pipeline parallelism).
+        missing: ``"error"`` refuses a missing record; ``"native"`` routes that sample natively
+            and logs a warning.
+        model_id: When given, records must carry this model id.
+
+    Returns:
+        The ``AlignedRoutes``.
+
+    Raises:
+        InvalidArgument: A geometry, token or model mismatch, or a missing record under
+            ``missing="error"``.
+    """
+    if missing not in MISSING_POLICIES:
+        raise ValueError(f"missing={missing!r}; expected one of {MISSING_POLICIES}")
+    if len(records) != batch.batch_size:
+        raise ValueError(f"{len(records)} records for a batch of {batch.batch_size}")
+    unknown = sorted(set(layers) - set(geometry.moe_layers))
+    if unknown or not layers:
+        raise ValueError(f"router layers {list(layers)} must be MoE layers of the model")
+    columns = [geometry.moe_layers.index(layer) for layer in layers]
+    seq, bsz, k = batch.seq_len, batch.batch_size, geometry.topk
+    # [seq, batch, routers, k]: megatron's token order before flattening.
+    out = np.full((seq, bsz, len(columns), k), MASKED, dtype=np.int64)
+    absent: list[str] = []
+    for b, record in enumerate(records):
+        sample_id = batch.sample_ids[b]
+        if record is None:
+            if missing == "error":
+                raise InvalidArgument(f"no record for sample {sample_id!r}")
+            absent.append(sample_id)
+            continue
+        if record.sample_id != sample_id:
+            raise InvalidArgument(f"record {record.sample_id!r} is in the slot of {sample_id!r}")
+        check_geometry(record.geometry, geometry, sample_id, model_id)
+        check_tokens(record, batch.sample_tokens(b).numpy().astype(np.int32))
+        start, rows = int(batch.starts[b]), record.num_rows
+        # Row i belongs to token i (its input); the final token has no row and stays MASKED.
+        out[start : start + rows, b] = record.routes[:, columns]
+    if absent:
+        log.warning("%d samples have no record; they route natively: %s", len(absent), absent)
+    # Every column is masked on the same rows, so the first tells which rows replay.
+    replayed = torch.from_numpy(out[:, :, 0, 0] != MASKED)
+    flat = torch.from_numpy(out).reshape(seq * bsz, len(columns), k)
+    indices = [flat[:, j].contiguous() for j in range(len(columns))]
+    return AlignedRoutes(indices, replayed, tuple(layers), absent)
+
+
+def routes_from_recorded(
+    batch: PaddedBatch, recorded: Sequence[torch.Tensor], geometry: Geometry
+) -> list[np.ndarray]:
+    """The inverse of ``align_routes``: what the routers chose, per sample, layout-free.
+
+    R2 records its own routes in the old-logprob pass and keeps them in the record's form, so
+    they can be replayed under any layout, written to ``record_file`` or read by the routes
+    tool.
+
+    Args:
+        batch: The batch the routes were recorded on.
+        recorded: One int64 ``[seq * batch, k]`` tensor per MoE layer of ``geometry`` (all of
+            them, in order), megatron's token order.
+        geometry: The model's routing geometry.
+
+    Returns:
+        Per sample, ``routes`` ``[lengths[b] - 1, L, k]`` in ``geometry.dtype``: row i is the
+        routing of token i (the final token's routing is dropped, as in rollout records).
+    """
+    if len(recorded) != geometry.num_moe_layers:
+        raise ValueError(
+            f"{len(recorded)} recorded tensors for {geometry.num_moe_layers} MoE layers"
+        )
+    seq, bsz, k = batch.seq_len, batch.batch_size, geometry.topk
+    stacked = torch.stack([r.reshape(seq, bsz, k) for r in recorded], dim=2).cpu().numpy()
+    out = []
+    for b in range(bsz):
+        start, rows = int(batch.starts[b]), int(batch.lengths[b]) - 1
+        out.append(np.ascontiguousarray(stacked[start : start + rows, b]).astype(geometry.dtype))
+    return out

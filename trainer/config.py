@@ -1,0 +1,299 @@
+"""The trainer's configuration: one dataclass, from YAML, with dotted command-line overrides.
+
+The names follow what users of RL frameworks know: ``router_replay.mode`` in ``disabled``,
+``R2``, ``R3``; ``router_replay.record_file``; ``router_replay.replay_file``. Example::
+
+    trainer config.yaml router_replay.mode=R3 train.seed=3
+
+An override's value is parsed as YAML (``3`` is an int, ``true`` a bool, ``null`` None).
+Unknown keys and invalid values fail before anything runs, naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is invalid."""
+
+
+class ReplayMode(enum.Enum):
+    """Which routes the trainer's routers use."""
+
+    DISABLED = "disabled"  # natural routing
+    R2 = "R2"  # record in the old-logprob pass, replay in the update passes over that batch
+    R3 = "R3"  # replay the rollout engine's routes (route cache or replay_file)
+
+
+@dataclass
+class RouterReplayConfig:
+    """``router_replay.*``.
+
+    Attributes:
+        mode: ``disabled``, ``R2`` or ``R3``.
+        record_file: Write the routes used (recorded in R2, fetched in R3) here, for offline
+            analysis; None writes nothing.
+        replay_file: R3 only: replay routes from such a file instead of the route cache.
+        missing_record: ``error`` fails the step when a sample has no record; ``native`` routes
+            that sample natively, with a warning and a counter.
+    """
+
+    mode: ReplayMode = ReplayMode.DISABLED
+    record_file: str | None = None
+    replay_file: str | None = None
+    missing_record: str = "error"
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode is not ReplayMode.DISABLED
+
+
+@dataclass
+class ModelConfig:
+    """``model.*``: the Hugging Face checkpoint folder that the rollout server serves."""
+
+    path: str = ""
+    recompute: bool = False  # full activation recompute, one layer per checkpoint
+    # > 0: megatron's load-balancing aux loss (``aux_loss``) with this coefficient; it is
+    # computed from the routers' natural top-k even under replay.
+    aux_loss_coeff: float = 0.0
+
+
+@dataclass
+class RouteCacheConfig:
+    """``route_cache.*``: the route cache service (R3 without a replay_file)."""
+
+    target: str = ""
+
+
+@dataclass
+class TrainConfig:
+    """``train.*``.
+
+    Attributes:
+        steps: Steps to run (one batch each).
+        batch_size: Samples per step (keep whole GRPO groups in a batch).
+        micro_batch_size: Samples per micro-batch; each update micro-batch ends with an
+            optimizer step.
+        ppo_epochs: Update passes over each batch.
+        clip_eps: PPO clip range.
+        dtype: ``float32`` or ``bfloat16`` (parameters and activations; AdamW keeps float32
+            master weights).
+        export_dir: Export the weights in the Hugging Face layout the rollout server loads to
+            ``export_dir/step_NNNNNN`` every ``export_every`` steps (and after the last step);
+            ``export_dir/latest`` names the newest. None exports nothing.
+        checkpoint_dir: Save model, optimizer, step and RNG states to
+            ``checkpoint_dir/step_NNNNNN.pt`` every ``checkpoint_every`` steps (and after the
+            last step). None saves nothing.
+        resume: Continue from the last checkpoint in ``checkpoint_dir`` when there is one.
+    """
+
+    seed: int = 0
+    padding_side: str = "right"
+    steps: int = 1
+    batch_size: int = 8
+    micro_batch_size: int = 4
+    ppo_epochs: int = 2
+    clip_eps: float = 0.2
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    dtype: str = "float32"
+    export_dir: str | None = None
+    export_every: int = 1
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 1
+    resume: bool = True
+
+
+@dataclass
+class DataConfig:
+    """``data.*``: where samples come from besides the route cache.
+
+    Attributes:
+        records_file: The rollout's records from a file (``save_records``) instead of the
+            route cache, in any mode (R3's ``replay_file`` does the same for R3).
+        prefetch: Fetch batch i + 1 while batch i trains.
+    """
+
+    records_file: str | None = None
+    prefetch: bool = True
+
+
+@dataclass
+class ReportConfig:
+    """``report.*``.
+
+    Attributes:
+        compare: Run a comparison pass each step with the other routing (natural in R3, the
+            rollout's replayed routes in disabled and R2), so the gap to the rollout is reported
+            with replay and without in the same step; costs one forward per micro-batch.
+        json: Write the run's report (every step) to this JSON file.
+        tensorboard_dir: Log the report's scalars every step to TensorBoard event files here.
+    """
+
+    compare: bool = True
+    json: str | None = None
+    tensorboard_dir: str | None = None
+
+
+@dataclass
+class ParallelConfig:
+    """``parallel.*``: the layout of a ``torchrun`` world (``trainer.reshard.Layout``'s fields).
+
+    The data-parallel size is what the world leaves: world size / (tp x cp x pp). ``dp``, when
+    set, must equal it (a check against launching the wrong number of processes).
+    ``python -m trainer`` runs data parallel only today; the other sizes are validated and
+    refused with a clear error (their replay is covered by ``tests/trainer/test_multirank.py``).
+    """
+
+    dp: int | None = None
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    vp: int | None = None
+    ep: int = 1
+    etp: int | None = None
+    sequence_parallel: bool = False
+
+    def layout(self):
+        from trainer.reshard import Layout
+
+        return Layout(
+            tp=self.tp, cp=self.cp, pp=self.pp, vp=self.vp, ep=self.ep, etp=self.etp,
+            sequence_parallel=self.sequence_parallel,
+        )  # fmt: skip
+
+
+@dataclass
+class TrainerConfig:
+    """The whole trainer configuration."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
+    route_cache: RouteCacheConfig = field(default_factory=RouteCacheConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def validate(self) -> None:
+        replay = self.router_replay
+        if replay.missing_record not in ("error", "native"):
+            raise ConfigError(
+                f"router_replay.missing_record={replay.missing_record!r}; "
+                "expected 'error' or 'native'"
+            )
+        if replay.replay_file and replay.mode is not ReplayMode.R3:
+            raise ConfigError(
+                f"router_replay.replay_file replays rollout routes, which is mode R3; "
+                f"mode is {replay.mode.value}"
+            )
+        if replay.mode is ReplayMode.R3 and not replay.replay_file and not self.route_cache.target:
+            if not self.data.records_file:
+                raise ConfigError("mode R3 needs route_cache.target or router_replay.replay_file")
+        if self.train.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"train.dtype={self.train.dtype!r}; expected 'float32' or 'bfloat16'")
+        if self.model.aux_loss_coeff < 0:
+            raise ConfigError("model.aux_loss_coeff must be >= 0")
+        for key in ("steps", "batch_size", "ppo_epochs", "export_every", "checkpoint_every"):
+            if getattr(self.train, key) < 1:
+                raise ConfigError(f"train.{key} must be >= 1")
+        if self.train.padding_side not in ("right", "left"):
+            raise ConfigError(
+                f"train.padding_side={self.train.padding_side!r}; expected 'right' or 'left'"
+            )
+        if self.train.micro_batch_size < 1:
+            raise ConfigError("train.micro_batch_size must be >= 1")
+
+
+def _coerce(value: Any, kind: Any, key: str) -> Any:
+    """Check or convert ``value`` to the annotated type ``kind`` of ``key``."""
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        valid = [m.value for m in kind]
+        if isinstance(value, kind):
+            return value
+        if value not in valid:
+            raise ConfigError(f"{key}={value!r} is not one of {valid}")
+        return kind(value)
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        options = typing.get_args(kind)
+        if value is None and type(None) in options:
+            return None
+        kind = next(o for o in options if o is not type(None))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is float and isinstance(value, str):
+        # YAML 1.1 reads "1e-3" (no dot) as a string.
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if kind is str and isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{key}={value!r} must be of type {kind.__name__}")
+    return value
+
+
+def _apply(target: Any, values: dict[str, Any], prefix: str = "") -> None:
+    hints = typing.get_type_hints(type(target))
+    names = {f.name for f in dataclasses.fields(target)}
+    for name, value in values.items():
+        key = prefix + name
+        if name not in names:
+            raise ConfigError(f"unknown key {key!r}; valid keys here: {sorted(names)}")
+        current = getattr(target, name)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key} is a section; got {value!r}")
+            _apply(current, value, key + ".")
+        else:
+            setattr(target, name, _coerce(value, hints[name], key))
+
+
+def _override(dotted: str) -> dict[str, Any]:
+    import yaml
+
+    key, sep, raw = dotted.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {dotted!r} must look like section.key=value")
+    value: Any = yaml.safe_load(raw) if raw else ""
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainerConfig:
+    """Build and validate the configuration.
+
+    Args:
+        path: A YAML file of nested sections (None: defaults only).
+        overrides: ``section.key=value`` strings applied after the file, in order.
+
+    Returns:
+        The validated ``TrainerConfig``.
+
+    Raises:
+        ConfigError: An unknown key, a value of the wrong type, an unknown mode name, or a
+            combination that cannot run.
+    """
+    import yaml
+
+    config = TrainerConfig()
+    if path is not None:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        _apply(config, data)
+    for dotted in overrides:
+        _apply(config, _override(dotted))
+    config.validate()
+    return config

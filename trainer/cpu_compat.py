@@ -1,0 +1,198 @@
+"""What megatron-core 0.16.1 needs to run on a CPU-only torch, in one place.
+
+megatron-core assumes a CUDA device in a few spots even when every tensor lives on the CPU.
+``apply()`` patches exactly those spots, and only when CUDA is absent, so the GPU path is never
+touched. It is idempotent and must be called before a model is built (the trainer does it; nothing
+is patched at import time).
+
+The patches, each with the megatron code that needs it (single process, local layer spec,
+allgather dispatcher, no expert bias; the multi-rank layouts need more, see docs/trainer.md):
+
+1. ``torch.cuda.current_device`` answers the CPU device. Megatron moves tensors "to the GPU"
+   with it in ``transformer/moe/router.py`` (``Router.gating`` moves the router weight),
+   ``models/common/embeddings/rotary_pos_embedding.py`` (``RotaryEmbedding.get_emb`` moves
+   ``inv_freq``) and creates buffers with it elsewhere; on a CPU build it raises instead.
+2. The RNG tracker of ``tensor_parallel/random.py`` (``CudaRNGStatesTracker.add`` / ``fork``,
+   used by ``model_parallel_cuda_manual_seed`` and by ``DotProductAttention.forward``) keeps
+   CUDA generator states; a CPU tracker keeps CPU generator states with the same contract.
+3. ``tensor_parallel/random.py``: ``CheckpointFunction`` (activation recompute) saves and
+   restores the "CUDA" generator state through the module functions ``_get_cuda_rng_state`` /
+   ``_set_cuda_rng_state``; they read and write the CPU generator instead.
+4. ``transformer/moe/moe_utils.py`` (``RouterGatingLinearFunction``) reads the module global
+   ``te_general_gemm``, which exists only when TransformerEngine imports: define it as None so
+   the plain ``torch.mm`` branch runs.
+5. The load-balancing aux-loss tracker: ``transformer/moe/moe_utils.py``
+   (``track_moe_metrics(..., force_initialize=True)``, how a training loop logs the aux loss)
+   creates missing tracker entries with ``torch.zeros(num_layers, device="cuda")``. The
+   wrapper creates them on the CPU first, so megatron's code finds them and skips that line.
+   (``save_to_aux_losses_tracker``, called by the router in every training forward, already
+   allocates on the loss's device.)
+6. ``pipeline_parallel/schedules.py``: the schedules (``forward_backward_no_pipelining``,
+   ``forward_backward_pipelining_with_interleaving``,
+   ``forward_backward_pipelining_without_interleaving`` (1F1B)) create their token counter
+   with ``total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")``. The module's
+   ``torch`` name is given a thin proxy whose ``zeros`` puts a ``device="cuda"`` tensor on the
+   CPU; every other attribute is torch's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_APPLIED = False
+
+
+def needed() -> bool:
+    """True when this torch has no usable CUDA device (the patches apply only then)."""
+    return not torch.cuda.is_available()
+
+
+def apply() -> bool:
+    """Patch megatron-core for a CPU-only torch if CUDA is absent; a no-op otherwise.
+
+    Returns:
+        True when the patches are (now or already) in place, False when CUDA is present.
+    """
+    global _APPLIED
+    if not needed():
+        return False
+    if _APPLIED:
+        return True
+    _patch_current_device()
+    _patch_rng_tracker()
+    _patch_rng_state_functions()
+    _patch_router_gemm()
+    _patch_aux_loss_tracker()
+    _patch_schedules_token_counter()
+    _APPLIED = True
+    return True
+
+
+def _cpu_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _patch_current_device() -> None:
+    # Router.gating / RotaryEmbedding.get_emb: `x.to(device=torch.cuda.current_device())`.
+    torch.cuda.current_device = _cpu_device
+
+
+class _CpuRNGStatesTracker:
+    """Mixin for megatron's ``CudaRNGStatesTracker`` that keeps CPU generator states.
+
+    Same contract as the CUDA tracker: ``add(name, seed)`` registers a named stream seeded with
+    ``seed``; ``fork(name)`` runs its body on that stream and keeps the stream's advanced state.
+    """
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+def _patch_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    # initialize_rng_tracker() instantiates the module global CudaRNGStatesTracker; give it the
+    # CPU version. model_parallel_cuda_manual_seed() also calls torch.cuda.manual_seed, which a
+    # CPU build queues lazily and never runs: harmless.
+    if not issubclass(mrandom.CudaRNGStatesTracker, _CpuRNGStatesTracker):
+        mrandom.CudaRNGStatesTracker = type(
+            "CpuRNGStatesTracker", (_CpuRNGStatesTracker, mrandom.CudaRNGStatesTracker), {}
+        )
+    # A tracker built before apply() would still hold CUDA states: drop it.
+    mrandom.initialize_rng_tracker(force_reset=True)
+
+
+def _get_cpu_rng_state(device=None, clone=False, graph_safe=False) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state, device=None, graph_safe=False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _patch_rng_state_functions() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    # CheckpointFunction.forward/backward -> _get_all_rng_states / _set_all_rng_states.
+    mrandom._get_cuda_rng_state = _get_cpu_rng_state
+    mrandom._set_cuda_rng_state = _set_cpu_rng_state
+
+
+def _patch_router_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    # RouterGatingLinearFunction.forward/backward test `te_general_gemm is not None`; 0.16.1
+    # defines the name only when TransformerEngine imports (NameError otherwise).
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _patch_aux_loss_tracker() -> None:
+    import functools
+
+    from megatron.core.transformer.moe import moe_utils
+
+    original = moe_utils.track_moe_metrics
+    if getattr(original, "_cpu_compat", False):
+        return
+
+    @functools.wraps(original)
+    def track_moe_metrics(*args, **kwargs):
+        names, layers = kwargs.get("track_names"), kwargs.get("num_layers")
+        if kwargs.get("force_initialize") and names is not None and layers is not None:
+            tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+            for name in names:
+                if name not in tracker:
+                    tracker[name] = {
+                        "values": torch.zeros(layers),  # megatron: device="cuda"
+                        "reduce_group": None,
+                        "avg_group": None,
+                        "reduce_group_has_dp": False,
+                    }
+        return original(*args, **kwargs)
+
+    track_moe_metrics._cpu_compat = True
+    moe_utils.track_moe_metrics = track_moe_metrics
+
+
+class _CpuZerosTorch:
+    """``torch`` for ``pipeline_parallel/schedules.py``: ``zeros(..., device="cuda")`` lands on
+    the CPU; everything else is delegated to torch unchanged."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        return torch.zeros(*args, **kwargs)
+
+
+def _patch_schedules_token_counter() -> None:
+    from megatron.core.pipeline_parallel import schedules
+
+    # total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda") in every schedule.
+    if not isinstance(schedules.torch, _CpuZerosTorch):
+        schedules.torch = _CpuZerosTorch()

@@ -1,0 +1,216 @@
+"""Where a step's samples and rollout routes come from (docs/architecture.md, trainer step 1).
+
+A batch is a list of sample ids. Its records (tokens, generated turns, the rollout's log-probs
+and routes) come from the route cache in one ``read_batch`` call per batch, or from a records
+file (``router_replay.replay_file`` / ``data.records_file``, written by ``save_records``).
+``Prefetcher`` fetches batch i + 1 in a background thread while batch i trains.
+
+Missing records: ``missing_record=error`` fails the batch, naming the samples, before any
+training. ``missing_record=native`` counts and logs them; a sample whose tokens come from a feed
+(``BatchPlan.samples``) is then trained with native routing, and a sample known only by its id
+(nothing to train on without its record) is dropped from the batch. Never "expert 0, k times".
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from routereplay.errors import InvalidArgument
+from routereplay.record import Record
+from routereplay.record_file import load_records
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Sample:
+    """What the RL step trains on.
+
+    Attributes:
+        sample_id: The route cache's key.
+        group_id: The GRPO group (advantages are normalised within it).
+        token_ids: int32 ``[T]``, every turn's tokens.
+        generated: bool ``[T]``, True on tokens the policy generated.
+        rollout_logprobs: float32 ``[T]``, the rollout engine's log-prob of each generated token
+            (NaN elsewhere and where the engine did not report one).
+    """
+
+    sample_id: str
+    group_id: str
+    token_ids: np.ndarray
+    generated: np.ndarray
+    rollout_logprobs: np.ndarray
+
+    @classmethod
+    def from_record(cls, record: Record) -> Sample:
+        size = record.token_ids.size
+        generated = np.zeros(size, bool)
+        logprobs = np.full(size, np.nan, np.float32)
+        for turn in record.turns:
+            generated[turn.generated_start : turn.token_end] = True
+            if turn.logprobs.size:
+                logprobs[turn.generated_start : turn.token_end] = turn.logprobs
+        return cls(record.sample_id, record.group_id, record.token_ids, generated, logprobs)
+
+
+@dataclass
+class BatchPlan:
+    """One batch to fetch: its sample ids, and the samples when a feed supplies them (else the
+    samples are built from the records)."""
+
+    sample_ids: list[str]
+    samples: list[Sample] | None = None
+
+
+@dataclass
+class FetchedBatch:
+    """A batch ready to train: samples and their records (None where missing, native routing).
+
+    Attributes:
+        samples: The samples to train on, in batch order.
+        records: The rollout's record of each sample, or None.
+        missing: Ids without a record (``missing_record=native``).
+        dropped: Ids dropped because neither a record nor a fed sample exists.
+        fetch_s: Seconds the fetch itself took (in the background when prefetched).
+        wait_s: Seconds the training loop waited for it.
+    """
+
+    samples: list[Sample]
+    records: list[Record | None]
+    missing: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    fetch_s: float = 0.0
+    wait_s: float = 0.0
+
+
+class CacheSource:
+    """Records from the route cache: one ``read_batch`` call per batch."""
+
+    def __init__(self, target: str, timeout_s: float = 60.0):
+        from routereplay.client import RouteCacheClient
+
+        self.client = RouteCacheClient(target, timeout_s=timeout_s)
+
+    def fetch(self, sample_ids: Sequence[str]) -> list[Record | None]:
+        from routereplay.wire import Missing
+
+        return [
+            None if isinstance(item, Missing) else item
+            for item in self.client.read_batch(list(sample_ids), skip_missing=True)
+        ]
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class FileSource:
+    """Records from a file written by ``save_records`` (``.npz`` or ``.pt``)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.records = {r.sample_id: r for r in load_records(self.path)}
+
+    def fetch(self, sample_ids: Sequence[str]) -> list[Record | None]:
+        return [self.records.get(s) for s in sample_ids]
+
+    def close(self) -> None:
+        pass
+
+
+def resolve(plan: BatchPlan, records: list[Record | None], missing: str) -> FetchedBatch:
+    """Apply the missing-record policy and pair samples with records.
+
+    Raises:
+        InvalidArgument: a record is missing under ``missing="error"``.
+    """
+    absent = [s for s, r in zip(plan.sample_ids, records, strict=True) if r is None]
+    if absent and missing == "error":
+        raise InvalidArgument(
+            f"no record in the route cache for {len(absent)} of {len(records)} samples: "
+            f"{absent[:8]} (router_replay.missing_record=native trains them natively)"
+        )
+    if absent:
+        log.warning("%d samples without a record route natively: %s", len(absent), absent[:8])
+    if plan.samples is not None:
+        if [s.sample_id for s in plan.samples] != list(plan.sample_ids):
+            raise ValueError("BatchPlan.samples must be in the order of sample_ids")
+        return FetchedBatch(list(plan.samples), list(records), absent)
+    kept = [r for r in records if r is not None]
+    return FetchedBatch([Sample.from_record(r) for r in kept], kept, absent, absent)
+
+
+class Prefetcher:
+    """Iterate over fetched batches in plan order, fetching the next one in a background thread
+    while the caller trains on the current one.
+
+    Args:
+        source: ``fetch(sample_ids) -> list[Record | None]`` (``CacheSource``, ``FileSource``).
+        plans: The batches, in order.
+        missing: The missing-record policy (``error`` or ``native``).
+        prefetch: Fetch ahead (False fetches each batch when it is asked for).
+    """
+
+    def __init__(self, source, plans: Iterable[BatchPlan], missing: str, prefetch: bool = True):
+        self.source = source
+        self.plans = iter(plans)
+        self.missing = missing
+        self.prefetch = prefetch
+        self.events: list[tuple[str, int, float]] = []  # (what, batch index, monotonic time)
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefetch")
+
+    def _note(self, what: str, index: int) -> None:
+        with self._lock:
+            self.events.append((what, index, time.monotonic()))
+
+    def _fetch(self, index: int, plan: BatchPlan) -> FetchedBatch:
+        self._note("fetch_start", index)
+        start = time.perf_counter()
+        records = self.source.fetch(plan.sample_ids)
+        fetched = resolve(plan, records, self.missing)
+        fetched.fetch_s = time.perf_counter() - start
+        self._note("fetch_end", index)
+        return fetched
+
+    def _submit(self, index: int):
+        plan = next(self.plans, None)
+        return None if plan is None else self._pool.submit(self._fetch, index, plan)
+
+    def __iter__(self) -> Iterator[FetchedBatch]:
+        try:
+            index = 0
+            pending = self._submit(index)
+            while pending is not None:
+                self._note("wanted", index)
+                start = time.perf_counter()
+                fetched = pending.result()
+                fetched.wait_s = time.perf_counter() - start
+                if self.prefetch:
+                    pending = self._submit(index + 1)
+                    yield fetched
+                else:
+                    yield fetched
+                    pending = self._submit(index + 1)
+                index += 1
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def plan_batches(sample_ids: Sequence[str], batch_size: int, steps: int) -> list[BatchPlan]:
+    """``steps`` batches of ``batch_size`` consecutive ids, cycling through ``sample_ids``."""
+    if not sample_ids:
+        raise ValueError("no sample ids to train on")
+    ids = list(sample_ids)
+    plans = []
+    for step in range(steps):
+        start = step * batch_size
+        plans.append(BatchPlan([ids[(start + i) % len(ids)] for i in range(batch_size)]))
+    return plans

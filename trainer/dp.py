@@ -1,0 +1,139 @@
+"""Data parallelism for the RL step: which samples a DP rank trains on, and the collectives
+that make the ranks' update equal to one rank's update on the whole batch.
+
+Sharding: the batch is cut into the global micro-batches of ``train.micro_batch_size`` samples
+(what a single rank trains on between two optimizer steps) and each DP rank takes its
+``reshard.dp_shard`` of every micro-batch. So DP rank r's micro-batch i holds its share of the
+single-rank micro-batch i, and every optimizer step sees the same samples as on one rank.
+
+Gradients: a plain all-reduce (sum) of the gradients over the DP group after each backward,
+with the loss normalised by the micro-batch's generated-token count over *all* DP ranks, so the
+sum is the single-rank token-mean gradient (up to float summation order). One flat buffer per
+backward (one collective). Chosen over megatron's ``DistributedDataParallel`` because the model
+is built as a plain module and the optimizer is our own AdamW on the CPU; nothing overlaps here.
+
+With one DP rank every method is the identity (no collective runs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from trainer.data import BatchPlan
+from trainer.reshard import LayoutError, dp_shard
+
+
+class DataParallel:
+    """This process's DP rank and the DP group's collectives.
+
+    Args:
+        size, rank: DP size and this rank's DP index.
+        group: The DP process group (None: the default group, when it is the DP group).
+    """
+
+    def __init__(self, size: int = 1, rank: int = 0, group=None):
+        self.size = size
+        self.rank = rank
+        self.group = group
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    # -- samples ------------------------------------------------------------------------------
+
+    def check(self, batch_size: int, micro_batch_size: int) -> None:
+        """Refuse a batch that does not divide over the DP ranks (raised on every rank alike,
+        from the configuration alone, before any collective)."""
+        if not self.enabled:
+            return
+        for name, n in (("batch_size", batch_size), ("micro_batch_size", micro_batch_size)):
+            if n % self.size:
+                raise LayoutError(
+                    f"train.{name}={n} does not divide over {self.size} data-parallel ranks"
+                )
+
+    def indices(self, num_samples: int, micro_batch_size: int) -> list[int]:
+        """Batch positions of this rank's samples, in training order."""
+        if not self.enabled:
+            return list(range(num_samples))
+        out: list[int] = []
+        for lo in range(0, num_samples, micro_batch_size):
+            n = min(micro_batch_size, num_samples - lo)
+            out.extend(lo + i for i in dp_shard(n, self.size, self.rank))
+        return out
+
+    def shard_plan(self, plan: BatchPlan, micro_batch_size: int) -> BatchPlan:
+        """The part of ``plan`` this rank fetches and trains on."""
+        if not self.enabled:
+            return plan
+        mine = self.indices(len(plan.sample_ids), micro_batch_size)
+        samples = None if plan.samples is None else [plan.samples[i] for i in mine]
+        return BatchPlan([plan.sample_ids[i] for i in mine], samples)
+
+    # -- collectives --------------------------------------------------------------------------
+
+    def sum(self, values: Sequence[float] | torch.Tensor, dtype=torch.float64) -> torch.Tensor:
+        """Element-wise sum over the DP ranks."""
+        t = torch.as_tensor(values, dtype=dtype).clone()
+        if self.enabled:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t
+
+    def max(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        if self.enabled:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.item()
+
+    def all_gather(self, obj) -> list:
+        """Every rank's ``obj``, in DP rank order (picklable objects)."""
+        if not self.enabled:
+            return [obj]
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast_parameters(self, model: torch.nn.Module) -> None:
+        """Start every rank from DP rank 0's weights."""
+        if not self.enabled:
+            return
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        for p in model.parameters():
+            dist.broadcast(p.data, src=src, group=self.group)
+
+    def reduce_gradients(self, model: torch.nn.Module) -> None:
+        """Sum the gradients over the DP ranks (one flat buffer). A parameter without a
+        gradient on this rank but with one elsewhere gets zeros first; one without on every
+        rank keeps ``None`` (the optimizer skips it, as on one rank)."""
+        if not self.enabled:
+            return
+        params = [p for p in model.parameters() if p.requires_grad]
+        has = self.sum([float(p.grad is not None) for p in params])
+        for p, n in zip(params, has.tolist(), strict=True):
+            if p.grad is None and n > 0:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+SINGLE = DataParallel()
+
+
+def from_world(world) -> DataParallel:
+    """The DP group of a ``parallel.World``."""
+    from megatron.core import parallel_state
+
+    if world.dp_size == 1:
+        return DataParallel()
+    return DataParallel(world.dp_size, world.dp_rank, parallel_state.get_data_parallel_group())

@@ -1,0 +1,127 @@
+"""The consistency report's measurements: how close the trainer comes to the rollout.
+
+- Routing agreement, per MoE layer: the fraction of tokens (rows of the records) whose
+  trainer-natural top-k set equals the rollout's (``routereplay.route_stats.agreement``).
+- Log-prob gap over generated tokens, trainer against rollout, with d = logp_trainer -
+  logp_rollout: mean |d|, max |d|, the k3 estimate of KL(rollout || trainer),
+  mean(exp(d) - 1 - d) (the samples come from the rollout policy), and the fraction of tokens
+  whose probability ratio exceeds 2 either way (|d| > ln 2).
+- ``NaturalTopk``: the top-k a router would choose on its current logits, captured in any pass
+  (natural or replayed), by wrapping each router's ``gating`` for the forward's duration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from routereplay.route_stats import agreement, overlap_counts
+
+
+@dataclass
+class LogprobGap:
+    """Trainer against rollout log-probs over ``tokens`` generated tokens."""
+
+    mean_abs: float
+    max_abs: float
+    k3_kl: float
+    ratio_gt_2: float
+    tokens: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def logprob_gap(trainer: np.ndarray, rollout: np.ndarray) -> LogprobGap:
+    """Gap between two float arrays of the same generated tokens' log-probs."""
+    d = np.asarray(trainer, np.float64) - np.asarray(rollout, np.float64)
+    if d.size == 0:
+        return LogprobGap(0.0, 0.0, 0.0, 0.0, 0)
+    return LogprobGap(
+        float(np.abs(d).mean()),
+        float(np.abs(d).max()),
+        float((np.expm1(d) - d).mean()),
+        float((np.abs(d) > math.log(2)).mean()),
+        int(d.size),
+    )
+
+
+def routing_agreement(
+    natural: Sequence[np.ndarray], rollout: Sequence[np.ndarray]
+) -> dict[str, list[float] | int]:
+    """Per MoE layer agreement of per-sample ``[rows, L, k]`` routes: exact top-k set equality
+    and mean overlap, over every row of every sample."""
+    result = agreement(list(zip(natural, rollout, strict=True)))
+    return {
+        "exact": [float(x) for x in result.exact],
+        "overlap": [float(x) for x in result.overlap],
+        "rows": int(result.rows),
+    }
+
+
+def agreement_counts(natural: Sequence[np.ndarray], rollout: Sequence[np.ndarray]) -> np.ndarray:
+    """int64 ``[rows, L]``: per compared row and layer, how many of the k experts both picked
+    (the rows ``routing_agreement`` averages; concatenable across ranks)."""
+    counts = [
+        overlap_counts(a[: min(len(a), len(b))], b[: min(len(a), len(b))])
+        for a, b in zip(natural, rollout, strict=True)
+    ]
+    return np.concatenate(counts) if counts else np.zeros((0, 0), np.int64)
+
+
+def agreement_from_counts(counts: np.ndarray, k: int) -> dict[str, list[float] | int]:
+    """``routing_agreement`` from ``agreement_counts`` (of one rank or several concatenated)."""
+    if counts.size == 0:
+        return {"exact": [], "overlap": [], "rows": 0}
+    return {
+        "exact": [float(x) for x in (counts == k).mean(axis=0)],
+        "overlap": [float(x) for x in (counts / k).mean(axis=0)],
+        "rows": int(counts.shape[0]),
+    }
+
+
+class NaturalTopk:
+    """Capture, per router and forward, the top-k of the router's current logits: what it
+    would choose without replay (its natural routing), whatever it actually used.
+
+    ``calls[j]`` lists int64 ``[tokens, k]`` tensors of router j (in ``routers`` order), one per
+    call inside ``capture()``; recomputation in backward runs outside it and is not captured.
+    Top-k of the logits equals top-k of the softmax scores (softmax is monotonic).
+    """
+
+    def __init__(self, routers, topk: int):
+        self.routers = list(routers)
+        self.topk = topk
+        self.calls: list[list[torch.Tensor]] = [[] for _ in self.routers]
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[NaturalTopk]:
+        # An instance attribute already there (another wrapper) is restored on exit.
+        previous = [r.router.__dict__.get("gating") for r in self.routers]
+        for j, r in enumerate(self.routers):
+            gating = r.router.gating
+
+            def hooked(x, j=j, gating=gating):
+                logits = gating(x)
+                flat = logits.detach().reshape(-1, logits.shape[-1])
+                self.calls[j].append(flat.float().topk(self.topk, dim=-1).indices)
+                return logits
+
+            r.router.gating = hooked
+        try:
+            yield self
+        finally:
+            for r, before in zip(self.routers, previous, strict=True):
+                if before is None:
+                    del r.router.gating
+                else:
+                    r.router.gating = before
+
+    def last(self) -> list[torch.Tensor]:
+        """The most recent call of every router, in router order."""
+        return [calls[-1] for calls in self.calls]

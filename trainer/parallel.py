@@ -1,0 +1,185 @@
+"""Multi-rank trainer processes: megatron's parallel groups over a real world, and the extra
+CPU patches that more than one rank needs.
+
+Launch one process per rank with ``torchrun`` (gloo on the CPU, NCCL on GPUs); ``init_world``
+reads the usual ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` variables that
+torchrun sets.
+
+``apply_multirank_cpu_patches`` lives here rather than in ``trainer/cpu_compat.py`` only
+because that file was being edited concurrently; it is meant to move there (see
+docs/resharding.md). Like ``cpu_compat.apply`` it patches only when CUDA is absent.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from trainer import cpu_compat
+from trainer.reshard import Layout, LayoutError, RankCoords
+
+_PATCHED = False
+
+
+def apply_multirank_cpu_patches() -> bool:
+    """Patch megatron-core 0.16.1 for more than one rank on a CPU-only torch (no-op with CUDA).
+
+    1. ``transformer/torch_norm.py``: ``WrappedTorchNorm`` (the norm of the local layer spec
+       without TransformerEngine or apex) asserts ``not config.sequence_parallel``. RMSNorm is
+       per token, so under sequence parallelism each rank normalises its own sequence shard
+       with the same (replicated) weight: the norm is built from a copy of the config without
+       the flag, and its parameters get ``sequence_parallel = True``, the attribute megatron's
+       ``finalize_model_grads`` uses to all-reduce their gradients over the TP group. Only
+       norms over ``hidden_size`` are in the sequence-parallel region (the q/k norms run after
+       the gather, per head).
+    2. ``transformer/moe/token_dispatcher.py``: ``MoEAlltoAllTokenDispatcher`` creates a
+       ``torch.cuda.Stream`` at construction and, in ``_maybe_dtoh_and_synchronize``, copies
+       the split sizes to the host on it. On the CPU the sizes are already host tensors, but
+       ``all_to_all_single`` wants lists of ints: the patched method turns them into lists at
+       the same point and records no event. The class's stream slot gets a placeholder so the
+       constructor does not build a CUDA stream.
+
+    Returns:
+        True when patched (now or before), False with CUDA.
+    """
+    global _PATCHED
+    if not cpu_compat.apply():
+        return False
+    if _PATCHED:
+        return True
+    from megatron.core.transformer import torch_norm
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = original_new(cls, plain, hidden_size, *args, **kwargs)
+        if hidden_size == config.hidden_size:
+            for p in norm.parameters():
+                p.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
+    _patch_alltoall_dispatcher()
+    _PATCHED = True
+    return True
+
+
+def _patch_alltoall_dispatcher() -> None:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    def host_splits(self, point, tokens_per_expert=None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits"):
+                value = getattr(self, name)
+                if torch.is_tensor(value):
+                    setattr(self, name, value.tolist())
+        return tokens_per_expert
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu: no stream"
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = host_splits
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the layout.
+
+    Attributes:
+        rank, world_size: Global rank and size.
+        layout: The parallel layout.
+        dp_size, dp_rank: Data-parallel size and this rank's DP index.
+        coords: TP / CP / PP ranks (``vp_stage`` left None: a rank holds every virtual stage).
+        pg_collection: megatron's ``ProcessGroupCollection`` for the model builder.
+    """
+
+    rank: int
+    world_size: int
+    layout: Layout
+    dp_size: int
+    dp_rank: int
+    coords: RankCoords
+    pg_collection: object
+
+
+def init_world(layout: Layout, seed: int = 1234, backend: str | None = None) -> World:
+    """Join the torchrun world and build megatron's groups for ``layout`` over it.
+
+    Refuses a world size that does not divide as configured before any collective runs (every
+    rank raises the same ``LayoutError``, so nothing hangs).
+    """
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    dp = layout.dp(world_size)  # raises before the first collective
+    apply_multirank_cpu_patches()
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    coords = RankCoords(
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        cp_rank=parallel_state.get_context_parallel_rank(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+    )
+    return World(
+        rank=dist.get_rank(),
+        world_size=world_size,
+        layout=layout,
+        dp_size=dp,
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        coords=coords,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
+
+
+def model_overrides(layout: Layout) -> dict:
+    """``TransformerConfig`` fields for ``layout`` (pass to ``build_model``)."""
+    if layout.cp > 1 and not _has_transformer_engine():
+        raise LayoutError(
+            "context parallel needs TransformerEngine attention (not installed): only the CP "
+            "split itself runs here (trainer.reshard.cp_index)"
+        )
+    out = dict(
+        tensor_model_parallel_size=layout.tp,
+        sequence_parallel=layout.sequence_parallel and layout.tp > 1,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+    )
+    if layout.vp is not None:
+        out["virtual_pipeline_model_parallel_size"] = layout.vp
+    if layout.pp > 1:
+        # The schedules' p2p buffers need a dtype: the activations' (transformer_config's
+        # params_dtype default).
+        out["pipeline_dtype"] = torch.float32
+        if not torch.cuda.is_available():
+            # pipeline_parallel/p2p_communication.py: with batch_p2p_comm and batch_p2p_sync
+            # (the defaults) every exchange ends in torch.cuda.synchronize(); plain isend/irecv
+            # (_p2p_ops) works on gloo.
+            out["batch_p2p_comm"] = False
+    return out
+
+
+def _has_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,196 @@
+"""Drive megatron-core's built-in router replay for one model, with a replay mask.
+
+Megatron gives each ``TopKRouter`` a ``RouterReplay`` when ``moe_enable_routing_replay`` is
+set. It replaces only the top-k *choice*: probabilities are still the score function of the
+current logits gathered at the replayed ids, so gradients reach the router.
+
+**The mask.** Megatron's replay has no mask: under ``REPLAY_FORWARD`` every row takes the
+given ids. Rows with no recorded route (each sample's final token, padding, samples whose
+record is missing) must use native routing, never a filler such as "expert 0, k times". This
+module marks such rows with ``-1`` in the index tensor and gives each router a
+``MaskedRouterReplay``: a subclass of megatron's ``RouterReplay`` whose ``get_replay_topk``
+computes the router's natural top-k from the current scores (megatron's own top-k function,
+handed to it by ``topk_routing_with_score_function``) and takes it on the ``-1`` rows. That
+is native routing in the same forward, on the hidden states that replay produced upstream.
+
+Rejected alternative: filling masked rows with natural ids taken from an earlier record pass.
+It costs a forward pass, and it is not native routing: the record pass runs with natural
+routing everywhere, so a masked token's hidden state (which depends on earlier tokens'
+experts) differs from the one it has under replay. The sentinel travels inside megatron's own
+index tensors, so ``set_target_indices`` and the ``REPLAY_BACKWARD`` FIFO carry it unchanged.
+
+**Per model, not per process.** Megatron's ``RouterReplay`` keeps a class-level registry in
+construction order; two models in one process would share it. ``RouterReplayControl`` holds
+the routers of one model, keyed by global layer number, and addresses their instances
+directly; the model builder resets the registry and installs fresh instances.
+
+**Actions.** ``REPLAY_FORWARD`` for forward passes; ``REPLAY_BACKWARD`` around backward when
+activations are recomputed (nothing inside megatron sets it; leaving ``REPLAY_FORWARD`` on then
+gives silently wrong gradients with 2 micro-batches in flight): it pops the ids of the micro-batch
+being recomputed, in forward order. ``RECORD`` keeps only the last forward, so ``recording()``
+collects one list per forward. Indices are cleared at the end of every step (``step()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+MASKED = -1
+"""Index value of a row that routes natively (no recorded route)."""
+
+
+class MaskedRouterReplay(RouterReplay):
+    """Megatron's ``RouterReplay`` where rows whose ids are ``MASKED`` route natively.
+
+    Target tensors: int64 ``[tokens, topk]`` in megatron's token order (``[seq, batch]``
+    flattened, this rank's tokens only); a row is either ``topk`` distinct expert ids or all
+    ``MASKED``.
+    """
+
+    def get_replay_topk(
+        self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None
+    ):
+        """Top-k for one router call: recorded, replayed (masked rows natural) or natural.
+
+        Args:
+            scores: float ``[tokens, num_experts]``, what megatron takes the top-k of (logits,
+                or probabilities with ``moe_router_pre_softmax``).
+            topk: Experts per token.
+            num_groups: Expert groups for group-limited routing (passed through).
+            group_topk: Groups kept per token (passed through).
+            default_compute_topk: Megatron's natural top-k, returning ``(values, indices)``.
+
+        Returns:
+            ``(values, indices)``: float ``[tokens, topk]`` gathered from ``scores`` and int64
+            ``[tokens, topk]`` expert ids.
+        """
+        if self.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
+            target = self.target_topk_idx
+        elif self.router_replay_action == RouterReplayAction.REPLAY_BACKWARD:
+            target = self.replay_backward_list.pop(0)
+        else:
+            return super().get_replay_topk(
+                scores, topk, num_groups, group_topk, default_compute_topk
+            )
+        if target is None:
+            raise RuntimeError("replay is on but no indices were set for this router")
+        target = target.to(scores.device)
+        if target.shape != (scores.shape[0], topk):
+            raise ValueError(
+                f"replay indices have shape {tuple(target.shape)}; this router call has "
+                f"{scores.shape[0]} tokens and top-{topk}"
+            )
+        masked = target[:, :1] == MASKED
+        if bool(masked.any()):
+            _, natural = default_compute_topk(
+                scores, topk, num_groups=num_groups, group_topk=group_topk
+            )
+            target = torch.where(masked, natural, target)
+        return scores.gather(1, target), target
+
+
+@dataclass(frozen=True)
+class ReplayRouter:
+    """One router of the model: its global (0-based) decoder layer number and module."""
+
+    layer: int
+    router: torch.nn.Module
+
+    @property
+    def replay(self) -> MaskedRouterReplay:
+        return self.router.router_replay
+
+
+class RouterReplayControl:
+    """Replay actions and indices for the routers of one model (this rank's routers only).
+
+    Args:
+        routers: The model's routers in ascending global layer order.
+    """
+
+    def __init__(self, routers: Sequence[ReplayRouter]):
+        self.routers = list(routers)
+        self.layers = tuple(r.layer for r in self.routers)
+
+    def _set_action(self, action: RouterReplayAction | None) -> None:
+        for r in self.routers:
+            if action is None:
+                r.replay.clear_router_replay_action()
+            else:
+                r.replay.set_router_replay_action(action)
+
+    def load(self, indices: Sequence[torch.Tensor]) -> None:
+        """Queue one micro-batch's replay ids: one int64 ``[tokens, topk]`` tensor per router,
+        in ``self.routers`` order, ``MASKED`` rows routing natively."""
+        if len(indices) != len(self.routers):
+            raise ValueError(
+                f"{len(indices)} replay tensors for {len(self.routers)} routers "
+                f"(layers {list(self.layers)})"
+            )
+        for r, idx in zip(self.routers, indices, strict=True):
+            r.replay.set_target_indices(idx)
+
+    @contextlib.contextmanager
+    def forward(self, indices: Sequence[torch.Tensor]) -> Iterator[None]:
+        """Run a forward pass that replays ``indices`` (see ``load``)."""
+        self.load(indices)
+        self._set_action(RouterReplayAction.REPLAY_FORWARD)
+        try:
+            yield
+        finally:
+            self._set_action(None)
+
+    @contextlib.contextmanager
+    def backward(self) -> Iterator[None]:
+        """Run a backward pass; recomputed router calls replay their micro-batch's ids (FIFO
+        in forward order). Needed whenever activations are recomputed; harmless otherwise."""
+        self._set_action(RouterReplayAction.REPLAY_BACKWARD)
+        try:
+            yield
+        finally:
+            self._set_action(None)
+
+    @contextlib.contextmanager
+    def recording(self, into: list[list[torch.Tensor]]) -> Iterator[None]:
+        """Run one forward pass with natural routing and append what each router chose:
+        ``into`` gets one list (per router, int64 ``[tokens, topk]``) per call."""
+        self._set_action(RouterReplayAction.RECORD)
+        try:
+            yield
+        finally:
+            self._set_action(None)
+        into.append([r.replay.get_recorded_indices() for r in self.routers])
+
+    def clear(self) -> None:
+        """Drop every queued and recorded index and the action (call at the end of a step:
+        the backward FIFO grows otherwise)."""
+        self._set_action(None)
+        for r in self.routers:
+            r.replay.clear_indices()
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[RouterReplayControl]:
+        """Scope of one training step: indices are cleared when it ends, even on error."""
+        try:
+            yield self
+        finally:
+            self.clear()
+
+
+def install(routers: Sequence[ReplayRouter]) -> RouterReplayControl:
+    """Give each router a fresh ``MaskedRouterReplay`` and return their control.
+
+    Resets megatron's class-level registry first, so it holds exactly these routers, in
+    global layer order (what ``RouterReplay.set_replay_data`` would expect).
+    """
+    RouterReplay.clear_global_router_replay_instances()
+    for r in routers:
+        if getattr(r.router, "router_replay", None) is None:
+            raise ValueError(f"layer {r.layer}: router built without moe_enable_routing_replay")
+        r.router.router_replay = MaskedRouterReplay()
+    return RouterReplayControl(routers)

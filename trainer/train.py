@@ -1,0 +1,180 @@
+"""The training loop: batches in, RL steps, the consistency report out.
+
+``train(config, plans)`` builds the model and optimizer, fetches each planned batch (prefetching
+the next one), runs one ``RLStep`` per batch, logs one line per step, writes
+``router_replay.record_file`` (the routes used, layout-free, ``save_records``) and
+``report.json`` at the end, and returns the per-step reports. Hooks after each step: the
+report to TensorBoard (``report.tensorboard_dir``), the weights exported in the Hugging Face
+layout every ``train.export_every`` steps (``train.export_dir``, for the rollout server's
+``UpdateWeights``), a checkpoint every ``train.checkpoint_every`` steps
+(``train.checkpoint_dir``); both also after the last step. With ``train.resume`` and a
+checkpoint in ``checkpoint_dir``, the loop restores it and skips the steps it had done.
+
+Data parallel (``dp``, a ``trainer.dp.DataParallel``): every rank gets the same plans, fetches
+and trains its own share of each batch, and returns the whole batch's reports; DP rank 0 alone
+logs them and writes the record file, the report JSON, TensorBoard, exports and checkpoints.
+
+The input is an iterable of ``BatchPlan``: sample ids from the command line today; a feed (the
+rollout server's finished samples, issue "pipeline") plugs in as another iterable of plans,
+optionally carrying the samples themselves.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from routereplay.record import Record
+from routereplay.record_file import save_records
+from trainer import checkpoint
+from trainer.config import ReplayMode, TrainerConfig
+from trainer.data import BatchPlan, CacheSource, FileSource, Prefetcher
+from trainer.dp import SINGLE, DataParallel
+from trainer.model import TrainerModel, build_model
+from trainer.optim import AdamW
+from trainer.step import RLStep
+
+log = logging.getLogger(__name__)
+
+RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+def open_source(config: TrainerConfig):
+    """The records' source: a file (``replay_file`` or ``data.records_file``) or the cache."""
+    path = config.router_replay.replay_file or config.data.records_file
+    return FileSource(path) if path else CacheSource(config.route_cache.target)
+
+
+def build(config: TrainerConfig, pg_collection=None) -> tuple[TrainerModel, AdamW]:
+    """The model (replay installed when a mode or the comparison pass needs it) and AdamW."""
+    torch.manual_seed(config.train.seed)
+    overrides: dict = {}
+    if config.train.dtype == "bfloat16":
+        overrides.update(params_dtype=torch.bfloat16, bf16=True)
+    if config.model.recompute:
+        overrides.update(RECOMPUTE)
+    if config.model.aux_loss_coeff > 0:
+        coeff = config.model.aux_loss_coeff
+        overrides.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=coeff)
+    replay = config.router_replay.mode is not ReplayMode.DISABLED or config.report.compare
+    built = build_model(
+        config.model.path, routing_replay=replay, pg_collection=pg_collection, **overrides
+    )
+    return built, AdamW(built.model, config.train.lr, config.train.weight_decay)
+
+
+def summary(report: dict) -> str:
+    """One console line per step."""
+    gap = "  ".join(
+        f"gap[{name}] mean {g['mean_abs']:.2e} max {g['max_abs']:.2e} k3 {g['k3_kl']:.1e}"
+        for name, g in report["gap"].items()
+    )
+    agree = " ".join(f"{x:.4f}" for x in report["agreement"]["exact"])
+    t = report["time_s"]
+    return (
+        f"step {report['step']} [{report['mode']}] reward {report['reward_mean']:.3f} "
+        f"expected {report['expected_reward']:.4f} loss {report['loss']:+.4f}  "
+        f"routing agreement/layer {agree}  {gap}  "
+        f"update agreement {[round(x, 4) for x in report['update_agreement']]}  "
+        f"replayed rows {report['rows']['replayed_fraction']:.3f}  "
+        f"missing {report['missing_records']}  "
+        + (f"aux loss {report['aux_loss']:.4f}  " if report.get("aux_loss") is not None else "")
+        + f"time old {t['old_logprob']:.2f}s compare {t['compare']:.2f}s update {t['update']:.2f}s "
+        f"fetch wait {t['fetch_wait']:.3f}s"
+    )
+
+
+def train(
+    config: TrainerConfig,
+    plans: Iterable[BatchPlan],
+    *,
+    pg_collection=None,
+    source=None,
+    built: tuple[TrainerModel, AdamW] | None = None,
+    dp: DataParallel = SINGLE,
+) -> list[dict]:
+    """Run one step per plan; returns the reports (also logged, and written when configured).
+
+    Args:
+        config: The configuration.
+        plans: The batches, in order (ids, or ids with samples from a feed).
+        pg_collection: megatron's process groups (``distributed.init_single_process``).
+        source: The records' source (default: ``open_source(config)``).
+        built: A model and optimizer to reuse (default: ``build(config)``).
+        dp: The data-parallel group (default: one rank).
+    """
+    cfg = config.train
+    dp.check(cfg.batch_size, cfg.micro_batch_size)
+    lead = dp.rank == 0
+    own_source = source is None
+    source = source or open_source(config)
+    model, optimizer = built or build(config, pg_collection)
+    dp.broadcast_parameters(model.model)
+    start = 0
+    resume_from = checkpoint.latest(cfg.checkpoint_dir) if cfg.resume else None
+    if resume_from is not None:
+        start = checkpoint.load(resume_from, model, optimizer)
+    stepper = RLStep(model, optimizer, config, dp)
+    reports: list[dict] = []
+    used: list[Record] = []
+    writer = None
+    if config.report.tensorboard_dir and lead:
+        from trainer.tb import ReportWriter
+
+        writer = ReportWriter(config.report.tensorboard_dir)
+    step = start - 1
+    exported = saved = start - 1
+    try:
+        fetcher = Prefetcher(
+            source,
+            (dp.shard_plan(p, cfg.micro_batch_size) for p in itertools.islice(plans, start, None)),
+            config.router_replay.missing_record,
+            config.data.prefetch,
+        )
+        for step, fetched in enumerate(fetcher, start):
+            report = stepper.run(fetched, step)
+            used.extend(stepper.routes_used)
+            if lead:
+                log.info("%s", summary(report))
+            reports.append(report)
+            if writer is not None:
+                writer.write(report)
+            if cfg.export_dir and (step + 1) % cfg.export_every == 0:
+                if lead:
+                    export_weights(config, model, step)
+                exported = step
+            if cfg.checkpoint_dir and (step + 1) % cfg.checkpoint_every == 0:
+                if lead:
+                    checkpoint.save(cfg.checkpoint_dir, step + 1, model, optimizer, config)
+                saved = step
+        if cfg.export_dir and exported != step and lead:
+            export_weights(config, model, step)
+        if cfg.checkpoint_dir and saved != step and lead:
+            checkpoint.save(cfg.checkpoint_dir, step + 1, model, optimizer, config)
+    finally:
+        if own_source:
+            source.close()
+        if writer is not None:
+            writer.close()
+    if not lead:
+        return reports
+    if config.router_replay.record_file:
+        save_records(config.router_replay.record_file, used)
+    if config.report.json:
+        Path(config.report.json).write_text(json.dumps(reports, indent=2))
+    return reports
+
+
+def export_weights(config: TrainerConfig, built: TrainerModel, step: int) -> Path:
+    """Export after ``step`` to ``train.export_dir`` (``export.export_step``); logs the path for
+    the rollout server's ``UpdateWeights``."""
+    from trainer.export import export_step
+
+    folder = export_step(built, config.model.path, config.train.export_dir, step)
+    log.info("exported weights after step %d to %s", step, folder)
+    return folder
