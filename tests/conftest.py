@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from routereplay.launch import free_port
+from routereplay.launch import free_ports
 
 
 def redis_server_binary() -> str:
@@ -28,10 +28,18 @@ def redis_server_binary() -> str:
 
 
 class RedisProcess:
-    """A redis-server child process that tests can stop, kill and restart on the same port."""
+    """A redis-server child process that tests can stop, kill and restart on the same port.
 
-    def __init__(self, *extra: str, port: int | None = None, workdir: str | None = None):
-        self.port = port or free_port()
+    Without a given port its first start takes a free one, and another if some other process
+    binds that port first (a free port is only free until someone takes it). ``cluster=True``
+    makes it a cluster node, with its bus port named (the default, port + 10000, passes 65535
+    for high ports) and chosen the same way."""
+
+    def __init__(self, *extra: str, port: int | None = None, workdir: str | None = None,
+                 cluster: bool = False):  # fmt: skip
+        self.fixed_port = port is not None
+        self.cluster = cluster
+        self.port, self.bus_port = (port, None) if port else free_ports(2)
         self.workdir = workdir or tempfile.mkdtemp(prefix="rr-redis-")
         self.extra = list(extra)
         self.proc: subprocess.Popen | None = None
@@ -41,18 +49,35 @@ class RedisProcess:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisProcess:
+        # A restart keeps its port: tests restart a node to see clients reconnect to it.
+        for _ in range(1 if self.fixed_port or self.proc else 5):
+            if self._start_once():
+                return self
+            self.port, self.bus_port = free_ports(2)
+        log = Path(self.workdir, "redis.log").read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"redis-server did not start on port {self.port}:\n{log}")
+
+    def _start_once(self) -> bool:
         args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
                 "--save", "", "--appendonly", "no", "--dir", self.workdir, *self.extra]  # fmt: skip
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        if self.cluster:
+            args += ["--cluster-enabled", "yes", "--cluster-node-timeout", "2000",
+                     "--cluster-port", str(self.bus_port),
+                     "--cluster-config-file", "nodes.conf"]  # fmt: skip
+        with open(Path(self.workdir, "redis.log"), "wb") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         client = redis.Redis(port=self.port)
         deadline = time.monotonic() + 10
         while True:
             try:
                 client.ping()
-                return self
+                return True
             except redis.ConnectionError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                if self.proc.poll() is not None:
+                    return False
+                if time.monotonic() > deadline:
+                    self.kill()
+                    return False
                 time.sleep(0.05)
 
     def kill(self) -> None:
@@ -69,11 +94,7 @@ class RedisProcess:
 def start_cluster(masters: int = 3) -> list[RedisProcess]:
     """A Redis Cluster of ``masters`` nodes on loopback, slots split evenly, built with
     redis-py's CLUSTER commands (no redis-cli needed)."""
-    # The bus port defaults to port + 10000, past 65535 for high free ports: name it.
-    bus_ports = [free_port() for _ in range(masters)]
-    nodes = [RedisProcess("--cluster-enabled", "yes", "--cluster-node-timeout", "2000",
-                          "--cluster-port", str(bus), "--cluster-config-file", "nodes.conf").start()
-             for bus in bus_ports]  # fmt: skip
+    nodes = [RedisProcess(cluster=True).start() for _ in range(masters)]
     clients = [redis.Redis(port=n.port) for n in nodes]
     slots = 16384
     for i, client in enumerate(clients):
@@ -81,7 +102,7 @@ def start_cluster(masters: int = 3) -> list[RedisProcess]:
             "CLUSTER ADDSLOTSRANGE", i * slots // masters, (i + 1) * slots // masters - 1
         )
     for client in clients[1:]:
-        client.execute_command("CLUSTER MEET", "127.0.0.1", nodes[0].port, bus_ports[0])
+        client.execute_command("CLUSTER MEET", "127.0.0.1", nodes[0].port, nodes[0].bus_port)
     deadline = time.monotonic() + 20
     while any(c.cluster("INFO")["cluster_state"] != "ok" for c in clients):
         if time.monotonic() > deadline:
