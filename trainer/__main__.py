@@ -6,7 +6,9 @@ layout: data parallel today (``torchrun --nproc-per-node 2 -m trainer ... parall
 each DP rank trains its share of every batch and DP rank 0 prints and writes the reports.
 Samples come from the route cache (``route_cache.target`` and the ids) or from a records file
 (``router_replay.replay_file`` or ``data.records_file``; every record in it when no ids are
-given). ``--report FILE`` (or ``report.json``) writes the reports as JSON.
+given). With ``data.source=feed`` there are no ids: batches of whole GRPO groups come from
+the route cache's ready feed (``trainer.data.FeedPlans``). ``--report FILE`` (or
+``report.json``) writes the reports as JSON.
 """
 
 from __future__ import annotations
@@ -59,7 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         overrides.append(f"report.json={args.report}")
     config = load_config(args.config, overrides)
-    plans = plan_batches(sample_ids(args.ids, config), config.train.batch_size, config.train.steps)
+    plans = None  # data.source=feed: train() reads them from the feed
+    if config.data.source == "ids":
+        ids = sample_ids(args.ids, config)
+        plans = plan_batches(ids, config.train.batch_size, config.train.steps)
+    elif args.ids:
+        raise SystemExit("--ids and data.source=feed exclude each other")
     if "WORLD_SIZE" in os.environ:
         return _main_torchrun(config, plans)
     if config.parallel.dp not in (None, 1):

@@ -90,6 +90,9 @@ class TrainConfig:
         export_dir: Export the weights in the Hugging Face layout the rollout server loads to
             ``export_dir/step_NNNNNN`` every ``export_every`` steps (and after the last step);
             ``export_dir/latest`` names the newest. None exports nothing.
+        push_weights_to: Comma-separated rollout servers (``host:port``) that load each
+            export through ``UpdateWeights`` (a folder they can read: shared storage); each
+            load bumps their policy version. None pushes nothing.
         checkpoint_dir: Save model, optimizer, step and RNG states to
             ``checkpoint_dir/step_NNNNNN.pt`` every ``checkpoint_every`` steps (and after the
             last step). None saves nothing.
@@ -108,6 +111,7 @@ class TrainConfig:
     dtype: str = "float32"
     export_dir: str | None = None
     export_every: int = 1
+    push_weights_to: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 1
     resume: bool = True
@@ -121,10 +125,25 @@ class DataConfig:
         records_file: The rollout's records from a file (``save_records``) instead of the
             route cache, in any mode (R3's ``replay_file`` does the same for R3).
         prefetch: Fetch batch i + 1 while batch i trains.
+        source: ``ids`` (the sample ids given, or every record of the file) or ``feed`` (the
+            route cache's ready feed: each batch is the next ``batch_size / group_size``
+            whole GRPO groups announced; see ``trainer.data.FeedPlans``).
+        group_size: ``feed``: samples per GRPO group.
+        consumer_group: ``feed``: the consumer group on the feed (one per training job).
+        consumer: ``feed``: this job's consumer name; a restarted job reuses it to get back
+            the groups it had not acknowledged.
+        start_from_latest: ``feed``: a consumer group created now skips earlier entries.
+        wait_s: ``feed``: how long to wait for a batch; the run ends when none comes.
     """
 
     records_file: str | None = None
     prefetch: bool = True
+    source: str = "ids"
+    group_size: int = 1
+    consumer_group: str = "trainer"
+    consumer: str = "trainer"
+    start_from_latest: bool = False
+    wait_s: float = 600.0
 
 
 @dataclass
@@ -212,6 +231,23 @@ class TrainerConfig:
             )
         if self.train.micro_batch_size < 1:
             raise ConfigError("train.micro_batch_size must be >= 1")
+        self._validate_feed()
+
+    def _validate_feed(self) -> None:
+        data = self.data
+        if data.source not in ("ids", "feed"):
+            raise ConfigError(f"data.source={data.source!r}; expected 'ids' or 'feed'")
+        if self.train.push_weights_to and not self.train.export_dir:
+            raise ConfigError("train.push_weights_to needs train.export_dir (what is pushed)")
+        if data.source != "feed":
+            return
+        if not self.route_cache.target:
+            raise ConfigError("data.source=feed needs route_cache.target")
+        if data.group_size < 1 or self.train.batch_size % data.group_size:
+            raise ConfigError(
+                f"data.group_size={data.group_size} must be >= 1 and divide "
+                f"train.batch_size={self.train.batch_size} (batches of whole GRPO groups)"
+            )
 
 
 def _coerce(value: Any, kind: Any, key: str) -> Any:

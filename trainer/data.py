@@ -204,6 +204,81 @@ class Prefetcher:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+class FeedPlans:
+    """Batches of whole GRPO groups from the route cache's ready feed (``data.source=feed``).
+
+    DP rank 0 alone reads the feed, as the one consumer ``data.consumer`` of
+    ``data.consumer_group``, and hands every rank the batch's sample ids (one all-gather over
+    the DP group); each rank then fetches and trains only its share (``DataParallel``). One
+    consumer rather than one per rank: all of a group's entries must reach one consumer to
+    complete it, and a plan made in one place cannot give a group to two ranks, nor leave a
+    rank idle while another holds a group.
+
+    After a batch's optimizer step the training loop calls ``ack``; a job that dies before
+    that gets the batch's entries back when restarted under the same consumer name (at least
+    once), and repeats of trained samples are dropped by sample id (``ReadyConsumer``). A batch
+    is read when the loop wants it, never ahead: in an on-policy loop the next batch is
+    generated with the weights this step pushes.
+
+    Args:
+        config: The trainer configuration (``data.*``, ``train.batch_size``, the cache).
+        dp: The data-parallel group.
+        client: A ``RouteCacheClient`` for rank 0 (default: one to ``route_cache.target``).
+    """
+
+    def __init__(self, config, dp, client=None):
+        data = config.data
+        self.dp = dp
+        self.groups_per_batch = config.train.batch_size // data.group_size
+        self.wait_s = data.wait_s
+        self.handed_out: list[list] = []  # rank 0: each batch's ReadyGroups, not acknowledged
+        self.consumer = None
+        self._own_client = None
+        if dp.rank == 0:
+            from routereplay.client import RouteCacheClient
+            from routereplay.ready import ReadyConsumer
+
+            if client is None:
+                client = self._own_client = RouteCacheClient(config.route_cache.target)
+            self.consumer = ReadyConsumer(
+                client, data.consumer_group, data.consumer, data.group_size,
+                start_from_latest=data.start_from_latest,
+            )  # fmt: skip
+
+    def __iter__(self) -> Iterator[BatchPlan]:
+        while (plan := self.next_plan()) is not None:
+            yield plan
+
+    def next_plan(self) -> BatchPlan | None:
+        """The next batch on every rank; None on every rank when none came within ``wait_s``."""
+        ids = None
+        if self.consumer is not None:
+            groups = self.consumer.next_groups(self.groups_per_batch, self.wait_s)
+            if len(groups) == self.groups_per_batch:
+                self.handed_out.append(groups)
+                ids = [sample_id for group in groups for sample_id in group.sample_ids]
+            else:  # left pending: a restarted consumer gets them back
+                log.warning(
+                    "%d of %d groups came from the feed within %.0f s: stopping",
+                    len(groups), self.groups_per_batch, self.wait_s,
+                )  # fmt: skip
+        ids = self.dp.all_gather(ids)[0]
+        return None if ids is None else BatchPlan(ids)
+
+    def ack(self) -> list:
+        """Acknowledge the oldest batch handed out (rank 0; a no-op elsewhere). Returns its
+        ``ReadyGroup``s."""
+        if self.consumer is None:
+            return []
+        groups = self.handed_out.pop(0)
+        self.consumer.ack(groups)
+        return groups
+
+    def close(self) -> None:
+        if self._own_client is not None:
+            self._own_client.close()
+
+
 def plan_batches(sample_ids: Sequence[str], batch_size: int, steps: int) -> list[BatchPlan]:
     """``steps`` batches of ``batch_size`` consecutive ids, cycling through ``sample_ids``."""
     if not sample_ids:

@@ -141,3 +141,32 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def push_weights(targets: str, folder: str | Path, timeout_s: float = 600.0) -> list[int]:
+    """Have each rollout server in ``targets`` (comma-separated ``host:port``) load ``folder``
+    through ``UpdateWeights``, one after the other; returns their new policy versions.
+
+    Each server drains its running turns first, so every turn's record names the weights that
+    generated it. The folder must be readable by the servers (shared storage).
+
+    Raises:
+        RouteReplayError: a server refused or could not be reached (the gRPC status's class).
+    """
+    import grpc
+
+    from routereplay.client import domain_error
+    from routereplay.grpc_server import channel_options
+    from routereplay.v1 import rollout_pb2, rollout_pb2_grpc
+
+    request = rollout_pb2.UpdateWeightsRequest(path=str(Path(folder).resolve()))
+    versions = []
+    for target in filter(None, (t.strip() for t in targets.split(","))):
+        with grpc.insecure_channel(target, options=channel_options()) as channel:
+            stub = rollout_pb2_grpc.RolloutStub(channel)
+            try:
+                reply = stub.UpdateWeights(request, timeout=timeout_s, wait_for_ready=True)
+            except grpc.RpcError as exc:
+                raise domain_error(exc) from None
+        versions.append(int(reply.policy_version))
+    return versions

@@ -14,9 +14,13 @@ Data parallel (``dp``, a ``trainer.dp.DataParallel``): every rank gets the same 
 and trains its own share of each batch, and returns the whole batch's reports; DP rank 0 alone
 logs them and writes the record file, the report JSON, TensorBoard, exports and checkpoints.
 
-The input is an iterable of ``BatchPlan``: sample ids from the command line today; a feed (the
-rollout server's finished samples, issue "pipeline") plugs in as another iterable of plans,
-optionally carrying the samples themselves.
+The input is an iterable of ``BatchPlan``: sample ids from the command line, or, with
+``data.source=feed``, the route cache's ready feed (``trainer.data.FeedPlans``): DP rank 0
+reads whole GRPO groups and hands every rank the batch, and acknowledges them after the
+batch's optimizer step. With ``train.push_weights_to`` each export is loaded by those rollout
+servers (``UpdateWeights``), so their next samples come from the new policy; the step's
+report then names the versions (``policy_versions``) and the rollout versions the batch was
+generated with (``feed``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from routereplay.record import Record
 from routereplay.record_file import save_records
 from trainer import checkpoint
 from trainer.config import ReplayMode, TrainerConfig
-from trainer.data import BatchPlan, CacheSource, FileSource, Prefetcher
+from trainer.data import BatchPlan, CacheSource, FeedPlans, FileSource, Prefetcher
 from trainer.dp import SINGLE, DataParallel
 from trainer.model import TrainerModel, build_model
 from trainer.optim import AdamW
@@ -91,7 +95,7 @@ def summary(report: dict) -> str:
 
 def train(
     config: TrainerConfig,
-    plans: Iterable[BatchPlan],
+    plans: Iterable[BatchPlan] | None,
     *,
     pg_collection=None,
     source=None,
@@ -102,7 +106,8 @@ def train(
 
     Args:
         config: The configuration.
-        plans: The batches, in order (ids, or ids with samples from a feed).
+        plans: The batches, in order (ids, or ids with samples); None with
+            ``data.source=feed`` (read from the feed, ``FeedPlans``).
         pg_collection: megatron's process groups (``distributed.init_single_process``).
         source: The records' source (default: ``open_source(config)``).
         built: A model and optimizer to reuse (default: ``build(config)``).
@@ -120,6 +125,12 @@ def train(
     if resume_from is not None:
         start = checkpoint.load(resume_from, model, optimizer)
     stepper = RLStep(model, optimizer, config, dp)
+    feed = FeedPlans(config, dp) if plans is None else None
+    if feed is not None:
+        # The feed has no step numbers: a resumed run takes the next batches it offers.
+        todo = itertools.islice(feed, cfg.steps - start)
+    else:
+        todo = itertools.islice(plans, start, None)
     reports: list[dict] = []
     used: list[Record] = []
     writer = None
@@ -132,31 +143,43 @@ def train(
     try:
         fetcher = Prefetcher(
             source,
-            (dp.shard_plan(p, cfg.micro_batch_size) for p in itertools.islice(plans, start, None)),
+            (dp.shard_plan(p, cfg.micro_batch_size) for p in todo),
             config.router_replay.missing_record,
-            config.data.prefetch,
+            config.data.prefetch and feed is None,  # a feed batch is read when wanted
         )
         for step, fetched in enumerate(fetcher, start):
             report = stepper.run(fetched, step)
             used.extend(stepper.routes_used)
+            if cfg.export_dir and (step + 1) % cfg.export_every == 0:
+                if lead:
+                    folder = export_weights(config, model, step)
+                    if cfg.push_weights_to:
+                        from trainer.export import push_weights
+
+                        versions = push_weights(cfg.push_weights_to, folder)
+                        report["policy_versions"] = versions
+                        log.info("rollout servers now at policy versions %s", versions)
+                exported = step
             if lead:
                 log.info("%s", summary(report))
             reports.append(report)
             if writer is not None:
                 writer.write(report)
-            if cfg.export_dir and (step + 1) % cfg.export_every == 0:
-                if lead:
-                    export_weights(config, model, step)
-                exported = step
             if cfg.checkpoint_dir and (step + 1) % cfg.checkpoint_every == 0:
                 if lead:
                     checkpoint.save(cfg.checkpoint_dir, step + 1, model, optimizer, config)
                 saved = step
+            if feed is not None:  # trained (and checkpointed when configured): acknowledge
+                groups = feed.ack()
+                if lead:
+                    report["feed"] = feed_summary(groups)
         if cfg.export_dir and exported != step and lead:
             export_weights(config, model, step)
         if cfg.checkpoint_dir and saved != step and lead:
             checkpoint.save(cfg.checkpoint_dir, step + 1, model, optimizer, config)
     finally:
+        if feed is not None:
+            feed.close()
         if own_source:
             source.close()
         if writer is not None:
@@ -168,6 +191,12 @@ def train(
     if config.report.json:
         Path(config.report.json).write_text(json.dumps(reports, indent=2))
     return reports
+
+
+def feed_summary(groups) -> dict:
+    """What a feed batch was: its groups and the policy versions that generated its turns."""
+    versions = {v for group in groups for entry in group.entries for v in entry.policy_versions}
+    return {"groups": [g.group_id for g in groups], "rollout_versions": sorted(versions)}
 
 
 def export_weights(config: TrainerConfig, built: TrainerModel, step: int) -> Path:

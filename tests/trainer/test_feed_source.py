@@ -1,0 +1,185 @@
+"""``data.source=feed``: the trainer takes its batches from the route cache's ready feed.
+
+A real route cache (gRPC on a socket) over a real redis-server, the rollout's records written
+through it (each write announced on the feed), and the real trainer: one rank in this process,
+and two data-parallel ranks under torchrun. The oracle is the same training on the same sample
+ids given as a list (``data.source=ids``), whose single-rank and DP runs are tested elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from route_cache.config import Config
+from route_cache.server import RouteCacheServer
+from route_cache.store import RouteStore, connect
+from routereplay.client import RouteCacheClient
+from routereplay.ready import ReadyConsumer
+from trainer.config import ConfigError, load_config
+from trainer.data import BatchPlan
+from trainer.train import train
+
+ROOT = Path(__file__).resolve().parents[2]
+SAME = ("agreement", "reward_mean", "rows", "samples", "update_agreement")
+
+
+class Cache:
+    """A route cache server with a ready stream of its own, on the session's redis-server."""
+
+    def __init__(self, redis_url: str):
+        self.redis = connect(redis_url, cluster=False)
+        self.stream = f"rr:ready:{uuid.uuid4().hex[:8]}"
+        config = Config(host="127.0.0.1", port=0, grace_s=1, health_interval_s=0.1,
+                        ready_stream=self.stream, ready_max_block_ms=5000)  # fmt: skip
+        self.server = RouteCacheServer(config, RouteStore(self.redis, ttl_ms=600_000)).start()
+        self.target = f"127.0.0.1:{self.server.port}"
+        self.client = RouteCacheClient(self.target, timeout_s=30)
+
+    def pending(self, group: str) -> int:
+        return int(self.redis.xpending(self.stream, group)["pending"])
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.stop(0)
+        self.redis.close()
+
+
+@pytest.fixture
+def cache(redis_node):
+    cache = Cache(redis_node.url)
+    yield cache
+    cache.close()
+
+
+def _groups(rollout) -> list[list]:
+    by_group: dict[str, list] = {}
+    for record in rollout:
+        by_group.setdefault(record.group_id, []).append(record)
+    return list(by_group.values())
+
+
+def _config(tiny_model_dir, target, *overrides):
+    return load_config(
+        None,
+        [f"model.path={tiny_model_dir}", f"route_cache.target={target}", "router_replay.mode=R3",
+         "train.batch_size=4", "train.micro_batch_size=2", "train.steps=2", "data.wait_s=20",
+         *overrides],
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ids_reports(tiny_model_dir, rollout, pg_collection, redis_node):
+    """The oracle: the two groups trained as lists of ids, one step each."""
+    cache = Cache(redis_node.url)
+    try:
+        for record in rollout:
+            cache.client.write(record)
+        plans = [BatchPlan([r.sample_id for r in g]) for g in _groups(rollout)]
+        return train(_config(tiny_model_dir, cache.target), plans, pg_collection=pg_collection)
+    finally:
+        cache.close()
+
+
+def test_feed_batches_are_whole_groups_trained_once_then_acknowledged(
+    tiny_model_dir, rollout, pg_collection, ids_reports, cache
+):
+    first, second = _groups(rollout)
+    for record in first[:3]:
+        cache.client.write(record)
+    cache.client.write(first[0])  # a retried write: announced twice
+    for record in [first[3], *second, second[1]]:
+        cache.client.write(record)
+    config = _config(tiny_model_dir, cache.target, "data.source=feed", "data.group_size=4")
+    reports = train(config, None, pg_collection=pg_collection)
+
+    assert [r["feed"]["groups"] for r in reports] == [[first[0].group_id], [second[0].group_id]]
+    assert all(r["feed"]["rollout_versions"] == [0] for r in reports)
+    for got, want in zip(reports, ids_reports, strict=True):
+        for key in SAME:
+            assert got[key] == want[key], key
+        assert got["loss"] == pytest.approx(want["loss"], abs=1e-6)
+    assert cache.pending("trainer") == 0  # every entry acknowledged, the repeats included
+
+
+def test_a_restarted_trainer_gets_back_what_it_had_not_acknowledged(
+    tiny_model_dir, rollout, pg_collection, ids_reports, cache
+):
+    first, _ = _groups(rollout)
+    for record in first:
+        cache.client.write(record)
+    # A trainer that read the group and died before its optimizer step: the entries stay
+    # pending under its consumer name in Redis.
+    crashed = ReadyConsumer(cache.client, "job", "trainer-a", 4, block_ms=200)
+    assert [g.sample_ids for g in crashed.next_groups(1, timeout_s=10)] == [
+        [r.sample_id for r in first]
+    ]
+    assert cache.pending("job") == 4
+
+    overrides = ["data.source=feed", "data.group_size=4", "data.consumer_group=job",
+                 "data.consumer=trainer-a", "train.steps=1"]  # fmt: skip
+    reports = train(_config(tiny_model_dir, cache.target, *overrides), None,
+                    pg_collection=pg_collection)  # fmt: skip
+    assert [r["feed"]["groups"] for r in reports] == [[first[0].group_id]]
+    assert reports[0]["reward_mean"] == ids_reports[0]["reward_mean"]
+    assert cache.pending("job") == 0
+
+
+def test_the_run_ends_when_no_whole_batch_comes(tiny_model_dir, rollout, pg_collection, cache):
+    first, _ = _groups(rollout)
+    for record in first[:3]:  # a group that never completes
+        cache.client.write(record)
+    config = _config(tiny_model_dir, cache.target, "data.source=feed", "data.group_size=4",
+                     "data.wait_s=1")  # fmt: skip
+    assert train(config, None, pg_collection=pg_collection) == []
+    assert cache.pending("trainer") == 3  # still there for a later consumer
+
+
+def test_two_data_parallel_ranks_share_one_consumer(tiny_model_dir, rollout, ids_reports, cache,
+                                                    tmp_path):  # fmt: skip
+    """Rank 0 reads the feed and hands the batch to rank 1: each sample is trained once, by
+    one rank, and the step equals the single-rank step on the same ids."""
+    for record in rollout:
+        cache.client.write(record)
+    launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    head = [launcher] if launcher else [sys.executable, "-m", "torch.distributed.run"]
+    command = [*head, "--standalone", "--nproc-per-node", "2", "-m", "trainer",
+               f"model.path={tiny_model_dir}", f"route_cache.target={cache.target}",
+               "router_replay.mode=R3", "train.batch_size=4", "train.micro_batch_size=2",
+               "data.source=feed", "data.group_size=4", "data.wait_s=20", "parallel.dp=2",
+               "--steps", "2", "--report", str(tmp_path / "report.json")]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("WORLD_SIZE", None)
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    reports = json.loads((tmp_path / "report.json").read_text())
+    assert len(reports) == 2
+    for got, want in zip(reports, ids_reports, strict=True):
+        assert got["samples"] == 4  # not 8: no sample trained on both ranks
+        for key in SAME:
+            assert got[key] == want[key], key
+    assert cache.pending("trainer") == 0
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.source=file"], "data.source='file'"),
+        (["data.source=feed", "route_cache.target="], "needs route_cache.target"),
+        (["data.source=feed", "data.group_size=3"], "must be >= 1 and divide"),
+        (["train.push_weights_to=localhost:1"], "needs train.export_dir"),
+    ],
+)
+def test_bad_feed_settings_are_refused(overrides, message):
+    base = ["model.path=m", "route_cache.target=localhost:1", "train.batch_size=4"]
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [*base, *overrides])
