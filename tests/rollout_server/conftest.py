@@ -80,7 +80,7 @@ class CacheProcess:
 
     def __init__(self, redis_url: str):
         from route_cache.store import RouteStore, connect
-        from tests.conftest import free_port
+        from routereplay.launch import free_port
 
         self.port = free_port()
         self.store = RouteStore(connect(redis_url, cluster=False), ttl_ms=600_000)

@@ -313,7 +313,7 @@ def test_backpressure_refuses_with_unavailable(vllm_engine, loop):
     """A cache that is down: writes pile up to the limit, then new calls get UNAVAILABLE, and
     nothing is ever reported as stored."""
     from rollout_server.server import RolloutServer
-    from tests.conftest import free_port
+    from routereplay.launch import free_port
 
     config = rollout_config(f"127.0.0.1:{free_port()}", max_pending_writes=1, store_wait_s=0.3,
                             write_retry_s=30, cache_timeout_s=1)  # fmt: skip
