@@ -3,14 +3,19 @@
 For each geometry (Qwen3-30B-A3B, DeepSeek-V3), sample length (4K, 32K tokens) and route
 distribution (uniform, Zipf-like per layer), in the same run against the same Redis:
 
-- raw: the records' uint8 route bytes through redis-py pipelines (SET all, then GET all);
+- raw redis-py: the records' uint8 route bytes through redis-py pipelines (SET all, then GET
+  all);
+- raw gRPC: the same bytes streamed in the same 1 MiB chunks, with the same concurrency and
+  channel options, to a trivial bytes-in/bytes-out gRPC service that keeps them in memory and
+  streams them back in one batch call (``benchmarks/raw_grpc.py``): the transport's floor;
 - service: the records written one by one through the route cache (validated, checksummed,
   chunked over gRPC, committed by Lua) and read back in one ReadBatch stream (checksums
   verified, decoded to numpy).
 
-Prints and records median throughput over repeats and the service/raw ratio (target: at
-least 0.5 for write and batch read), and bytes per token of the routes as int32, int16, raw
-uint8 and this project's stored forms (target: at most raw uint8).
+Prints and records median throughput over repeats, the service/redis-py ratio (target: at
+least 0.5 for write and batch read) and the service/raw gRPC ratio, and bytes per token of
+the routes as int32, int16, raw uint8 and this project's stored forms (target: at most raw
+uint8).
 
 Usage: python benchmarks/bench_route_cache.py [--quick] [--redis-url URL]
 """
@@ -29,18 +34,20 @@ import redis
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 from common import machine, median_time, write_section  # noqa: E402
+from raw_grpc import RawClient  # noqa: E402
 
 from route_cache.embedded import start_embedded_redis  # noqa: E402
 from routereplay.client import RouteCacheClient  # noqa: E402
 from routereplay.codec import Encoding, encode_routes  # noqa: E402
 from routereplay.launch import start_service, stop_process  # noqa: E402
 from routereplay.synthetic import DEEPSEEK_V3, QWEN3_30B_A3B, synthetic_record  # noqa: E402
+from routereplay.wire import DEFAULT_CHUNK_BYTES  # noqa: E402
 
 MIB = 2**20
 DISTRIBUTIONS = {"uniform": 0.0, "zipf": 1.0}
 
 
-def bench_case(args, raw_client, cache, writers, geometry, tokens, dist, rng):
+def bench_case(args, raw_client, grpc_client, cache, writers, geometry, tokens, dist, rng):
     batch = 8 if tokens <= 4096 else 4
     # Two distinct records, cycled: generating 32K-token routes is slower than storing them.
     pool = [synthetic_record("x", geometry, tokens, rng, skew=DISTRIBUTIONS[dist]) for _ in (0, 1)]
@@ -70,6 +77,22 @@ def bench_case(args, raw_client, cache, writers, geometry, tokens, dist, rng):
     result["redis_read_mibs"] = route_bytes / median_time(raw_read, args.repeats) / MIB
     raw_client.delete(*raw_keys())
 
+    chunked = [
+        [p[i : i + DEFAULT_CHUNK_BYTES] for i in range(0, len(p), DEFAULT_CHUNK_BYTES)]
+        for p in payloads
+    ]
+
+    grpc_keys = [str(i) for i in range(batch)]  # reused by every case: bounded server memory
+
+    def grpc_write():
+        assert sum(writers.map(grpc_client.write, grpc_keys, chunked)) == route_bytes
+
+    def grpc_read():
+        assert sum(len(c) for c in grpc_client.read_batch(grpc_keys)) == route_bytes
+
+    result["grpc_write_mibs"] = route_bytes / median_time(grpc_write, args.repeats) / MIB
+    result["grpc_read_mibs"] = route_bytes / median_time(grpc_read, args.repeats) / MIB
+
     ids: list[str] = []
     for encoding in (Encoding.RAW, Encoding.ZSTD):
         cache.encoding = encoding
@@ -98,23 +121,37 @@ def bench_case(args, raw_client, cache, writers, geometry, tokens, dist, rng):
                   uint8_bytes_per_token=lk * geometry.dtype.itemsize)  # fmt: skip
     result["write_ratio"] = result["service_raw_write_mibs"] / result["redis_write_mibs"]
     result["read_ratio"] = result["service_raw_read_mibs"] / result["redis_read_mibs"]
+    result["write_ratio_grpc"] = result["service_raw_write_mibs"] / result["grpc_write_mibs"]
+    result["read_ratio_grpc"] = result["service_raw_read_mibs"] / result["grpc_read_mibs"]
     return result
 
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| geometry | tokens | routes | redis-py write / read | service write / read "
-        "| **ratio** write / read | service zstd write / read | int32 / int16 / uint8 "
-        "| stored routes raw / zstd | stored record |",
-        "|---" * 10 + "|",
+        "| geometry | tokens | routes | redis-py write / read | raw gRPC write / read "
+        "| service write / read | **service / redis-py** | **service / raw gRPC** "
+        "| service zstd write / read |",
+        "|---" * 9 + "|",
     ]
     for r in results:
         lines.append(
             f"| {r['geometry']} | {r['tokens']} | {r['dist']} "
             f"| {r['redis_write_mibs']:.0f} / {r['redis_read_mibs']:.0f} "
+            f"| {r['grpc_write_mibs']:.0f} / {r['grpc_read_mibs']:.0f} "
             f"| {r['service_raw_write_mibs']:.0f} / {r['service_raw_read_mibs']:.0f} "
             f"| **{r['write_ratio']:.2f} / {r['read_ratio']:.2f}** "
-            f"| {r['service_zstd_write_mibs']:.0f} / {r['service_zstd_read_mibs']:.0f} "
+            f"| **{r['write_ratio_grpc']:.2f} / {r['read_ratio_grpc']:.2f}** "
+            f"| {r['service_zstd_write_mibs']:.0f} / {r['service_zstd_read_mibs']:.0f} |"
+        )
+    lines += [
+        "",
+        "| geometry | tokens | routes | int32 / int16 / uint8 | stored routes raw / zstd "
+        "| stored record |",
+        "|---" * 6 + "|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['geometry']} | {r['tokens']} | {r['dist']} "
             f"| {r['int32_bytes_per_token']} / {r['int16_bytes_per_token']} / "
             f"{r['uint8_bytes_per_token']} "
             f"| {r['service_raw_route_bytes_per_token']:.0f} / "
@@ -137,12 +174,14 @@ def main() -> int:
     url = args.redis_url
     if not url:
         embedded, url = start_embedded_redis()
-    server = None
+    server = raw_server = None
     results = []
     try:
         server, target = start_service(
             "route_cache", "--redis-url", url, "--ttl-s", "600", quiet=True
         )
+        raw_server, raw_target = start_service("benchmarks.raw_grpc", quiet=True)
+        grpc_client = RawClient(raw_target)
         raw_client = redis.Redis.from_url(url)
         redis_version = raw_client.info("server").get("redis_version")
         rng = np.random.default_rng(0)
@@ -154,25 +193,33 @@ def main() -> int:
                 (QWEN3_30B_A3B, DEEPSEEK_V3), (4096,) if args.quick else (4096, 32768),
                 DISTRIBUTIONS,
             ):  # fmt: skip
-                r = bench_case(args, raw_client, cache, writers, geometry, tokens, dist, rng)
+                r = bench_case(args, raw_client, grpc_client, cache, writers, geometry, tokens,
+                               dist, rng)  # fmt: skip
                 results.append(r)
                 print(f"{r['geometry']} {tokens} {dist}: service/redis-py write "
-                      f"{r['write_ratio']:.2f}, read {r['read_ratio']:.2f}")  # fmt: skip
+                      f"{r['write_ratio']:.2f}, read {r['read_ratio']:.2f}; service/raw gRPC "
+                      f"write {r['write_ratio_grpc']:.2f}, "
+                      f"read {r['read_ratio_grpc']:.2f}")  # fmt: skip
+        grpc_client.close()
     finally:
-        if server is not None:
-            stop_process(server)
+        for proc in (server, raw_server):
+            if proc is not None:
+                stop_process(proc)
         if embedded is not None:
             embedded.stop()
     markdown = (
-        f"## Route cache against raw redis-py\n\n"
-        f"`make bench` (`python benchmarks/bench_route_cache.py`{' --quick' if args.quick else ''}"
-        f"), {args.repeats} repeats, medians. Machine: {machine()}; Redis-compatible server "
+        f"## Route cache against raw redis-py and raw gRPC\n\n"
+        f"`make bench` (`python benchmarks/bench_route_cache.py{' --quick' if args.quick else ''}"
+        f"`), {args.repeats} repeats, medians. Machine: {machine()}; Redis-compatible server "
         f"{redis_version}. Throughput in MiB/s of route bytes; bytes per token of routes.\n"
         f"Write: the batch written through the service as {args.writers} concurrent streams "
         "(validated, checksummed, 1 MiB chunks over gRPC, staged and committed in Redis) "
-        "against one redis-py pipeline of SETs of the same bytes. Read: one ReadBatch "
-        "stream (checksums verified, decoded to numpy) against one pipeline of GETs. "
-        "Targets: ratio >= 0.5; stored <= uint8.\n\n" + table(results)
+        "against one redis-py pipeline of SETs of the same bytes, and against the same bytes "
+        f"in the same chunks as {args.writers} concurrent streams to a trivial bytes-in/bytes-out "
+        "gRPC service on the same server plumbing and channel options, which keeps them in "
+        "memory (`benchmarks/raw_grpc.py`). Read: one ReadBatch stream (checksums verified, "
+        "decoded to numpy) against one pipeline of GETs and one raw gRPC stream of the stored "
+        "chunks. Targets: service / redis-py >= 0.5; stored <= uint8.\n\n" + table(results)
     )
     write_section("route_cache", markdown, {"machine": machine(), "results": results})
     print(markdown)
