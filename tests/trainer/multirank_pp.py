@@ -1,18 +1,19 @@
-"""Pipeline-parallel part of ``tests/trainer/multirank_worker.py``: PP2 under megatron's 1F1B
-schedule (``get_forward_backward_func``), 2 micro-batches of 2 samples, with or without
-activation recompute.
+"""Pipeline-parallel part of ``tests/trainer/multirank_worker.py``: PP2 under megatron's own
+schedule (``get_forward_backward_func``: 1F1B, or interleaved 1F1B with virtual stages), 2
+micro-batches of 2 samples, with or without activation recompute, optionally with TP2 + SP.
 
-Each stage replays only its own routers (``reshard.stage_moe_layers``); the forward step runs
-the model inside ``RouterReplayControl.forward`` with that micro-batch's ids, and
+Each model chunk replays only its own routers (``reshard.stage_moe_layers`` of its pipeline
+rank and virtual stage); the forward step runs the chunk the schedule hands it inside that
+chunk's ``RouterReplayControl.forward`` with that micro-batch's ids, and
 ``trainer.pipeline.replay_backward`` puts every ``backward_step`` of the schedule under
 ``REPLAY_BACKWARD``. Checks:
 
-- natural routes (recorded through the same schedule, gathered over the stages into
-  layout-free records, resharded back per stage) give bit-identical loss and grads to
-  ``disabled``;
-- forced routes: every router call of every stage (forward, and the recompute in backward),
-  gathered to rank 0, equals the global forced routes of that micro-batch's samples and that
-  stage's layers;
+- natural routes (recorded through the same schedule, gathered over the TP shards and the
+  stages into layout-free records, resharded back per chunk) give bit-identical loss and grads
+  to ``disabled``;
+- forced routes: every router call of every chunk (forward, and the recompute in backward),
+  its TP shards gathered to rank 0, equals the global forced routes of that micro-batch's
+  samples and that router's layer;
 - with recompute, the trap: leaving ``REPLAY_FORWARD`` on through the schedule's backward (no
   ``REPLAY_BACKWARD``) changes the gradients of the stage that recomputes micro-batch 0 after
   micro-batch 1's forward (stage 0 under 1F1B).
@@ -37,14 +38,15 @@ from tests.trainer.multirank_worker import (
     _all_ranks,
     _build,
     _expected_maps,
+    _gather_tp,
     _records,
 )
 from trainer import parallel
 from trainer.align import align_routes, routes_from_recorded
 from trainer.batch import PaddedBatch
-from trainer.pipeline import replay_backward
+from trainer.pipeline import ModelChunks, build_model_chunks, replay_backward
 from trainer.replay import RouterReplayAction
-from trainer.reshard import shard_padded
+from trainer.reshard import padded_length, shard_padded
 
 MICRO_BATCH = 2  # samples per micro-batch: 2 micro-batches of the 4 samples
 
@@ -68,12 +70,13 @@ def _pairs(batch: PaddedBatch) -> torch.Tensor:
 
 
 class _Schedule:
-    """One 1F1B step over the micro-batches, replay driven per micro-batch."""
+    """One step of megatron's pipeline schedule (1F1B, or interleaved 1F1B with virtual stages)
+    over the micro-batches, replay driven per micro-batch and model chunk."""
 
-    def __init__(self, built, micro_batches, total_pairs: int):
+    def __init__(self, chunks: ModelChunks, micro_batches, total_pairs: int):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        self.built = built
+        self.chunks = chunks
         self.micro_batches = micro_batches
         self.total_pairs = total_pairs
         self.func = get_forward_backward_func()
@@ -86,26 +89,28 @@ class _Schedule:
         return loss, {"loss": loss.detach()}
 
     def run(self, indices=None, *, forward_only=False, mode="replay", record_into=None):
-        """``indices``: per micro-batch this stage's router tensors (None: natural routing).
+        """``indices``: per chunk, per micro-batch its router tensors (None: natural routing).
         ``mode``: "replay" (forward context + REPLAY_BACKWARD) or "trap" (REPLAY_FORWARD left
-        on). ``record_into``: per micro-batch, what this stage's routers chose."""
-        replay = self.built.replay
-        data = iter(range(len(self.micro_batches)))
+        on). ``record_into``: per chunk, per micro-batch what its routers chose."""
+        chunks = self.chunks
+        n = len(self.micro_batches)
 
         def forward_step(data_iterator, model):
-            mb = next(data_iterator)
+            mb = next(data_iterator)  # each chunk runs the micro-batches in order
+            v = chunks.vp_stage(model)
+            control = chunks.controls[v]
             batch = self.micro_batches[mb][1]
             labels = torch.roll(batch.token_ids, -1, dims=1)
             if record_into is not None:
-                ctx = replay.recording(record_into)
+                ctx = control.recording(record_into[v])
             elif indices is None:
                 ctx = contextlib.nullcontext()
             elif mode == "trap":
-                replay.load(indices[mb])
-                replay._set_action(RouterReplayAction.REPLAY_FORWARD)
+                control.load(indices[v][mb])
+                control._set_action(RouterReplayAction.REPLAY_FORWARD)
                 ctx = contextlib.nullcontext()
             else:
-                ctx = replay.forward(indices[mb])
+                ctx = control.forward(indices[v][mb])
             with ctx:
                 out = model(
                     batch.token_ids, batch.position_ids(), batch.attention_mask(), labels=labels
@@ -114,23 +119,29 @@ class _Schedule:
                 self.on_forward(mb)
             return out, functools.partial(self._loss, _pairs(batch))
 
-        self.built.model.zero_grad(set_to_none=True)
+        for model in chunks.models:
+            model.zero_grad(set_to_none=True)
         replaying = indices is not None and mode == "replay"
-        backward = replay_backward(replay) if replaying else contextlib.nullcontext()
+        backward = replay_backward(chunks.replay) if replaying else contextlib.nullcontext()
         grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
         seq = self.micro_batches[0][1].seq_len
-        with replay.step(), backward, self._observe_backward(), grad_ctx:
+        with chunks.replay.step(), backward, self._observe_backward(), grad_ctx:
             losses = self.func(
                 forward_step_func=forward_step,
-                data_iterator=data,
-                model=[self.built.model],
-                num_microbatches=len(self.micro_batches),
+                data_iterator=[iter(range(n)) for _ in chunks.models],
+                model=chunks.models,
+                num_microbatches=n,
                 seq_length=seq,
                 micro_batch_size=MICRO_BATCH,
                 forward_only=forward_only,
             )
         loss = sum(float(d["loss"]) for d in losses) if losses else None
-        return loss, (None if forward_only else grads(self.built.model))
+        if forward_only:
+            return loss, None
+        every = {
+            f"{v}.{name}": g for v, m in enumerate(chunks.models) for name, g in grads(m).items()
+        }
+        return loss, every
 
     @contextlib.contextmanager
     def _observe_backward(self):
@@ -155,6 +166,21 @@ class _Schedule:
             schedules.backward_step = inner
 
 
+def _build_chunks(model_dir, layout, world, **extra) -> ModelChunks:
+    """This rank's model chunks: one (``build_model``) without virtual stages."""
+    if layout.vp is None:
+        built = _build(model_dir, layout, world, "allgather", **extra)
+        return ModelChunks([built.model], [built.replay], built.replay, built.geometry)
+    torch.manual_seed(SEED)
+    return build_model_chunks(
+        model_dir,
+        pg_collection=world.pg_collection,
+        moe_token_dispatcher_type="allgather",
+        **parallel.model_overrides(layout),
+        **extra,
+    )
+
+
 def run_pp(layout_name: str, model_dir: str, out: str) -> None:
     torch.set_num_threads(1)
     layout = LAYOUTS[layout_name]
@@ -163,33 +189,41 @@ def run_pp(layout_name: str, model_dir: str, out: str) -> None:
     from megatron.core import parallel_state
 
     pp_group = parallel_state.get_pipeline_model_parallel_group()
+    tp_group = parallel_state.get_tensor_model_parallel_group()
     result: dict = {"layout": layout_name, "world_size": world.world_size, "checks": {}}
     checks = result["checks"]
     t0 = time.perf_counter()
-    built = _build(model_dir, layout, world, "allgather", **RECOMPUTE.get(layout_name, {}))
-    geometry = built.geometry
-    layers = built.replay.layers
-    seq = max(LENGTHS)
+    chunks = _build_chunks(model_dir, layout, world, **RECOMPUTE.get(layout_name, {}))
+    geometry = chunks.geometry
+    layers = chunks.replay.layers
+    seq = padded_length(max(LENGTHS), layout.multiple)
     micro_batches = _micro_batches(seq)
     total_pairs = int(sum(_pairs(b).sum() for _, b in micro_batches))
-    sched = _Schedule(built, micro_batches, total_pairs)
-
-    def reshard(aligned):
-        return [shard_padded(idx, seq, layout, world.coords) for idx in aligned.indices]
+    sched = _Schedule(chunks, micro_batches, total_pairs)
+    checks["schedule"] = sched.func.__name__
 
     def stage_indices(routes_per_sample):
+        """Per chunk, per micro-batch: this rank's share (its chunk's layers, its SP rows)."""
         out = []
-        for mine, batch in micro_batches:
-            recs = _records(batch, [routes_per_sample[b] for b in mine], geometry)
-            out.append(reshard(align_routes(batch, recs, geometry, layers)))
+        for control in chunks.controls:
+            per_mb = []
+            for mine, batch in micro_batches:
+                recs = _records(batch, [routes_per_sample[b] for b in mine], geometry)
+                aligned = align_routes(batch, recs, geometry, control.layers)
+                per_mb.append([shard_padded(i, seq, layout, world.coords) for i in aligned.indices])
+            out.append(per_mb)
         return out
 
-    # 1. natural routes: record through the schedule, gather the stages' layers, make
-    # layout-free records, reshard back to this stage's layers, replay.
+    # 1. natural routes: record through the schedule, gather the TP shards and the stages'
+    # layers, make layout-free records, reshard back to each chunk's layers, replay.
     loss_off, grads_off = sched.run()
-    recorded: list[list[torch.Tensor]] = []
+    recorded: list[list[list[torch.Tensor]]] = [[] for _ in chunks.models]
     sched.run(forward_only=True, record_into=recorded)
-    mine_rec = {layer: [r[j] for r in recorded] for j, layer in enumerate(layers)}
+    mine_rec = {
+        layer: [_gather_tp(per_mb[j], tp_group) for per_mb in recorded[v]]
+        for v, control in enumerate(chunks.controls)
+        for j, layer in enumerate(control.layers)
+    }
     every = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(every, mine_rec, group=pp_group)
     by_layer = {layer: mbs for stage in every for layer, mbs in stage.items()}
@@ -202,39 +236,48 @@ def run_pp(layout_name: str, model_dir: str, out: str) -> None:
     same = loss_on == loss_off and grads_on.keys() == grads_off.keys()
     same = same and all(torch.equal(grads_on[n], g) for n, g in grads_off.items())
     checks["natural_bit_identical"] = _all_ranks(same)
-    checks["stage_layers"] = {}
-    gathered_layers = [None] * world.world_size
-    dist.all_gather_object(gathered_layers, (world.coords.pp_rank, list(layers)))
-    checks["stage_layers"] = {str(p): ls for p, ls in gathered_layers}
+    owned = [None] * world.world_size
+    chunk_layers = {v: list(c.layers) for v, c in enumerate(chunks.controls)}
+    dist.all_gather_object(owned, (world.coords.pp_rank, list(layers), chunk_layers))
+    checks["stage_layers"] = {str(p): ls for p, ls, _ in owned}
+    checks["chunk_layers"] = {f"{p}/{v}": ls for p, _, c in owned for v, ls in c.items()}
 
     # 2. forced routes: every router call, forward and recompute, per micro-batch.
     global_routes = [random_routes(100 + b, n - 1, geometry) for b, n in enumerate(LENGTHS)]
     forced = stage_indices(global_routes)
     calls: dict[int, dict[int, list[torch.Tensor]]] = {layer: {} for layer in layers}
-    with capture_routing(built.routers) as (maps, _):
+    with capture_routing(chunks.routers) as (maps, _):
         seen = {layer: 0 for layer in layers}
-        backwards = [0]
+        recomputed = {layer: 0 for layer in layers}
 
-        def attribute(mb):
-            for layer in layers:
-                calls[layer].setdefault(mb, []).extend(maps[layer][seen[layer] :])
-                seen[layer] = len(maps[layer])
+        def new_calls(layer):
+            got = maps[layer][seen[layer] :]
+            seen[layer] = len(maps[layer])
+            return got
+
+        def on_forward(mb):
+            for layer in layers:  # only the chunk that just ran has new calls
+                calls[layer].setdefault(mb, []).extend(new_calls(layer))
 
         def on_backward():
-            attribute(backwards[0])  # 1F1B runs a stage's backwards in forward order
-            backwards[0] += 1
+            # A chunk runs its micro-batches' backwards in forward order, so a router's n-th
+            # recompute is micro-batch n's (if not, the natural replay above differs).
+            for layer in layers:
+                for call in new_calls(layer):
+                    calls[layer].setdefault(recomputed[layer], []).append(call)
+                    recomputed[layer] += 1
 
-        sched.on_forward, sched.on_backward = attribute, on_backward
+        sched.on_forward, sched.on_backward = on_forward, on_backward
         try:
             _, grads_forced = sched.run(forced)
         finally:
             sched.on_forward = sched.on_backward = None
     router_grads = all(
         r.router.weight.grad is not None and bool(r.router.weight.grad.abs().sum() > 0)
-        for r in built.routers
+        for r in chunks.routers
     )
     checks["router_grads_nonzero"] = _all_ranks(router_grads)
-    local = {"pp_rank": world.coords.pp_rank, "calls": calls}
+    local = {"pp_rank": world.coords.pp_rank, "tp_rank": world.coords.tp_rank, "calls": calls}
     gathered = [None] * world.world_size if world.rank == 0 else None
     dist.gather_object(local, gathered, dst=0)
     if world.rank == 0:
@@ -262,8 +305,11 @@ def _compare(gathered, global_routes, geometry, seq, recompute) -> dict:
     compared = 0
     layers_seen: set[int] = set()
     calls_per_mb = 2 if recompute else 1
-    for stage in gathered:
-        for layer, per_mb in stage["calls"].items():
+    stages: dict[int, list] = {}
+    for g in sorted(gathered, key=lambda g: (g["pp_rank"], g["tp_rank"])):
+        stages.setdefault(g["pp_rank"], []).append(g["calls"])
+    for pp_rank, shards in stages.items():
+        for layer in shards[0]:
             layers_seen.add(layer)
             for m in range(len(LENGTHS) // MICRO_BATCH):
                 mine = range(m * MICRO_BATCH, (m + 1) * MICRO_BATCH)
@@ -274,18 +320,26 @@ def _compare(gathered, global_routes, geometry, seq, recompute) -> dict:
                     [layer],
                     geometry,
                 )
-                got = per_mb.get(m, [])
+                got = _join_tp([shard[layer].get(m, []) for shard in shards])
                 if len(got) != calls_per_mb:
-                    mismatches[f"pp{stage['pp_rank']}/layer{layer}/mb{m}/calls"] = len(got)
+                    mismatches[f"pp{pp_rank}/layer{layer}/mb{m}/calls"] = len(got)
                     continue
                 for c, g in enumerate(got):
                     bad = int((g[replayed] != expected[layer][replayed]).any(dim=1).sum())
                     compared += int(replayed.sum())
                     if bad:
-                        mismatches[f"pp{stage['pp_rank']}/layer{layer}/mb{m}/call{c}"] = bad
+                        mismatches[f"pp{pp_rank}/layer{layer}/mb{m}/call{c}"] = bad
     return {
         "ok": not mismatches and layers_seen == set(geometry.moe_layers),
         "mismatched_rows": mismatches,
         "rows_compared": compared,
         "layers": sorted(layers_seen),
     }
+
+
+def _join_tp(per_tp_rank: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """One router's calls on one micro-batch, each call's sequence-parallel shards concatenated
+    in TP rank order (no calls when the TP ranks saw different numbers of calls)."""
+    if len({len(calls) for calls in per_tp_rank}) != 1:
+        return []
+    return [torch.cat(parts) for parts in zip(*per_tp_rank, strict=True)]

@@ -13,9 +13,9 @@ own data-parallel samples, reshards routes with ``trainer.reshard`` and checks:
   and layers (an independent per-token computation on rank 0);
 - with TP > 1: the loss equals TP1's (same world, groups rebuilt with TP1).
 
-Pipeline-parallel layouts (``pp2``, ``pp2_recompute``) run ``tests/trainer/multirank_pp.py``
-instead (megatron's 1F1B schedule). Rank 0 writes the outcome as JSON to ``--out``; the test
-asserts on it.
+Pipeline-parallel layouts (``pp2*``, ``tp2sp_pp2``) run ``tests/trainer/multirank_pp.py``
+instead (megatron's 1F1B or interleaved schedule). Rank 0 writes the outcome as JSON to
+``--out``; the test asserts on it.
 """
 
 from __future__ import annotations
@@ -59,12 +59,17 @@ LAYOUTS = {
     # Pipeline parallel, megatron's 1F1B schedule with 2 micro-batches (``run_pp``).
     "pp2": Layout(pp=2),
     "pp2_recompute": Layout(pp=2),
+    # Virtual stages: megatron's interleaved 1F1B, 2 model chunks per rank (8-layer model).
+    "pp2_vp2": Layout(pp=2, vp=2),
+    "pp2_vp2_recompute": Layout(pp=2, vp=2),
+    # 4 ranks.
+    "tp2sp_pp2": Layout(tp=2, pp=2, sequence_parallel=True),
+    "dp2_tp2sp_ep2": Layout(tp=2, ep=2, etp=1, sequence_parallel=True),
 }
-RECOMPUTE = {
-    "pp2_recompute": dict(
-        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
-    )
-}
+_FULL_RECOMPUTE = dict(
+    recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+)
+RECOMPUTE = {"pp2_recompute": _FULL_RECOMPUTE, "pp2_vp2_recompute": _FULL_RECOMPUTE}
 DISPATCHER = {"ep2_alltoall": "alltoall"}
 LENGTHS = [9, 6, 12, 7]  # the global batch; odd lengths on purpose
 SEED = 1234

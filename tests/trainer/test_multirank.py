@@ -1,12 +1,13 @@
-"""Router replay on real gloo process groups: 2 ranks per layout, launched with torchrun.
+"""Router replay on real gloo process groups: 2 or 4 ranks per layout, launched with torchrun.
 
 Each layout runs ``tests/trainer/multirank_worker.py`` on every rank (see its docstring for the
-checks); rank 0 writes the outcome as JSON. About 15-20 s per layout on 2 cores, most of it
-importing megatron-core in both processes.
+checks); rank 0 writes the outcome as JSON. About 15-30 s per 2-rank layout on 2 cores, most of
+it importing megatron-core in every process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -24,13 +25,22 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def _torchrun(layout: str, model_dir: Path, out: Path, timeout: float = 120, env=None):
+@pytest.fixture(scope="module")
+def tiny8_model_dir(tmp_path_factory):
+    """The tiny model with 8 layers (dense layer 0): 2 layers per chunk for PP2 x VP2."""
+    from routereplay.tiny_model import TINY_SIZE, build_tiny_model
+
+    size = dataclasses.replace(TINY_SIZE, num_hidden_layers=8)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny8"), seed=0, size=size)
+
+
+def _torchrun(layout, model_dir, out, timeout: float = 120, env=None, nproc: int = 2):
     launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     cmd = [launcher] if launcher else [sys.executable, "-m", "torch.distributed.run"]
     cmd += [
         "--standalone",
         "--nproc-per-node",
-        "2",
+        str(nproc),
         "-m",
         "tests.trainer.multirank_worker",
         "--layout",
@@ -97,3 +107,28 @@ def test_pipeline_stages_replay_their_own_routers_under_1f1b(layout, tiny_model_
         # REPLAY_FORWARD left on through backward: stage 0 recomputes micro-batch 0 after
         # micro-batch 1's forward and replays 1's ids (stage 1 runs F0 B0 F1 B1: right by luck).
         assert checks["trap_grads_differ"] == {"0": True, "1": False}, checks
+
+
+@pytest.mark.parametrize("layout", ["pp2_vp2", "pp2_vp2_recompute"])
+def test_virtual_stages_replay_each_chunks_routers(layout, tiny8_model_dir, tmp_path):
+    """PP2 x 2 virtual stages under megatron's interleaved 1F1B, 2 micro-batches."""
+    out = tmp_path / "result.json"
+    proc = _torchrun(layout, tiny8_model_dir, out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    checks = json.loads(out.read_text())["checks"]
+    assert checks["schedule"] == "forward_backward_pipelining_with_interleaving"
+    # 8 layers over 4 chunks, in megatron's order (vp 0: pp 0, 1; vp 1: pp 0, 1); layer 0 is
+    # dense. Rank 0's MoE layers are not consecutive record columns.
+    assert checks["chunk_layers"] == {"0/0": [1], "1/0": [2, 3], "0/1": [4, 5], "1/1": [6, 7]}
+    assert checks["stage_layers"] == {"0": [1, 4, 5], "1": [2, 3, 6, 7]}
+    assert checks["natural_bit_identical"], "replaying natural routes changed loss or grads"
+    assert checks["router_grads_nonzero"]
+    forced = checks["forced_maps"]
+    assert forced["ok"], forced
+    assert forced["layers"] == [1, 2, 3, 4, 5, 6, 7]
+    calls = 2 if layout == "pp2_vp2_recompute" else 1
+    assert forced["rows_compared"] == calls * 7 * (8 + 5 + 11 + 6)
+    if layout == "pp2_vp2_recompute":
+        # REPLAY_FORWARD left on through backward: with two chunks every stage runs another
+        # micro-batch's forward on a chunk before that chunk's first backward.
+        assert checks["trap_grads_differ"] == {"0": True, "1": True}, checks
