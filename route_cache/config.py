@@ -21,6 +21,7 @@ class Config:
     host, port: where to listen (port 0 picks a free one).
     redis_url: the Redis server or a cluster node; empty starts an embedded server.
     redis_cluster: treat redis_url as a node of a Redis Cluster.
+    wait_replicas: acknowledge a write only once this many replicas hold it (Redis WAIT).
     ttl_s: records expire this long after their last write; 0 keeps them.
     max_record_mib: the largest route block accepted in one write or append.
     max_batch: the most sample ids one ReadBatch may ask for.
@@ -35,6 +36,7 @@ class Config:
     port: int = 50051
     redis_url: str = ""
     redis_cluster: bool = False
+    wait_replicas: int = 0
     ttl_s: float = 86400.0
     max_record_mib: int = 512
     max_batch: int = 1024
@@ -63,6 +65,7 @@ _HELP = {
     "port": "port to listen on (0: any free port)",
     "redis_url": "redis://[user:pass@]host:port/db; empty starts an embedded server",
     "redis_cluster": "redis_url is a node of a Redis Cluster",
+    "wait_replicas": "replicas that must confirm a write before it is acknowledged (0: none)",
     "ttl_s": "seconds a record lives after its last write (0: forever)",
     "max_record_mib": "largest route block accepted per write or append, in MiB",
     "max_batch": "most sample ids per ReadBatch",

@@ -111,6 +111,45 @@ def start_cluster(masters: int = 3) -> list[RedisProcess]:
     return nodes
 
 
+def start_cluster_with_replicas(
+    masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000
+) -> tuple[list[RedisProcess], list[RedisProcess]]:
+    """``start_cluster(masters)``, then ``replicas`` replicas of each master (master ``i``'s
+    are ``replica_nodes[i * replicas : (i + 1) * replicas]``), every node with
+    ``cluster-node-timeout`` set to ``node_timeout_ms`` so failovers take about a second or two.
+
+    Returns:
+        (master_nodes, replica_nodes), once every replica's link to its master is up.
+    """
+    master_nodes = start_cluster(masters)
+    replica_nodes = [RedisProcess(cluster=True).start() for _ in range(masters * replicas)]
+    clients = [redis.Redis(port=n.port) for n in master_nodes + replica_nodes]
+    for client in clients:
+        client.config_set("cluster-node-timeout", node_timeout_ms)
+    seed = master_nodes[0]
+    for client in clients[masters:]:
+        client.execute_command("CLUSTER MEET", "127.0.0.1", seed.port, seed.bus_port)
+    master_ids = [c.execute_command("CLUSTER MYID").decode() for c in clients[:masters]]
+    deadline = time.monotonic() + 30
+    pending = list(enumerate(clients[masters:]))
+    while pending:  # a node can replicate a master only once it has heard of it
+        i, client = pending[0]
+        try:
+            client.execute_command("CLUSTER REPLICATE", master_ids[i // replicas])
+            pending.pop(0)
+        except redis.ResponseError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    while not all(
+        c.info("replication").get("master_link_status") == "up" for c in clients[masters:]
+    ) or any(c.cluster("INFO")["cluster_state"] != "ok" for c in clients):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the test cluster's replicas did not come up")
+        time.sleep(0.1)
+    return master_nodes, replica_nodes
+
+
 @pytest.fixture(scope="session")
 def redis_node():
     node = RedisProcess().start()

@@ -8,11 +8,15 @@ import time
 
 import numpy as np
 import pytest
+import redis
 
-from routereplay.client import RetryPolicy, RouteCacheClient
-from routereplay.errors import NotFound
+from route_cache.config import Config
+from route_cache.server import RouteCacheServer
+from route_cache.store import RouteStore, connect, record_key
+from routereplay.client import Missing, RetryPolicy, RouteCacheClient
+from routereplay.errors import NotFound, Unavailable
 from routereplay.synthetic import synthetic_record
-from tests.conftest import RedisProcess
+from tests.conftest import RedisProcess, start_cluster_with_replicas
 from tests.route_cache.conftest import SMALL
 from tests.route_cache.test_process import CacheProcess
 
@@ -109,3 +113,93 @@ def test_redis_killed_and_restarted_from_its_append_only_file(appendfsync):
     finally:
         cache.stop()
         node.stop()
+
+
+def wait_promoted(replica: RedisProcess, timeout_s: float = 30) -> float:
+    """Seconds until ``replica`` is a master of a cluster in state ok."""
+    client, start = redis.Redis(port=replica.port), time.monotonic()
+    while (
+        client.info("replication")["role"] != "master"
+        or client.cluster("INFO")["cluster_state"] != "ok"
+    ):
+        assert time.monotonic() - start < timeout_s, "no failover"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+# With one replica per master, the replica WAIT counted is the one the failover promotes, so
+# WAIT 1 must lose nothing acknowledged; the shard's writes then wait for a new replica.
+# Without WAIT, replication is asynchronous: a write acknowledged just before the kill may never
+# reach the replica. That count is reported, not asserted (on loopback the replica is usually
+# less than a write behind).
+@pytest.mark.parametrize("wait_replicas", [0, 1])
+def test_cluster_master_killed_fails_over_and_writes_resume(wait_replicas, record_property):
+    masters, replicas = start_cluster_with_replicas(3, 1, node_timeout_ms=1000)
+    victim, heir = masters[0], replicas[0]
+    client = connect(masters[1].url.rsplit("/", 1)[0], cluster=True, socket_connect_timeout=1)
+    store = RouteStore(client, batch_window=16, wait_replicas=wait_replicas)
+    server = RouteCacheServer(
+        Config(host="127.0.0.1", port=0, grace_s=1, health_interval_s=0.1), store
+    ).start()
+    sent = records(f"failover-w{wait_replicas}", 240, seed=12, tokens=64)
+    victim_slots = {int(s) for a, b in victim_slot_ranges(victim) for s in range(a, b + 1)}
+    on_victim = {
+        r.sample_id for r in sent if client.keyslot(record_key(r.sample_id)) in victim_slots
+    }
+    try:
+        with RouteCacheClient(f"127.0.0.1:{server.port}", retry=RETRY, timeout_s=10) as cache:
+            writer = Writer(cache, sent)
+            writer.start()
+            writer.wait_acked(60)
+            victim.kill()
+            acked_at_kill = len(writer.acked)
+            failover_s = wait_promoted(heir)
+            # Restarted (empty, keeping its cluster config), the old master rejoins as a
+            # replica of its heir: until then WAIT 1 cannot succeed on that shard.
+            victim.start()
+            writer.join(60)
+            assert not writer.is_alive() and writer.failed == []
+            after_kill = set(writer.acked[acked_at_kill:])
+            assert after_kill & on_victim  # writes to the failed shard resumed
+            got = list(cache.read_batch(writer.acked, skip_missing=True))
+        by_id = {r.sample_id: r for r in sent}
+        lost = [g.sample_id for g in got if isinstance(g, Missing)]
+        for record in got:
+            if not isinstance(record, Missing):
+                assert_same(record, by_id[record.sample_id])
+        assert set(lost) <= on_victim  # only the killed master's shard can lose anything
+        record_property("failover_s", round(failover_s, 2))
+        record_property("lost_acknowledged", len(lost))
+        print(f"WAIT {wait_replicas}: failover {failover_s:.2f} s, lost {len(lost)} acknowledged")
+        if wait_replicas:
+            assert lost == []
+    finally:
+        server.stop(0)
+        client.close()
+        for node in masters + replicas:
+            node.kill()
+
+
+def victim_slot_ranges(node: RedisProcess) -> list[tuple[int, int]]:
+    """The slot ranges ``node`` serves as a master."""
+    myid = redis.Redis(port=node.port).execute_command("CLUSTER MYID").decode()
+    shards = redis.Redis(port=node.port).execute_command("CLUSTER SLOTS")
+    return [(a, b) for a, b, master, *_ in shards if master[2].decode() == myid]
+
+
+def test_wait_refuses_to_acknowledge_a_write_no_replica_confirms(redis_node):
+    """A single node has no replica: with WAIT 1 the write is stored but not acknowledged."""
+    store = RouteStore(connect(redis_node.url, cluster=False), wait_replicas=1, wait_timeout_ms=50)
+    server = RouteCacheServer(Config(host="127.0.0.1", port=0, grace_s=1), store).start()
+    record = records("unconfirmed", 1, seed=13)[0]
+    try:
+        once = RetryPolicy(attempts=1)
+        with RouteCacheClient(f"127.0.0.1:{server.port}", retry=once) as cache:
+            with pytest.raises(Unavailable, match="0 of 1 replicas confirmed"):
+                cache.write(record)
+            store.wait_replicas = 0
+            assert cache.write(record).duplicate  # the retry finds it stored whole
+            assert_same(cache.read(record.sample_id), record)
+    finally:
+        server.stop(0)
+        store.client.close()
