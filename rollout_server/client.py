@@ -16,6 +16,7 @@ from rollout_server.samples import SampleDelta, SampleDone, SampleEvent, SampleF
 from routereplay.client import domain_error
 from routereplay.grpc_server import MIB, channel_options
 from routereplay.record import route_dtype
+from routereplay.security import PLAINTEXT, ClientSecurity, secure_aio_channel
 from routereplay.v1 import rollout_pb2, rollout_pb2_grpc
 from routereplay.wire import geometry_from_pb, tokens_from_pb, turn_from_pb
 
@@ -73,10 +74,13 @@ def event_from_pb(response: rollout_pb2.GenerateResponse) -> SampleEvent:
 
 
 class RolloutClient:
-    """Asyncio client. Args: target ``host:port``; timeout_s per call (None: no deadline)."""
+    """Asyncio client. Args: target ``host:port``; timeout_s per call (None: no deadline);
+    TLS and the bearer token (``routereplay.security.ClientSecurity``; plaintext by default)."""
 
-    def __init__(self, target: str, timeout_s: float | None = 300.0) -> None:
-        self.channel = grpc.aio.insecure_channel(target, options=channel_options(64 * MIB))
+    def __init__(
+        self, target: str, timeout_s: float | None = 300.0, security: ClientSecurity = PLAINTEXT
+    ) -> None:
+        self.channel = secure_aio_channel(target, security, channel_options(64 * MIB))
         self.stub = rollout_pb2_grpc.RolloutStub(self.channel)
         self.timeout_s = timeout_s
 

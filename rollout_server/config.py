@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from routereplay.grpc_server import MIB, ServerLimits
+from routereplay.security import ClientSecurity, ServerSecurity
 from routereplay.service_config import parse_service_config
 
 ENV_PREFIX = "ROLLOUT_SERVER_"
@@ -36,6 +37,10 @@ class Config:
     write_retry_s: how long a write is retried before it is given up.
     cache_timeout_s: deadline of one route cache call.
     grace_s: how long in-flight calls and pending writes may finish on shutdown.
+    security: TLS and the bearer token of this server (``routereplay.security``).
+    route_cache_security: TLS and the token for reaching the route cache (flags
+        ``--route-cache-ca-file`` and so on; the token from ``ROLLOUT_SERVER_ROUTE_CACHE_TOKEN``
+        or ``--route-cache-token-file``).
     """
 
     host: str = "0.0.0.0"
@@ -62,6 +67,10 @@ class Config:
     cache_timeout_s: float = 30.0
     grace_s: float = 30.0
     limits: ServerLimits = field(default_factory=lambda: ServerLimits(max_message_bytes=64 * MIB))
+    security: ServerSecurity = field(default_factory=ServerSecurity)
+    route_cache_security: ClientSecurity = field(
+        default_factory=ClientSecurity, metadata={"flag_prefix": "route_cache_"}
+    )
 
     def engine_args(self) -> dict:
         """The vLLM engine arguments these settings ask for (zeros left to vLLM)."""

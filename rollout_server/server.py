@@ -14,6 +14,7 @@ from rollout_server.samples import SampleRequest
 from rollout_server.writer import RecordWriter
 from routereplay.client import AsyncRouteCacheClient
 from routereplay.grpc_server import make_aio_server, set_serving_aio
+from routereplay.security import add_port
 from routereplay.v1 import rollout_pb2, rollout_pb2_grpc
 from routereplay.wire import geometry_to_pb
 
@@ -89,7 +90,7 @@ class RolloutServer:
     """The rollout server: ``await start()``, then ``await stop(grace)`` or ``await wait()``.
 
     Runs on the event loop the engine is bound to. The route cache client is created here
-    (on this loop) from ``config.route_cache``.
+    (on this loop) from ``config.route_cache`` and ``config.route_cache_security``.
 
     Args:
         config: The server's settings.
@@ -107,7 +108,11 @@ class RolloutServer:
 
     async def start(self) -> RolloutServer:
         config = self.config
-        self.cache = AsyncRouteCacheClient(config.route_cache, timeout_s=config.cache_timeout_s)
+        self.cache = AsyncRouteCacheClient(
+            config.route_cache,
+            timeout_s=config.cache_timeout_s,
+            security=config.route_cache_security,
+        )
         writer = RecordWriter(
             self.cache, config.max_pending_writes, config.write_workers, config.write_retry_s
         )
@@ -115,9 +120,11 @@ class RolloutServer:
             config.max_n, config.max_prompts, config.store_wait_s, config.capture_routes
         )
         self.rollout = Rollout(self.engine, self.cache, writer, limits, config.policy_version)
-        self._server, self._health = await make_aio_server(config.limits, [SERVICE_NAME])
+        self._server, self._health = await make_aio_server(
+            config.limits, [SERVICE_NAME], config.security
+        )
         rollout_pb2_grpc.add_RolloutServicer_to_server(RolloutServicer(self.rollout), self._server)
-        self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        self.port = add_port(self._server, f"{config.host}:{config.port}", config.security)
         writer.start()
         await self._server.start()
         await set_serving_aio(self._health, [SERVICE_NAME], True)

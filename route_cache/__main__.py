@@ -20,7 +20,13 @@ def main(argv: list[str] | None = None) -> int:
         embedded, url = start_embedded_redis()
     try:
         store = RouteStore(
-            connect(url, config.redis_cluster, socket_timeout=30, socket_connect_timeout=5),
+            connect(
+                url,
+                config.redis_cluster,
+                socket_timeout=30,
+                socket_connect_timeout=5,
+                **config.redis.connect_kwargs(),
+            ),
             ttl_ms=int(config.ttl_s * 1000),
         )
         RouteCacheServer(config, store).start().wait()

@@ -7,12 +7,53 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from routereplay.grpc_server import MIB, ServerLimits
+from routereplay.security import ENV_ONLY, ServerSecurity, read_secret
 from routereplay.service_config import parse_service_config
 
 ENV_PREFIX = "ROUTE_CACHE_"
 # Below the 30 s socket timeout the service gives its Redis client: a waiting read must not
 # look like a dead connection.
 MAX_BLOCK_MS = 20_000
+
+
+@dataclass(frozen=True)
+class RedisSecurity:
+    """How the route cache signs in to Redis and encrypts the connection. A user and password
+    in ``redis_url`` work as well (``redis://user:password@host:6379/0``, the URL wins).
+
+    Attributes:
+        username: the ACL user; empty: the default user.
+        password_file: a file holding the password (the ACL user's, or ``requirepass``).
+        password: the same from the environment only (never a flag, never in repr).
+        tls_ca_file: the CA of Redis's certificate (PEM); needs a ``rediss://`` URL.
+        tls_cert_file, tls_key_file: a client certificate and key, for Redis with
+            ``tls-auth-clients yes``.
+    """
+
+    username: str = ""
+    password_file: str = ""
+    password: str = field(default="", repr=False, metadata=ENV_ONLY)
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+
+    def __post_init__(self):
+        if self.password and self.password_file:
+            raise ValueError("set redis_password or redis_password_file, not both")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("redis_tls_cert_file and redis_tls_key_file go together")
+
+    def connect_kwargs(self) -> dict:
+        """redis-py's keyword arguments for these settings; the password file is read now."""
+        password = self.password
+        if self.password_file:
+            password = read_secret(self.password_file, "redis_password_file").decode()
+        kwargs = {"username": self.username or None, "password": password or None}
+        if self.tls_ca_file:
+            kwargs["ssl_ca_certs"] = self.tls_ca_file
+        if self.tls_cert_file:
+            kwargs |= {"ssl_certfile": self.tls_cert_file, "ssl_keyfile": self.tls_key_file}
+        return {k: v for k, v in kwargs.items() if v is not None}
 
 
 @dataclass(frozen=True)
@@ -25,11 +66,15 @@ class Config:
     ttl_s: records expire this long after their last write; 0 keeps them.
     max_record_mib: the largest route block accepted in one write or append.
     max_batch: the most sample ids one ReadBatch may ask for.
+    max_write_chunks: the most chunk messages one WriteRecord or AppendTurn may send (an
+        endless stream of tiny chunks would hold a handler thread for ever).
     grace_s: how long in-flight calls may finish on shutdown.
     ready_stream: the Redis Stream key of the ready feed; empty disables the feed.
     ready_maxlen: the stream keeps about this many entries (0: all).
     ready_max_block_ms: the longest a ReadReady may wait for new entries (each waiting call
         holds a handler thread; keep it below the Redis client's socket timeout).
+    redis: the Redis password and TLS (``RedisSecurity``).
+    security: TLS and the bearer token of this server (``routereplay.security``).
     """
 
     host: str = "0.0.0.0"
@@ -40,14 +85,23 @@ class Config:
     ttl_s: float = 86400.0
     max_record_mib: int = 512
     max_batch: int = 1024
+    max_write_chunks: int = 4096
     grace_s: float = 30.0
     ready_stream: str = "rr:ready"
     ready_maxlen: int = 100_000
     ready_max_block_ms: int = 10_000
     health_interval_s: float = 1.0
     limits: ServerLimits = field(default_factory=ServerLimits)
+    redis: RedisSecurity = field(default_factory=RedisSecurity, metadata={"flag_prefix": "redis_"})
+    security: ServerSecurity = field(default_factory=ServerSecurity)
 
     def __post_init__(self):
+        if (self.redis.tls_ca_file or self.redis.tls_cert_file) and not self.redis_url.startswith(
+            "rediss://"
+        ):
+            raise ValueError("redis_tls_* files need a rediss:// redis_url")
+        if self.max_write_chunks < 1:
+            raise ValueError(f"max_write_chunks must be >= 1, got {self.max_write_chunks}")
         if self.ready_maxlen < 0:
             raise ValueError(f"ready_maxlen must be >= 0, got {self.ready_maxlen}")
         if not 0 <= self.ready_max_block_ms <= MAX_BLOCK_MS:
@@ -63,12 +117,18 @@ class Config:
 _HELP = {
     "host": "address to listen on",
     "port": "port to listen on (0: any free port)",
-    "redis_url": "redis://[user:pass@]host:port/db; empty starts an embedded server",
+    "redis_url": "redis[s]://[user:pass@]host:port/db (rediss: TLS); empty: an embedded server",
     "redis_cluster": "redis_url is a node of a Redis Cluster",
     "wait_replicas": "replicas that must confirm a write before it is acknowledged (0: none)",
     "ttl_s": "seconds a record lives after its last write (0: forever)",
     "max_record_mib": "largest route block accepted per write or append, in MiB",
     "max_batch": "most sample ids per ReadBatch",
+    "max_write_chunks": "most chunk messages per WriteRecord or AppendTurn stream",
+    "redis_username": "Redis ACL user (empty: the default user)",
+    "redis_password_file": "file holding the Redis password (or set ROUTE_CACHE_REDIS_PASSWORD)",
+    "redis_tls_ca_file": "PEM CA of Redis's certificate (rediss:// URLs)",
+    "redis_tls_cert_file": "PEM client certificate for Redis (tls-auth-clients)",
+    "redis_tls_key_file": "PEM client key for Redis",
     "grace_s": "seconds in-flight calls may finish on shutdown",
     "ready_stream": "Redis Stream key of the ready feed (empty: no feed)",
     "ready_maxlen": "entries the ready stream keeps, about (0: all)",

@@ -10,10 +10,17 @@ from route_cache.config import Config
 from route_cache.feed import ReadyFeed, check_entry_id
 from route_cache.store import RouteStore, StoredBlock, StoredRecord
 from routereplay.codec import decode_routes
-from routereplay.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from routereplay.errors import (
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from routereplay.grpc_server import make_server, set_serving, wait_for_termination
 from routereplay.ready import ReadyEntry
 from routereplay.record import check_routes, check_sample_id, check_token_ids, check_turns
+from routereplay.security import add_port
 from routereplay.v1 import route_cache_pb2, route_cache_pb2_grpc
 from routereplay.wire import (
     DEFAULT_CHUNK_BYTES,
@@ -96,8 +103,14 @@ class RouteCacheServicer(route_cache_pb2_grpc.RouteCacheServicer):
                 f"of {self.config.max_record_bytes} bytes"
             )
         collector = ChunkCollector(0, header.block.encoded_size)
-        data = None
+        data, chunks = None, 0
         while data is None:
+            chunks += 1
+            if chunks > self.config.max_write_chunks:
+                raise ResourceExhausted(
+                    f"the stream sent more than {self.config.max_write_chunks} chunks, the "
+                    "server's limit (max_write_chunks): send larger chunks; nothing was stored"
+                )
             data = collector.add(_next_part(request_iterator, "chunk").chunk)
         encoded = encoded_from_pb(header.block, data)
         try:
@@ -253,11 +266,11 @@ class RouteCacheServer:
             if config.ready_stream
             else None
         )
-        self.grpc_server, self.health = make_server(config.limits, [SERVICE_NAME])
+        self.grpc_server, self.health = make_server(config.limits, [SERVICE_NAME], config.security)
         route_cache_pb2_grpc.add_RouteCacheServicer_to_server(
             RouteCacheServicer(store, config, self.feed), self.grpc_server
         )
-        self.port = self.grpc_server.add_insecure_port(f"{config.host}:{config.port}")
+        self.port = add_port(self.grpc_server, f"{config.host}:{config.port}", config.security)
         self._stop_watch = threading.Event()
 
     def start(self) -> RouteCacheServer:

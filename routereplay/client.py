@@ -23,6 +23,7 @@ from routereplay.errors import BY_STATUS, RouteReplayError
 from routereplay.grpc_server import channel_options
 from routereplay.ready import ReadyPage
 from routereplay.record import Geometry, Record, Turn, TurnAppend
+from routereplay.security import PLAINTEXT, ClientSecurity, secure_aio_channel, secure_channel
 from routereplay.v1 import route_cache_pb2, route_cache_pb2_grpc
 from routereplay.wire import (
     DEFAULT_CHUNK_BYTES,
@@ -137,8 +138,10 @@ class _Base:
         retry: RetryPolicy | None = None,
         encoding: Encoding = Encoding.RAW,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        security: ClientSecurity = PLAINTEXT,
     ):
         self.target = target
+        self.security = security
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
         self.encoding = Encoding(encoding)
@@ -147,11 +150,12 @@ class _Base:
 
 class RouteCacheClient(_Base):
     """Blocking client. Args: target ``host:port``; timeout_s per call; the retry policy;
-    the encoding of written routes (RAW, or ZSTD for memory-bound Redis); chunk size."""
+    the encoding of written routes (RAW, or ZSTD for memory-bound Redis); chunk size; TLS and
+    the bearer token (``routereplay.security.ClientSecurity``; plaintext by default)."""
 
     def __init__(self, target: str, **kwargs):
         super().__init__(target, **kwargs)
-        self.channel = grpc.insecure_channel(target, options=channel_options())
+        self.channel = secure_channel(target, self.security, channel_options())
         self.stub = route_cache_pb2_grpc.RouteCacheStub(self.channel)
 
     def close(self) -> None:
@@ -276,7 +280,7 @@ class AsyncRouteCacheClient(_Base):
 
     def __init__(self, target: str, **kwargs):
         super().__init__(target, **kwargs)
-        self.channel = grpc.aio.insecure_channel(target, options=channel_options())
+        self.channel = secure_aio_channel(target, self.security, channel_options())
         self.stub = route_cache_pb2_grpc.RouteCacheStub(self.channel)
 
     async def close(self) -> None:

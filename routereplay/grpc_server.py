@@ -1,5 +1,6 @@
-"""What every Router Replay gRPC server shares: the error interceptor, explicit limits, the
-health and reflection services, and a graceful stop on SIGTERM/SIGINT.
+"""What every Router Replay gRPC server shares: request parsing and the error interceptor, the
+token check, explicit limits, the health and reflection services, and a graceful stop on
+SIGTERM/SIGINT.
 
 Two flavours with the same behaviour: thread-pool servers (``make_server``) and asyncio
 servers (``make_aio_server``), for services whose work is bound to one event loop (the
@@ -18,7 +19,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from routereplay.errors import RouteReplayError
+from routereplay.errors import InvalidArgument, RouteReplayError
+from routereplay.security import AioTokenInterceptor, ServerSecurity, TokenInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,8 @@ class ServerLimits:
     workers: int = 16
 
 
+NO_SECURITY = ServerSecurity()
+
 INTERNAL_MESSAGE = "internal error (details are in the server log)"
 
 
@@ -89,49 +93,64 @@ async def _abort_aio(context: grpc.aio.ServicerContext, exc: Exception, method: 
     await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
 
 
+def _request_parser(deserializer):
+    """Turns a request's bytes into its message; bytes that are not one are INVALID_ARGUMENT.
+
+    Servers register every method with pass-through (bytes) deserializers and parse here:
+    grpcio's own deserializer answers undecodable bytes with INTERNAL and leaves the call's
+    HTTP/2 stream open, so enough garbage from one client stalls its whole connection."""
+    if deserializer is None:
+        return lambda raw: raw
+    message = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
+    name = message.full_name if message is not None else "request message"
+
+    def parse(raw: bytes):
+        try:
+            return deserializer(raw)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is the client's
+            raise InvalidArgument(f"request is not a valid {name}: {exc}") from None
+
+    return parse
+
+
 class ErrorInterceptor(grpc.ServerInterceptor):
-    """Maps domain errors to their status with their message; anything else is logged in full
-    and answered with a generic INTERNAL, so internals never leak to clients."""
+    """Parses requests (see ``_request_parser``) and maps domain errors to their status with
+    their message; anything else is logged in full and answered with a generic INTERNAL, so
+    internals never leak to clients."""
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
         method = handler_call_details.method
+        parse = _request_parser(handler.request_deserializer)
 
-        def unary(behavior):
+        def parse_stream(request_iterator):
+            return map(parse, request_iterator)
+
+        def unary(behavior, convert):
             def wrapped(request, context):
                 try:
-                    return behavior(request, context)
+                    return behavior(convert(request), context)
                 except Exception as exc:  # noqa: BLE001 - mapped to a status
                     _abort(context, exc, method)
 
             return wrapped
 
-        def streaming(behavior):
+        def streaming(behavior, convert):
             def wrapped(request, context):
                 try:
-                    yield from behavior(request, context)
+                    yield from behavior(convert(request), context)
                 except Exception as exc:  # noqa: BLE001 - mapped to a status
                     _abort(context, exc, method)
 
             return wrapped
 
-        kinds = {
-            "unary_unary": unary,
-            "stream_unary": unary,
-            "unary_stream": streaming,
-            "stream_stream": streaming,
-        }
-        for kind, wrap in kinds.items():
-            behavior = getattr(handler, kind)
-            if behavior is not None:
-                return handler._replace(**{kind: wrap(behavior)})
-        return handler
+        return _wrap(handler, unary, streaming, parse, parse_stream)
 
 
 class AioErrorInterceptor(grpc.aio.ServerInterceptor):
-    """``ErrorInterceptor`` for asyncio servers: the same mapping of errors to statuses.
+    """``ErrorInterceptor`` for asyncio servers: the same parsing and mapping of errors.
 
     Cancellation (a client that went away) is not an ``Exception`` and passes through.
     """
@@ -141,37 +160,47 @@ class AioErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
+        parse = _request_parser(handler.request_deserializer)
 
-        def unary(behavior):
+        async def parse_stream(request_iterator):
+            async for raw in request_iterator:
+                yield parse(raw)
+
+        def unary(behavior, convert):
             async def wrapped(request, context):
                 try:
-                    return await behavior(request, context)
+                    return await behavior(convert(request), context)
                 except Exception as exc:  # noqa: BLE001 - mapped to a status
                     await _abort_aio(context, exc, method)
 
             return wrapped
 
-        def streaming(behavior):
+        def streaming(behavior, convert):
             async def wrapped(request, context):
                 try:
-                    async for response in behavior(request, context):
+                    async for response in behavior(convert(request), context):
                         yield response
                 except Exception as exc:  # noqa: BLE001 - mapped to a status
                     await _abort_aio(context, exc, method)
 
             return wrapped
 
-        kinds = {
-            "unary_unary": unary,
-            "stream_unary": unary,
-            "unary_stream": streaming,
-            "stream_stream": streaming,
-        }
-        for kind, wrap in kinds.items():
-            behavior = getattr(handler, kind)
-            if behavior is not None:
-                return handler._replace(**{kind: wrap(behavior)})
-        return handler
+        return _wrap(handler, unary, streaming, parse, parse_stream)
+
+
+def _wrap(handler, unary, streaming, parse, parse_stream):
+    """``handler`` taking bytes, its behavior wrapped for its kind."""
+    kinds = {
+        "unary_unary": (unary, parse),
+        "stream_unary": (unary, parse_stream),
+        "unary_stream": (streaming, parse),
+        "stream_stream": (streaming, parse_stream),
+    }
+    for kind, (wrap, convert) in kinds.items():
+        behavior = getattr(handler, kind)
+        if behavior is not None:
+            return handler._replace(request_deserializer=None, **{kind: wrap(behavior, convert)})
+    return handler
 
 
 def _options(limits: ServerLimits) -> list[tuple[str, int]]:
@@ -191,13 +220,18 @@ def _add_health_and_reflection(server, health_servicer, service_names: Iterable[
 
 
 def make_server(
-    limits: ServerLimits, service_names: Iterable[str]
+    limits: ServerLimits, service_names: Iterable[str], security: ServerSecurity = NO_SECURITY
 ) -> tuple[grpc.Server, health.HealthServicer]:
-    """A server with the interceptor, the limits, health (NOT_SERVING until told otherwise) and
-    reflection. Add the servicers, then ``add_insecure_port`` and ``start``."""
+    """A server with the interceptors (the token check when ``security`` has a token), the
+    limits, health (NOT_SERVING until told otherwise) and reflection. Add the servicers, then
+    ``routereplay.security.add_port`` (TLS when ``security`` has a certificate) and ``start``.
+
+    Raises:
+        ValueError: a secret file named in ``security`` is missing or empty."""
+    token = security.token()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=limits.workers),
-        interceptors=[ErrorInterceptor()],
+        interceptors=[*([TokenInterceptor(token)] if token else []), ErrorInterceptor()],
         options=_options(limits),
         maximum_concurrent_rpcs=limits.max_concurrent_rpcs,
     )
@@ -209,13 +243,14 @@ def make_server(
 
 
 async def make_aio_server(
-    limits: ServerLimits, service_names: Iterable[str]
+    limits: ServerLimits, service_names: Iterable[str], security: ServerSecurity = NO_SECURITY
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    """``make_server`` for asyncio: the same interceptor mapping, limits, health (NOT_SERVING
-    until told otherwise, see ``set_serving_aio``) and reflection. Call it on the event loop
-    the server will run on; ``limits.workers`` does not apply (handlers are coroutines)."""
+    """``make_server`` for asyncio: the same interceptors, limits, health (NOT_SERVING until
+    told otherwise, see ``set_serving_aio``) and reflection. Call it on the event loop the
+    server will run on; ``limits.workers`` does not apply (handlers are coroutines)."""
+    token = security.token()
     server = grpc.aio.server(
-        interceptors=[AioErrorInterceptor()],
+        interceptors=[*([AioTokenInterceptor(token)] if token else []), AioErrorInterceptor()],
         options=_options(limits),
         maximum_concurrent_rpcs=limits.max_concurrent_rpcs,
     )

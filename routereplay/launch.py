@@ -10,6 +10,8 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from routereplay.security import PLAINTEXT, ClientSecurity, secure_channel
+
 
 def free_port() -> int:
     return free_ports(1)[0]
@@ -28,14 +30,20 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-def wait_serving(target: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    """Block until the gRPC health service at ``target`` answers SERVING.
+def wait_serving(
+    target: str,
+    proc: subprocess.Popen,
+    timeout_s: float = 60.0,
+    security: ClientSecurity = PLAINTEXT,
+) -> None:
+    """Block until the gRPC health service at ``target`` answers SERVING (over TLS when
+    ``security`` asks for it; health checks need no token).
 
     Raises:
         RuntimeError: ``proc`` exited, or ``timeout_s`` passed.
     """
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
+    with secure_channel(target, security) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -68,8 +76,10 @@ def start_service(
     env: dict[str, str] | None = None,
     quiet: bool = False,
     timeout_s: float = 60.0,
+    security: ClientSecurity = PLAINTEXT,
 ) -> tuple[subprocess.Popen, str]:
-    """``python -m module ARGS --host 127.0.0.1 --port PORT``, returned once it is healthy.
+    """``python -m module ARGS --host 127.0.0.1 --port PORT``, returned once it is healthy
+    (checked with ``security``, for a service started with TLS).
 
     Returns:
         (process, target ``host:port``). A process that never becomes healthy is stopped.
@@ -84,7 +94,7 @@ def start_service(
         stderr=output,
     )
     try:
-        wait_serving(target, proc, timeout_s)
+        wait_serving(target, proc, timeout_s, security)
     except BaseException:
         stop_process(proc, 5)
         raise

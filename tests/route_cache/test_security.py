@@ -1,0 +1,364 @@
+"""The route cache's security and abuse limits over real gRPC sockets and real redis-server
+processes: TLS, mutual TLS, the bearer token, undecodable requests, the stream and size
+limits, and Redis with a password, an ACL user and TLS."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import numpy as np
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from route_cache.config import Config, RedisSecurity
+from route_cache.server import RouteCacheServer
+from route_cache.store import RouteStore, connect, record_key
+from routereplay.client import AsyncRouteCacheClient, RetryPolicy, RouteCacheClient
+from routereplay.codec import Encoding, encode_routes
+from routereplay.devcerts import generate
+from routereplay.errors import NotFound, ResourceExhausted, RouteReplayError
+from routereplay.grpc_server import MIB, ServerLimits
+from routereplay.launch import free_port, start_service, stop_process
+from routereplay.security import (
+    MISSING_TOKEN,
+    PLAINTEXT,
+    WRONG_TOKEN,
+    ClientSecurity,
+    ServerSecurity,
+    secure_channel,
+)
+from routereplay.synthetic import synthetic_record
+from routereplay.v1 import route_cache_pb2, route_cache_pb2_grpc
+from routereplay.wire import write_requests
+from tests.conftest import RedisProcess
+from tests.route_cache.conftest import SMALL
+
+TOKEN = "s3cret-token-value"
+NO_RETRY = RetryPolicy(attempts=1)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    return generate(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(scope="module")
+def other_certs(tmp_path_factory):
+    """A second, unrelated CA and its certificates."""
+    return generate(tmp_path_factory.mktemp("other-certs"))
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("token") / "token"
+    path.write_text(TOKEN + "\n")  # the trailing newline an editor adds is dropped
+    return str(path)
+
+
+@pytest.fixture
+def serve(redis_node):
+    """Starts route cache servers over the session's Redis; stops them at the end."""
+    servers = []
+    redis_client = connect(redis_node.url, cluster=False)
+
+    def start(**overrides) -> str:
+        config = Config(host="127.0.0.1", port=0, grace_s=1, health_interval_s=0.1, **overrides)
+        servers.append(RouteCacheServer(config, RouteStore(redis_client, ttl_ms=600_000)).start())
+        return f"127.0.0.1:{servers[-1].port}"
+
+    yield start
+    for server in servers:
+        server.stop(0)
+    redis_client.close()
+
+
+def round_trip(target: str, security: ClientSecurity, seed: int = 0) -> None:
+    record = synthetic_record(f"sec-{seed}-{np.random.randint(1 << 30)}", SMALL, 300,
+                              np.random.default_rng(seed))  # fmt: skip
+    with RouteCacheClient(target, timeout_s=10, retry=NO_RETRY, security=security) as client:
+        client.write(record)
+        np.testing.assert_array_equal(client.read(record.sample_id).routes, record.routes)
+
+
+def health(target: str, security: ClientSecurity = PLAINTEXT) -> int:
+    with secure_channel(target, security) as channel:
+        request = health_pb2.HealthCheckRequest(service="routereplay.v1.RouteCache")
+        return health_pb2_grpc.HealthStub(channel).Check(request, timeout=5).status
+
+
+# --- TLS ----------------------------------------------------------------------------------
+
+
+def test_tls(serve, certs, other_certs):
+    target = serve(
+        security=ServerSecurity(str(certs / "server.pem"), str(certs / "server-key.pem"))
+    )
+    round_trip(target, ClientSecurity(ca_file=str(certs / "ca.pem")))
+    assert health(target, ClientSecurity(ca_file=str(certs / "ca.pem"))) == 1  # SERVING
+    for wrong in (ClientSecurity(), ClientSecurity(ca_file=str(other_certs / "ca.pem"))):
+        with pytest.raises(RouteReplayError):  # plaintext, or a CA that did not sign it
+            round_trip(target, wrong)
+
+
+def test_mutual_tls(serve, certs, other_certs):
+    security = ServerSecurity(str(certs / "server.pem"), str(certs / "server-key.pem"),
+                              tls_client_ca_file=str(certs / "ca.pem"))  # fmt: skip
+    target = serve(security=security)
+    ca = str(certs / "ca.pem")
+    round_trip(target, ClientSecurity(ca_file=ca, cert_file=str(certs / "client.pem"),
+                                      key_file=str(certs / "client-key.pem")))  # fmt: skip
+    no_cert = ClientSecurity(ca_file=ca)
+    foreign = ClientSecurity(ca_file=ca, cert_file=str(other_certs / "client.pem"),
+                             key_file=str(other_certs / "client-key.pem"))  # fmt: skip
+    for wrong in (no_cert, foreign):
+        with pytest.raises(RouteReplayError):
+            round_trip(target, wrong)
+
+
+# --- the bearer token ---------------------------------------------------------------------
+
+
+def test_token(serve, token_file):
+    target = serve(security=ServerSecurity(auth_token_file=token_file))
+    round_trip(target, ClientSecurity(token=TOKEN))
+    round_trip(target, ClientSecurity(token_file=token_file))
+    for security, message in [
+        (ClientSecurity(), MISSING_TOKEN),
+        (ClientSecurity(token="s3cret-token-valuX"), WRONG_TOKEN),
+        (ClientSecurity(token=TOKEN[:-1]), WRONG_TOKEN),
+    ]:
+        with RouteCacheClient(target, timeout_s=10, retry=NO_RETRY, security=security) as client:
+            with pytest.raises(RouteReplayError) as info:  # a unary call
+                client.stat("any")
+            assert str(info.value) == message  # names the problem, echoes no token
+            with pytest.raises(RouteReplayError, match="bearer token"):  # server streaming
+                list(client.read_batch(["any"]))
+            with pytest.raises(RouteReplayError, match="bearer token"):  # client streaming
+                client.write(synthetic_record("t", SMALL, 20, np.random.default_rng(0)))
+    # Probes need no token; reflection does.
+    assert health(target) == health_pb2.HealthCheckResponse.SERVING
+    with grpc.insecure_channel(target) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        with pytest.raises(grpc.RpcError) as info:
+            next(stub.ServerReflectionInfo(iter([request]), timeout=5))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_token_async_client_over_tls(serve, certs, token_file):
+    import asyncio
+
+    security = ServerSecurity(str(certs / "server.pem"), str(certs / "server-key.pem"),
+                              auth_token_file=token_file)  # fmt: skip
+    target = serve(security=security)
+    record = synthetic_record("sec-async", SMALL, 100, np.random.default_rng(1))
+
+    async def main(client_security):
+        async with AsyncRouteCacheClient(target, timeout_s=10, retry=NO_RETRY,
+                                         security=client_security) as client:  # fmt: skip
+            await client.write(record)
+            got = [r async for r in client.read_batch([record.sample_id])]
+            np.testing.assert_array_equal(got[0].routes, record.routes)
+
+    asyncio.run(main(ClientSecurity(ca_file=str(certs / "ca.pem"), token=TOKEN)))
+    with pytest.raises(RouteReplayError, match="missing bearer token"):
+        asyncio.run(main(ClientSecurity(ca_file=str(certs / "ca.pem"))))
+
+
+# --- undecodable requests -----------------------------------------------------------------
+
+GARBAGE = b"\x0a\xff\x01garbage"  # field 1 claims 255 bytes; 8 follow
+
+
+def test_garbage_requests_are_invalid_and_do_not_stall_the_connection(serve):
+    """100 undecodable requests on ONE channel, then a valid call on the same channel: each
+    gets INVALID_ARGUMENT, and the connection still serves (grpcio's own deserializer left a
+    stream open per call and refused everything after 32)."""
+    target = serve()
+    with grpc.insecure_channel(target) as channel:
+        stat = channel.unary_unary("/routereplay.v1.RouteCache/StatRecord")
+        for _ in range(100):
+            with pytest.raises(grpc.RpcError) as info:
+                stat(GARBAGE, timeout=5)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details().startswith(
+                "request is not a valid routereplay.v1.StatRecordRequest: "
+            )
+        # Streaming requests: a good header, then garbage.
+        write = channel.stream_unary("/routereplay.v1.RouteCache/WriteRecord")
+        record = synthetic_record("sec-garbage", SMALL, 50, np.random.default_rng(2))
+        header = next(write_requests(record, encode_routes(record.routes, Encoding.RAW)))
+        with pytest.raises(grpc.RpcError) as info:
+            write(iter([header.SerializeToString(), GARBAGE]), timeout=5)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid routereplay.v1.WriteRecordRequest" in info.value.details()
+        stub = route_cache_pb2_grpc.RouteCacheStub(channel)
+        request = route_cache_pb2.StatRecordRequest(sample_id="no-such-sample")
+        with pytest.raises(grpc.RpcError) as info:
+            stub.StatRecord(request, timeout=5)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND  # parsed and answered
+        check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+
+
+# --- limits -------------------------------------------------------------------------------
+
+
+def test_chunks_per_write_limit(serve, redis_node):
+    target = serve(max_write_chunks=4)
+    record = synthetic_record("sec-chunks", SMALL, 300, np.random.default_rng(3))  # 5,980 B
+    with RouteCacheClient(target, timeout_s=10, retry=NO_RETRY, chunk_bytes=1024) as client:
+        with pytest.raises(ResourceExhausted, match=r"more than 4 chunks.*max_write_chunks"):
+            client.write(record)  # 6 chunks
+        client.chunk_bytes = 2048  # 3 chunks
+        client.write(record)
+    # An endless stream of empty chunks that never ends its block is cut off too.
+    header = next(write_requests(record, encode_routes(record.routes, Encoding.RAW)))
+    header.header.sample_id = "sec-endless"
+
+    def endless():
+        yield header
+        while True:
+            yield route_cache_pb2.WriteRecordRequest(chunk={"block": 0, "offset": 0})
+
+    with grpc.insecure_channel(target) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            route_cache_pb2_grpc.RouteCacheStub(channel).WriteRecord(endless(), timeout=10)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert not redis.Redis.from_url(redis_node.url).exists(record_key("sec-endless"))
+
+
+def test_message_size_limit(serve):
+    target = serve(limits=ServerLimits(max_message_bytes=MIB // 4))
+    record = synthetic_record("sec-size", SMALL, 20000, np.random.default_rng(4))  # 400 KB
+    with RouteCacheClient(target, timeout_s=10, retry=NO_RETRY) as client:  # 1 MiB chunks
+        with pytest.raises(ResourceExhausted, match="larger than max"):
+            client.write(record)
+        client.chunk_bytes = MIB // 8
+        client.write(record)
+
+
+def test_concurrent_rpc_limit(serve):
+    """One ReadReady call waits for entries and holds the only slot; other calls are refused
+    until it ends."""
+    target = serve(limits=ServerLimits(max_concurrent_rpcs=1))
+    client = RouteCacheClient(target, timeout_s=30, retry=NO_RETRY)
+    holding = threading.Event()
+
+    def hold():
+        while not holding.is_set():  # the other calls below may take the slot first
+            try:
+                client.read_ready("sec-group", "c0", block_ms=3000)
+                return
+            except ResourceExhausted:
+                pass
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        with RouteCacheClient(target, timeout_s=5, retry=NO_RETRY) as other:
+            for _ in range(500):
+                try:
+                    other.stat("sec-none")
+                except ResourceExhausted as exc:
+                    assert str(exc) == "Concurrent RPC limit exceeded!"
+                    break
+                except NotFound:  # the slot was free: answered
+                    threading.Event().wait(0.01)
+            else:
+                pytest.fail("no call was ever refused")
+            thread.join()
+            with pytest.raises(NotFound):  # the slot is free again
+                other.stat("sec-none")
+    finally:
+        holding.set()
+        thread.join()
+        client.close()
+
+
+# --- Redis: password, ACL user, TLS -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def secured_redis(certs):
+    """A redis-server with a password for the default user, an ACL user, and a TLS port
+    beside the plain one (which the start-up check uses)."""
+    tls_port = free_port()
+    node = RedisProcess(
+        "--tls-port", str(tls_port), "--tls-cert-file", str(certs / "server.pem"),
+        "--tls-key-file", str(certs / "server-key.pem"), "--tls-ca-cert-file",
+        str(certs / "ca.pem"), "--tls-auth-clients", "optional",
+    ).start()  # fmt: skip
+    admin = redis.Redis(port=node.port)
+    admin.execute_command("ACL SETUSER", "rr", "on", ">rr-pass", "~rr:*", "+@all")
+    admin.config_set("requirepass", "default-pass")
+    yield node, tls_port
+    node.stop()
+
+
+def ping(url: str, **security) -> bool:
+    client = connect(url, False, socket_timeout=5, **RedisSecurity(**security).connect_kwargs())
+    try:
+        return RouteStore(client).ping()
+    finally:
+        client.close()
+
+
+def test_redis_password_and_acl_user(secured_redis, tmp_path):
+    node, _ = secured_redis
+    url = f"redis://127.0.0.1:{node.port}/0"
+    password_file = tmp_path / "pw"
+    password_file.write_text("default-pass\n")
+    assert ping(url, password_file=str(password_file))
+    assert ping(url, password="default-pass")
+    assert ping(url, username="rr", password="rr-pass")
+    assert ping(f"redis://rr:rr-pass@127.0.0.1:{node.port}/0")
+    assert not ping(url)
+    assert not ping(url, password="wrong")
+    assert not ping(url, username="rr", password="default-pass")
+
+
+def test_redis_tls(secured_redis, certs, other_certs):
+    node, tls_port = secured_redis
+    url = f"rediss://127.0.0.1:{tls_port}/0"
+    ca = str(certs / "ca.pem")
+    assert ping(url, password="default-pass", tls_ca_file=ca)
+    assert ping(url, password="default-pass", tls_ca_file=ca,
+                tls_cert_file=str(certs / "client.pem"),
+                tls_key_file=str(certs / "client-key.pem"))  # fmt: skip
+    assert not ping(url, password="default-pass", tls_ca_file=str(other_certs / "ca.pem"))
+    assert not ping(f"redis://127.0.0.1:{tls_port}/0", password="default-pass")
+    with pytest.raises(ValueError, match="rediss://"):
+        Config(redis_url=f"redis://127.0.0.1:{tls_port}/0", redis=RedisSecurity(tls_ca_file=ca))
+
+
+def test_route_cache_process_with_every_secret_from_files(secured_redis, certs, token_file,
+                                                          tmp_path):  # fmt: skip
+    """``python -m route_cache`` configured only through its environment, the way the deploy
+    files do it: Redis over TLS with an ACL user's password file, gRPC over TLS with a token."""
+    import os
+
+    node, tls_port = secured_redis
+    password_file = tmp_path / "redis-pw"
+    password_file.write_text("rr-pass")
+    env = {
+        **os.environ,
+        "ROUTE_CACHE_REDIS_URL": f"rediss://127.0.0.1:{tls_port}/0",
+        "ROUTE_CACHE_REDIS_USERNAME": "rr",
+        "ROUTE_CACHE_REDIS_PASSWORD_FILE": str(password_file),
+        "ROUTE_CACHE_REDIS_TLS_CA_FILE": str(certs / "ca.pem"),
+        "ROUTE_CACHE_TLS_CERT_FILE": str(certs / "server.pem"),
+        "ROUTE_CACHE_TLS_KEY_FILE": str(certs / "server-key.pem"),
+        "ROUTE_CACHE_AUTH_TOKEN_FILE": token_file,
+    }
+    tls = ClientSecurity(ca_file=str(certs / "ca.pem"))
+    proc, target = start_service("route_cache", env=env, quiet=True, timeout_s=30, security=tls)
+    try:
+        round_trip(target, ClientSecurity(ca_file=str(certs / "ca.pem"), token=TOKEN), seed=7)
+        with pytest.raises(RouteReplayError, match="missing bearer token"):
+            round_trip(target, tls)
+    finally:
+        assert stop_process(proc, 10) == 0
