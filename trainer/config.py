@@ -69,9 +69,31 @@ class ModelConfig:
 
 @dataclass
 class RouteCacheConfig:
-    """``route_cache.*``: the route cache service (R3 without a replay_file)."""
+    """``route_cache.*``: the route cache service (R3 without a replay_file).
+
+    Attributes:
+        target: ``host:port``.
+        tls: speak TLS, trusting the system's roots unless ``ca_file`` is set.
+        ca_file: the CA of the route cache's certificate (PEM; turns TLS on).
+        cert_file, key_file: this trainer's certificate and key, for mutual TLS.
+        token_file: a file holding the bearer token the route cache expects.
+    """
 
     target: str = ""
+    tls: bool = False
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    token_file: str = ""
+
+    def security(self):
+        """These settings as a ``routereplay.security.ClientSecurity`` for the client."""
+        from routereplay.security import ClientSecurity
+
+        return ClientSecurity(
+            tls=self.tls, ca_file=self.ca_file, cert_file=self.cert_file,
+            key_file=self.key_file, token_file=self.token_file,
+        )  # fmt: skip
 
 
 @dataclass

@@ -163,3 +163,14 @@ def test_aio_server_token_and_garbage(tmp_path):
             await server.stop(0)
 
     asyncio.run(main())
+
+
+def test_trainer_reaches_the_route_cache_with_its_own_settings():
+    from trainer.config import load_config
+
+    config = load_config(None, ["router_replay.mode=R3", "route_cache.target=cache:50051",
+                                "route_cache.ca_file=/certs/ca.pem",
+                                "route_cache.token_file=/run/secrets/token"])  # fmt: skip
+    security = config.route_cache.security()
+    assert security == ClientSecurity(ca_file="/certs/ca.pem", token_file="/run/secrets/token")
+    assert security.uses_tls
