@@ -1,7 +1,8 @@
 """Qwen3-MoE weights between the Hugging Face layout and megatron-core's local layer spec.
 
-A small explicit mapping, both ways. (mbridge, the maintained converter, cannot run on the CPU:
-it hard-codes TransformerEngine specs and parameter names and calls ``.cuda()``.)
+A small explicit mapping, one name table read both ways. (mbridge, the maintained converter,
+cannot run on the CPU: it hard-codes TransformerEngine specs and parameter names and calls
+``.cuda()``.)
 
 Names per decoder layer ``L`` (megatron left, Hugging Face right, ``model.layers.L.`` omitted):
 
@@ -71,6 +72,48 @@ def _qkv_to_hf(qkv, config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (q.reshape(-1, qkv.shape[1]), k.reshape(-1, qkv.shape[1]), v.reshape(-1, qkv.shape[1]))
 
 
+def _renamed(config: dict[str, Any]) -> list[tuple[str, str]]:
+    """(megatron name, Hugging Face name) of every tensor that maps one to one."""
+    pairs = [
+        ("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+        ("decoder.final_layernorm.weight", "model.norm.weight"),
+    ]
+    if not config.get("tie_word_embeddings", False):
+        pairs.append(("output_layer.weight", "lm_head.weight"))
+    for layer, is_moe in enumerate(moe_layer_pattern(config)):
+        mg, hf = f"decoder.layers.{layer}.", f"model.layers.{layer}."
+        pairs += [
+            (mg + "input_layernorm.weight", hf + "input_layernorm.weight"),
+            (mg + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight"),
+            (mg + "self_attention.q_layernorm.weight", hf + "self_attn.q_norm.weight"),
+            (mg + "self_attention.k_layernorm.weight", hf + "self_attn.k_norm.weight"),
+            (mg + "self_attention.linear_proj.weight", hf + "self_attn.o_proj.weight"),
+        ]
+        if is_moe:
+            pairs.append((mg + "mlp.router.weight", hf + "mlp.gate.weight"))
+    pairs += [(mg + "linear_fc2.weight", hf + "down_proj.weight") for mg, hf in _mlps(config)]
+    return pairs
+
+
+def _mlps(config: dict[str, Any]) -> list[tuple[str, str]]:
+    """(megatron prefix, Hugging Face prefix) of every MLP: the dense ones and each expert."""
+    prefixes = []
+    for layer, is_moe in enumerate(moe_layer_pattern(config)):
+        mg, hf = f"decoder.layers.{layer}.mlp.", f"model.layers.{layer}.mlp."
+        if is_moe:
+            # Checkpoints store experts one by one on disk.
+            prefixes += [(f"{mg}experts.local_experts.{e}.", f"{hf}experts.{e}.")
+                         for e in range(num_experts(config))]  # fmt: skip
+        else:
+            prefixes.append((mg, hf))
+    return prefixes
+
+
+def _layers(config: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(f"decoder.layers.{i}.", f"model.layers.{i}.")
+            for i in range(len(moe_layer_pattern(config)))]  # fmt: skip
+
+
 def hf_to_megatron(
     hf: Mapping[str, torch.Tensor], config: dict[str, Any]
 ) -> dict[str, torch.Tensor]:
@@ -84,42 +127,19 @@ def hf_to_megatron(
         Megatron tensors by name, for ``GPTModel.load_state_dict(strict=True)`` (which also
         catches anything this mapping forgot).
     """
-    out: dict[str, torch.Tensor] = {
-        "embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-        "decoder.final_layernorm.weight": hf["model.norm.weight"],
-    }
-    if not config.get("tie_word_embeddings", False):
-        out["output_layer.weight"] = hf["lm_head.weight"]
-    for layer, is_moe in enumerate(moe_layer_pattern(config)):
-        src, dst = f"model.layers.{layer}.", f"decoder.layers.{layer}."
-        attn = src + "self_attn."
-        out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
-        out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
-        out[dst + "self_attention.linear_qkv.weight"] = _qkv_to_megatron(
-            hf[attn + "q_proj.weight"],
-            hf[attn + "k_proj.weight"],
-            hf[attn + "v_proj.weight"],
+    out = {mg: hf[name] for mg, name in _renamed(config)}
+    for mg, name in _layers(config):
+        attn = name + "self_attn."
+        out[mg + "self_attention.linear_qkv.weight"] = _qkv_to_megatron(
+            hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"],
             config,
+        )  # fmt: skip
+    for mg, name in _mlps(config):
+        # Megatron's gated linear unit splits fc1's rows as [gate; up].
+        out[mg + "linear_fc1.weight"] = torch.cat(
+            [hf[name + "gate_proj.weight"], hf[name + "up_proj.weight"]], dim=0
         )
-        out[dst + "self_attention.q_layernorm.weight"] = hf[attn + "q_norm.weight"]
-        out[dst + "self_attention.k_layernorm.weight"] = hf[attn + "k_norm.weight"]
-        out[dst + "self_attention.linear_proj.weight"] = hf[attn + "o_proj.weight"]
-        if is_moe:
-            out[dst + "mlp.router.weight"] = hf[src + "mlp.gate.weight"]
-            for e in range(num_experts(config)):
-                expert = f"{dst}mlp.experts.local_experts.{e}."
-                _mlp_to_megatron(hf, f"{src}mlp.experts.{e}.", expert, out)
-        else:
-            _mlp_to_megatron(hf, src + "mlp.", dst + "mlp.", out)
     return out
-
-
-def _mlp_to_megatron(hf, src: str, dst: str, out: dict[str, torch.Tensor]) -> None:
-    # Megatron's gated linear unit splits fc1's rows as [gate; up].
-    out[dst + "linear_fc1.weight"] = torch.cat(
-        [hf[src + "gate_proj.weight"], hf[src + "up_proj.weight"]], dim=0
-    )
-    out[dst + "linear_fc2.weight"] = hf[src + "down_proj.weight"]
 
 
 def megatron_to_hf(
@@ -135,34 +155,13 @@ def megatron_to_hf(
     Returns:
         Hugging Face tensors by name, contiguous, ready for ``safetensors.torch.save_file``.
     """
-    out: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": mg["embedding.word_embeddings.weight"],
-        "model.norm.weight": mg["decoder.final_layernorm.weight"],
-    }
-    if not config.get("tie_word_embeddings", False):
-        out["lm_head.weight"] = mg["output_layer.weight"]
-    for layer, is_moe in enumerate(moe_layer_pattern(config)):
-        src, dst = f"decoder.layers.{layer}.", f"model.layers.{layer}."
-        attn = dst + "self_attn."
-        out[dst + "input_layernorm.weight"] = mg[src + "input_layernorm.weight"]
-        out[dst + "post_attention_layernorm.weight"] = mg[src + "pre_mlp_layernorm.weight"]
-        q, k, v = _qkv_to_hf(mg[src + "self_attention.linear_qkv.weight"], config)
+    out = {hf: mg[name] for name, hf in _renamed(config)}
+    for name, hf in _layers(config):
+        q, k, v = _qkv_to_hf(mg[name + "self_attention.linear_qkv.weight"], config)
+        attn = hf + "self_attn."
         out[attn + "q_proj.weight"], out[attn + "k_proj.weight"] = q, k
         out[attn + "v_proj.weight"] = v
-        out[attn + "q_norm.weight"] = mg[src + "self_attention.q_layernorm.weight"]
-        out[attn + "k_norm.weight"] = mg[src + "self_attention.k_layernorm.weight"]
-        out[attn + "o_proj.weight"] = mg[src + "self_attention.linear_proj.weight"]
-        if is_moe:
-            out[dst + "mlp.gate.weight"] = mg[src + "mlp.router.weight"]
-            for e in range(num_experts(config)):
-                expert = f"{src}mlp.experts.local_experts.{e}."
-                _mlp_to_hf(mg, expert, f"{dst}mlp.experts.{e}.", out)
-        else:
-            _mlp_to_hf(mg, src + "mlp.", dst + "mlp.", out)
+    for name, hf in _mlps(config):
+        gate, up = mg[name + "linear_fc1.weight"].chunk(2, dim=0)
+        out[hf + "gate_proj.weight"], out[hf + "up_proj.weight"] = gate, up
     return {name: t.detach().contiguous() for name, t in out.items()}
-
-
-def _mlp_to_hf(mg, src: str, dst: str, out: dict[str, torch.Tensor]) -> None:
-    gate, up = mg[src + "linear_fc1.weight"].chunk(2, dim=0)
-    out[dst + "gate_proj.weight"], out[dst + "up_proj.weight"] = gate, up
-    out[dst + "down_proj.weight"] = mg[src + "linear_fc2.weight"]
