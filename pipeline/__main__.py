@@ -3,11 +3,16 @@
 Starts the route cache (with an embedded Redis-compatible server) and the rollout server
 (vLLM on the CPU, serving the embedded tiny Qwen3-MoE), generates a batch of GRPO groups
 while streaming tokens, continues one sample with a second turn, reads every record back from
-the route cache in one batch and checks it; then trains on those records with megatron-core
-in each replay mode (disabled, R3, R2) and reports how far training is from the rollout with
-and without replay, printed and as a PNG figure. The trainer runs in bfloat16 against the
-float32 rollout: different numerics, as between a GPU engine and a trainer, which flip
-near-tied routing choices. Every process it starts is stopped on exit, Ctrl-C included.
+the route cache in one batch and checks it. Then runs the RL loop in each replay mode
+(disabled, R3, R2), from the same initial weights: a prompt driver spreads each step's prompts
+over the rollout server replicas; the trainer (megatron-core, data parallel under torchrun)
+takes its batch of whole GRPO groups from the route cache's ready feed, trains, and pushes its
+weights to the rollout servers (``UpdateWeights``); the driver waits for the new policy
+version before it generates the next step's groups. It reports, per step, how far training is
+from the rollout with and without replay, the policy versions and the records trained, printed
+and as a PNG figure. The trainer runs in bfloat16 against the float32 rollout: different
+numerics, as between a GPU engine and a trainer, which flip near-tied routing choices. Every
+process it starts is stopped on exit, Ctrl-C included.
 """
 
 from __future__ import annotations
@@ -75,20 +80,93 @@ async def rollout(target: str, n: int, max_tokens: int) -> tuple[list[SampleDone
     return done, streamed
 
 
-def run_trainer(mode: str, cache: str, model_dir: str, ids_file: Path, args) -> list[dict]:
-    """One trainer process in ``mode``; returns its per-step reports."""
+def start_trainer(mode: str, cache: str, rollouts: list[str], model_dir: str, args, procs):
+    """The trainer in ``mode`` on the feed, pushing its weights to ``rollouts`` after each
+    step; returns its process and the path of its report."""
     report = args.out / f"trainer-{mode}.json"
+    batch = args.groups * args.n
+    micro = batch // 2 if batch % (2 * args.trainer_ranks) == 0 else batch
+    consumer_group = f"pipeline-{mode}"
+    # Created before any of this run's samples exist, so the trainer takes exactly these.
+    with RouteCacheClient(cache) as client:
+        client.read_ready(consumer_group, "trainer", max_entries=1, start_from_latest=True)
     # Two data-parallel ranks on gloo, as trainer pods would run them.
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={args.trainer_ranks}", "-m", "trainer",
                f"parallel.dp={args.trainer_ranks}", f"router_replay.mode={mode}",
                f"model.path={model_dir}", f"route_cache.target={cache}",
-               f"train.dtype={args.trainer_dtype}", "train.batch_size=8",
-               "train.micro_batch_size=4", "--ids", f"@{ids_file}", "--steps", "2",
+               f"train.dtype={args.trainer_dtype}", f"train.batch_size={batch}",
+               f"train.micro_batch_size={micro}", "data.source=feed",
+               f"data.group_size={args.n}", f"data.consumer_group={consumer_group}",
+               f"train.export_dir={args.out / 'weights' / mode}",
+               f"train.push_weights_to={','.join(rollouts)}", "--steps", str(args.steps),
                "--report", str(report)]  # fmt: skip
     # megatron warns at length about missing TransformerEngine and Apex: not news here.
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=env)
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env)
+    procs.append(proc)
+    return proc, report
+
+
+async def policy_version(clients: list[RolloutClient]) -> int:
+    """The oldest policy version among the replicas."""
+    return min([(await c.status()).policy_version for c in clients])
+
+
+async def drive(mode: str, rollouts: list[str], trainer: subprocess.Popen, args) -> None:
+    """The prompt driver: each step's groups spread over the replicas, then a wait for the
+    trainer's new weights before the next step."""
+    options = SamplingOptions(temperature=1.0, max_tokens=args.max_tokens)
+    clients = [RolloutClient(target) for target in rollouts]
+    try:
+        for step in range(args.steps):
+            version = await policy_version(clients)
+            prompts = [PROMPTS[(step * args.groups + i) % len(PROMPTS)] for i in range(args.groups)]
+            groups = [f"{mode}-step{step}-{i}" for i in range(args.groups)]
+            calls = [
+                generate_all(clients[r], prompts[r :: len(clients)], groups[r :: len(clients)],
+                             args.n, options)
+                for r in range(min(len(clients), len(prompts)))
+            ]  # fmt: skip
+            stored = sum(await asyncio.gather(*calls))
+            log(f"  {mode} step {step}: {stored} samples at policy version {version} on the "
+                f"feed; waiting for the trainer's weights")  # fmt: skip
+            while await policy_version(clients) == version:
+                if trainer.poll() is not None:
+                    raise SystemExit(f"[pipeline] the {mode} trainer exited ({trainer.returncode})")
+                await asyncio.sleep(0.5)
+    finally:
+        for client in clients:
+            await client.close()
+
+
+async def generate_all(client, prompts, groups, n: int, options) -> int:
+    """One replica's share of a step; returns how many samples were stored."""
+    stored = 0
+    async for event in client.generate_batch(prompts, n, options, group_ids=groups):
+        if isinstance(event, SampleFailed):
+            raise SystemExit(f"[pipeline] {event.sample_id} failed: {event.message}")
+        if isinstance(event, SampleDone):
+            stored += event.stored
+    return stored
+
+
+async def reset_weights(rollouts: list[str], model_dir: str) -> int:
+    """Every replica back on the initial weights (a new policy version)."""
+    versions = []
+    for target in rollouts:
+        async with RolloutClient(target) as client:
+            versions.append((await client.update_weights(model_dir)).policy_version)
+    return min(versions)
+
+
+def run_mode(mode: str, cache: str, rollouts: list[str], model_dir: str, args, procs) -> list:
+    """The RL loop in ``mode``; returns the trainer's per-step reports."""
+    trainer, report = start_trainer(mode, cache, rollouts, model_dir, args, procs)
+    asyncio.run(drive(mode, rollouts, trainer, args))
+    if trainer.wait() != 0:
+        raise SystemExit(f"[pipeline] the {mode} trainer failed ({trainer.returncode})")
+    procs.remove(trainer)
     return json.loads(report.read_text())
 
 
@@ -100,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("results"), help="report folder")
     parser.add_argument("--trainer-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--trainer-ranks", type=int, default=2, help="data-parallel ranks")
+    parser.add_argument("--steps", type=int, default=3, help="RL steps per mode")
+    parser.add_argument("--groups", type=int, default=2, help="GRPO groups (prompts) per step")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -140,18 +220,16 @@ def main(argv: list[str] | None = None) -> int:
         log(f"route bytes per token {route_bytes / tokens:.1f} (uint8); stored bytes per token "
             f"{stored_bytes / tokens:.1f} (routes, tokens, log-probs, metadata)")  # fmt: skip
 
-        ids_file = args.out / "sample-ids.txt"
-        ids_file.write_text("\n".join(r.sample_id for r in records if len(r.turns) == 1))
         model_dir = args.model or str(tiny)
+        rollouts = [rollout_target]  # one replica here; the driver spreads over any number
         reports = {}
-        for mode in MODES:
+        for i, mode in enumerate(MODES):
             t0 = time.perf_counter()
-            log(
-                f"training in mode {mode} ({args.trainer_dtype}, {args.trainer_ranks} ranks) "
-                "on the stored records"
-            )
-            reports[mode] = run_trainer(mode, cache, model_dir, ids_file, args)
-            stages[f"train {mode}"] = time.perf_counter() - t0
+            version = asyncio.run(reset_weights(rollouts, model_dir)) if i else 0
+            log(f"RL loop in mode {mode} ({args.trainer_dtype}, {args.trainer_ranks} ranks, "
+                f"{args.steps} steps) from the initial weights, policy {version}")  # fmt: skip
+            reports[mode] = run_mode(mode, cache, rollouts, model_dir, args, procs)
+            stages[f"RL loop {mode}"] = time.perf_counter() - t0
         log("training against the rollout (natural routing vs replayed, same step):")
         for mode in MODES:
             for line in mode_lines(mode, reports[mode]):
