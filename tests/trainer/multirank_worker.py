@@ -64,12 +64,16 @@ LAYOUTS = {
     "pp2_vp2_recompute": Layout(pp=2, vp=2),
     # 4 ranks.
     "tp2sp_pp2": Layout(tp=2, pp=2, sequence_parallel=True),
+    "tp2sp_pp2_vp2_recompute": Layout(tp=2, pp=2, vp=2, sequence_parallel=True),
     "dp2_tp2sp_ep2": Layout(tp=2, ep=2, etp=1, sequence_parallel=True),
 }
 _FULL_RECOMPUTE = dict(
     recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
 )
-RECOMPUTE = {"pp2_recompute": _FULL_RECOMPUTE, "pp2_vp2_recompute": _FULL_RECOMPUTE}
+RECOMPUTE = {
+    name: _FULL_RECOMPUTE
+    for name in ("pp2_recompute", "pp2_vp2_recompute", "tp2sp_pp2_vp2_recompute")
+}
 DISPATCHER = {"ep2_alltoall": "alltoall"}
 LENGTHS = [9, 6, 12, 7]  # the global batch; odd lengths on purpose
 SEED = 1234
@@ -176,6 +180,8 @@ def run(layout_name: str, model_dir: str, out: str) -> None:
     tp_group = parallel_state.get_tensor_model_parallel_group()
     shift = 1 if os.environ.get(SHIFT_ENV) == "1" and world.rank == 1 else 0
     result: dict = {"layout": layout_name, "world_size": world.world_size, "checks": {}}
+    result["dp_size"] = world.dp_size
+    result["ep_size"] = parallel_state.get_expert_model_parallel_world_size()
     checks = result["checks"]
     t0 = time.perf_counter()
     built = _build(model_dir, layout, world, DISPATCHER.get(layout_name, "allgather"))

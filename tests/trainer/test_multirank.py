@@ -132,3 +132,51 @@ def test_virtual_stages_replay_each_chunks_routers(layout, tiny8_model_dir, tmp_
         # REPLAY_FORWARD left on through backward: with two chunks every stage runs another
         # micro-batch's forward on a chunk before that chunk's first backward.
         assert checks["trap_grads_differ"] == {"0": True, "1": True}, checks
+
+
+def test_four_ranks_dp2_tp2sp_ep2(tiny_model_dir, tmp_path):
+    """4 ranks: DP2 x TP2 + SP, experts over EP2 (expert TP 1), one forward/backward each."""
+    out = tmp_path / "result.json"
+    proc = _torchrun("dp2_tp2sp_ep2", tiny_model_dir, out, timeout=300, nproc=4)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = json.loads(out.read_text())
+    assert (result["world_size"], result["dp_size"], result["ep_size"]) == (4, 2, 2)
+    checks = result["checks"]
+    assert checks["natural_bit_identical"], "replaying natural routes changed loss or grads"
+    assert checks["router_grads_nonzero"]
+    forced = checks["forced_maps"]
+    assert forced["ok"], forced
+    # Both DP ranks' samples, each put back together from its two SP shards.
+    assert forced["rows_compared"] == 3 * (8 + 5 + 11 + 6)
+    assert checks["tp_loss_diff"] <= 1e-5, checks  # measured 0.0
+
+
+@pytest.mark.parametrize(
+    ("layout", "chunk_layers"),
+    [
+        ("tp2sp_pp2", {"0/0": [1], "1/0": [2, 3]}),
+        ("tp2sp_pp2_vp2_recompute", {"0/0": [1], "1/0": [2, 3], "0/1": [4, 5], "1/1": [6, 7]}),
+    ],
+)
+def test_four_ranks_tp2sp_pp2(layout, chunk_layers, tiny_model_dir, tiny8_model_dir, tmp_path):
+    """4 ranks: TP2 + SP inside each of 2 pipeline stages (1F1B; interleaved with recompute)."""
+    virtual = "vp2" in layout
+    out = tmp_path / "result.json"
+    model_dir = tiny8_model_dir if virtual else tiny_model_dir
+    proc = _torchrun(layout, model_dir, out, timeout=300, nproc=4)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    checks = json.loads(out.read_text())["checks"]
+    interleaved = "with_interleaving" if virtual else "without_interleaving"
+    assert checks["schedule"] == f"forward_backward_pipelining_{interleaved}"
+    assert checks["chunk_layers"] == chunk_layers
+    assert checks["natural_bit_identical"], "replaying natural routes changed loss or grads"
+    assert checks["router_grads_nonzero"]
+    forced = checks["forced_maps"]
+    assert forced["ok"], forced
+    layers = sorted(layer for ls in chunk_layers.values() for layer in ls)
+    assert forced["layers"] == layers
+    calls = 2 if virtual else 1  # the recompute's router calls are compared too
+    # Every call's two SP shards, concatenated, against the unsharded expectation.
+    assert forced["rows_compared"] == calls * len(layers) * (8 + 5 + 11 + 6)
+    if virtual:
+        assert checks["trap_grads_differ"] == {"0": True, "1": True}, checks
