@@ -3,8 +3,9 @@
 Each benchmark compares against a baseline measured in the same run, on the same data:
 
 - ``route_cache``: records written and batch-read through the route cache service against the
-  same bytes through raw redis-py pipelines (target: at least 0.5x), and stored bytes per token
-  against int32, int16 and raw uint8 routes.
+  same bytes through raw redis-py pipelines (target: at least 0.5x) and through a trivial
+  bytes-in/bytes-out gRPC service, and stored bytes per token against int32, int16 and raw
+  uint8 routes.
 - ``rollout``: generation with routed-expert capture and record writes against the same server
   with capture off (same model, prompts and greedy tokens; target: at most 3% fewer tokens/s),
   and the delay from a sample's last token to its record being readable.
@@ -13,6 +14,11 @@ Each benchmark compares against a baseline measured in the same run, on the same
   a real route cache with prefetch on and off.
 - ``reshard``: one rank's share of a batch's routes for several parallel layouts against a
   plain copy of the same bytes.
+- ``pipeline``: one RL batch end to end (rollout server, route cache, a trainer rank's fetch
+  and reshard), time per stage and the share spent moving routes, against the same batch
+  through the engine alone with capture off.
+- ``scaling``: no measurement; the route cache figures of this run carried to a fleet
+  (route bytes/s, route cache replicas, Redis shards, a trainer rank's memory).
 
 Each writes its section of docs/benchmarks.md and results/<name>.json. ``--quick`` runs every
 benchmark at a small size as a smoke test and writes to results/quick/ instead, so the numbers
@@ -70,6 +76,14 @@ BENCHMARKS = (
     Benchmark(
         "load", "bench_load.py", ("--quick",),
         "concurrent writers and batch readers: latencies, errors, records lost",
+    ),
+    Benchmark(
+        "pipeline", "bench_pipeline.py", ("--quick",),
+        "rollout -> route cache -> trainer fetch + reshard per batch vs the engine alone",
+    ),
+    Benchmark(
+        "scaling", "scaling_model.py", (),
+        "arithmetic: route bytes/s, replicas, shards, trainer memory for a fleet (runs last)",
     ),
 )  # fmt: skip
 

@@ -1,0 +1,267 @@
+"""End to end, per batch: rollout (vLLM on the CPU) -> route cache -> trainer fetch + reshard.
+
+Each repeat is one RL batch through the real parts: a GenerateBatch streamed from the rollout
+server (the tiny Qwen3-MoE on vLLM's CPU build, routes captured and written as records), the
+route cache in its own process over a Redis-compatible server, and what a trainer rank does
+before its step: one ``read_batch`` of the batch's records (``trainer.data.CacheSource``) and
+resharding their routes into packed micro-batches (``trainer.reshard``). Stages per batch:
+
+- generate: the request until the batch's last token reached the client;
+- store: from then until the last record was acknowledged by the route cache (its final
+  message is sent only then); writes of earlier samples overlap generation and are not here;
+- fetch: one ``read_batch`` of the batch's records;
+- reshard: dynamic micro-batching and packing of every record's routes (TP1: the whole batch).
+
+The baseline is the same batch through the engine alone, capture off (vLLM's
+``enable_return_routed_experts=False``, nothing stored, fetched or resharded), in the same
+run. With ``--baseline store-off`` (``--quick``'s default, to load one engine only) the
+baseline is the same capture-on engine behind a server that stores nothing: it measures moving
+the routes, not capturing them.
+
+Usage: python benchmarks/bench_pipeline.py [--quick] [--size bench|tiny] [--prompts 8 --n 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
+from benchmarks.bench_rollout import prompts  # noqa: E402
+from benchmarks.common import machine, write_section  # noqa: E402
+from rollout_server.client import RolloutClient  # noqa: E402
+from rollout_server.config import Config  # noqa: E402
+from rollout_server.engine import SamplingOptions, VLLMEngine  # noqa: E402
+from rollout_server.samples import SampleDelta, SampleDone, SampleFailed  # noqa: E402
+from rollout_server.server import RolloutServer  # noqa: E402
+from routereplay.launch import start_service, stop_process  # noqa: E402
+from routereplay.tiny_model import BENCH_SIZE, TINY_SIZE, build_tiny_model  # noqa: E402
+from trainer.data import CacheSource  # noqa: E402
+from trainer.reshard import (  # noqa: E402
+    Layout,
+    PipelineSplit,
+    RankCoords,
+    dynamic_microbatches,
+    reshard_packed_routes,
+)
+
+MIB = 2**20
+STAGE_NAMES = {
+    "generate": "generate (request -> last token)",
+    "store": "store (last token -> last record acknowledged)",
+    "fetch": "fetch (one read_batch)",
+    "reshard": "reshard (micro-batches, packed, TP1)",
+}
+STAGES = tuple(STAGE_NAMES)
+
+
+async def generate(client: RolloutClient, args) -> dict:
+    """One GenerateBatch: generate and store seconds, stored sample ids, generated tokens."""
+    options = SamplingOptions(temperature=0.0, max_tokens=args.max_tokens)
+    ids, tokens = [], 0
+    t0 = last_token = time.perf_counter()
+    async for event in client.generate_batch(prompts(args.prompts), args.n, options):
+        if isinstance(event, SampleDelta):
+            last_token = time.perf_counter()
+        elif isinstance(event, SampleDone):
+            tokens += event.generated_tokens
+            if event.stored:
+                ids.append(event.sample_id)
+        elif isinstance(event, SampleFailed):
+            raise RuntimeError(f"{event.sample_id} failed: {event.message}")
+    end = time.perf_counter()
+    return {"generate": last_token - t0, "store": end - last_token, "ids": ids, "tokens": tokens}
+
+
+def fetch_and_reshard(source: CacheSource, ids: list[str], budget: int) -> dict:
+    """What a trainer rank does with a batch before its step: fetch, then reshard (TP1)."""
+    t0 = time.perf_counter()
+    records = source.fetch(ids)
+    t1 = time.perf_counter()
+    routes = [r.routes for r in records]
+    lengths = [r.num_tokens for r in records]
+    geometry = records[0].geometry
+    split = PipelineSplit(geometry.moe_layers[-1] + 1)  # dense layers before it: no routes
+    layout, coords = Layout(), RankCoords()
+    batches = dynamic_microbatches(lengths, budget, multiple=layout.multiple)
+    local_bytes = 0
+    for group in batches.groups:
+        local, _, _ = reshard_packed_routes([routes[i] for i in group],
+                                            [lengths[i] for i in group],
+                                            geometry.moe_layers, split, layout, coords)  # fmt: skip
+        local_bytes += local.nbytes
+    t2 = time.perf_counter()
+    return {"fetch": t1 - t0, "reshard": t2 - t1, "route_bytes": sum(r.nbytes for r in routes),
+            "record_tokens": sum(lengths), "local_bytes": local_bytes}  # fmt: skip
+
+
+def start_engine(model: Path, capture: bool, args) -> VLLMEngine:
+    return VLLMEngine(
+        model,
+        capture_routes=capture,
+        max_model_len=1024,
+        max_num_seqs=args.prompts * args.n,
+        enable_prefix_caching=True,
+        seed=0,
+    )
+
+
+async def run_batches(engine: VLLMEngine, cache: str, store: bool, args) -> list[dict]:
+    """``args.repeats`` batches after a warm-up, per batch its stages. ``store``: records
+    written, then fetched and resharded; otherwise the server stores nothing."""
+    config = Config(host="127.0.0.1", port=0, route_cache=cache, capture_routes=store,
+                    max_n=args.n, grace_s=5)  # fmt: skip
+    server = await RolloutServer(config, engine).start()
+    client = RolloutClient(f"127.0.0.1:{server.port}")
+    source = CacheSource(cache)
+    runs = []
+    try:
+        for i in range(args.repeats + 1):  # the first is a warm-up
+            batch = await generate(client, args)
+            ids = batch.pop("ids")
+            if store:
+                assert len(ids) == args.prompts * args.n, "records were not stored"
+                batch |= fetch_and_reshard(source, ids, args.budget)
+            else:
+                assert not ids, "a baseline run stored records"
+            if i:
+                runs.append(batch)
+    finally:
+        source.close()
+        await client.close()
+        await server.stop(5)
+    return runs
+
+
+async def bench(model: Path, cache: str, args) -> tuple[list[dict], list[dict]]:
+    """The capture-on batches and the baseline's, one engine at a time."""
+    engine = start_engine(model, True, args)
+    try:
+        on = await run_batches(engine, cache, True, args)
+        if args.baseline == "store-off":
+            return on, await run_batches(engine, cache, False, args)
+    finally:
+        engine.shutdown()
+    engine = start_engine(model, False, args)
+    try:
+        return on, await run_batches(engine, cache, False, args)
+    finally:
+        engine.shutdown()
+
+
+def summarize(on: list[dict], off: list[dict]) -> dict:
+    """Medians per stage; route bytes/s per stage; the share of time moving routes."""
+    med = {s: statistics.median(r.get(s, 0.0) for r in on) for s in STAGES}
+    total_on = statistics.median(sum(r.get(s, 0.0) for s in STAGES) for r in on)
+    total_off = statistics.median(r["generate"] + r["store"] for r in off)
+    route_bytes = on[0]["route_bytes"]  # greedy: the same tokens every batch
+    moving = med["store"] + med["fetch"] + med["reshard"]
+    return {
+        "stage_s_median": med,
+        "end_to_end_s_median": total_on,
+        "baseline_s_median": total_off,
+        "route_bytes_per_batch": route_bytes,
+        "route_mibs": {s: route_bytes / med[s] / MIB for s in ("store", "fetch", "reshard")},
+        "tokens_per_batch": on[0]["tokens"],
+        "record_tokens_per_batch": on[0]["record_tokens"],
+        "end_to_end_route_mibs": route_bytes / total_on / MIB,
+        "route_moving_share": moving / total_on,
+        "overhead_vs_baseline": total_on / total_off - 1,
+    }
+
+
+def spread(runs: list[dict]) -> str:
+    """The range of generate times, "min-max"."""
+    times = [r["generate"] for r in runs]
+    return f"{min(times):.2f}-{max(times):.2f}"
+
+
+def markdown(results: dict, args) -> str:
+    s = results["summary"]
+    med, mibs = s["stage_s_median"], s["route_mibs"]
+    baseline = (
+        "the same batch through the engine alone, capture off (nothing captured, stored, "
+        "fetched or resharded)"
+        if args.baseline == "engine"
+        else "the same capture-on engine behind a server that stores nothing (capture itself "
+        "is not in this difference)"
+    )
+    total = s["end_to_end_s_median"]
+    rows = "\n".join(
+        f"| {name} | {1000 * med[key]:.1f} | {100 * med[key] / total:.1f}% "
+        f"| {f'{mibs[key]:.1f}' if key in mibs else '-'} |"
+        for key, name in STAGE_NAMES.items()
+    )
+    size = results["size"]
+    return f"""## End to end: rollout -> route cache -> trainer fetch + reshard
+
+`python benchmarks/bench_pipeline.py{" --quick" if args.quick else ""}`: {args.prompts} prompts x {args.n} samples of {args.max_tokens} tokens per batch ({s["tokens_per_batch"]} generated tokens; {s["route_bytes_per_batch"] / 1024:.0f} KiB of routes for {s["record_tokens_per_batch"]} record tokens); medians over {args.repeats} batches after a warm-up.
+Model: generated Qwen3-MoE, {size["num_hidden_layers"]} layers (layer 0 dense), hidden {size["hidden_size"]}, top-{size["num_experts_per_tok"]} of {size["num_experts"]} experts, float32. The rollout server (vLLM CPU build) and the trainer's fetch + reshard run in one process, the route cache in its own over a Redis-compatible server.
+Machine: {results["machine"]}. Baseline: {baseline}, same run.
+
+| stage per batch | ms (median) | of end to end | route MiB/s |
+|---|---|---|---|
+{rows}
+| **end to end** | {1000 * s["end_to_end_s_median"]:.1f} | 100% | {s["end_to_end_route_mibs"]:.2f} |
+| baseline ({args.baseline}) | {1000 * s["baseline_s_median"]:.1f} | - | - |
+
+Time moving routes (store + fetch + reshard): **{100 * s["route_moving_share"]:.1f}%** of end to end; end to end against the baseline: **{100 * s["overhead_vs_baseline"]:+.1f}%**, the rest of it in generation (capture inside the engine, and noise: per batch, generate took {spread(results["capture_on"])} s with capture on and {spread(results["baseline"])} s in the baseline).
+This model's routes are small ({s["route_bytes_per_batch"] / s["record_tokens_per_batch"]:.0f} B per token against 384 for Qwen3-30B-A3B) and a CPU generates few tokens/s, so per-call costs dominate the route stages' MiB/s here; the route cache section measures throughput at full size, and the scaling model below carries both to a fleet.
+"""  # noqa: E501
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", choices=["bench", "tiny"], default="bench")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--budget", type=int, default=4096, help="tokens per micro-batch")
+    parser.add_argument("--baseline", choices=["engine", "store-off"], default="engine",
+                        help="engine: a second engine, capture off; store-off: the same "
+                        "engine, nothing stored")  # fmt: skip
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny model, 2 x 2 samples of 16 tokens, 2 repeats"
+    )
+    args = parser.parse_args()
+    if args.quick:
+        args.size, args.prompts, args.n, args.max_tokens, args.repeats = "tiny", 2, 2, 16, 2
+        args.baseline = "store-off"
+
+    import torch
+
+    torch.set_num_threads(1)  # this process streams, fetches and reshards; vLLM has its own
+    size = BENCH_SIZE if args.size == "bench" else TINY_SIZE
+    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as work:
+        model = build_tiny_model(Path(work) / "model", seed=0, size=size)
+        cache_proc, cache = start_service("route_cache", "--ttl-s", "600", quiet=True)
+        try:
+            on, off = asyncio.run(bench(model, cache, args))
+        finally:
+            stop_process(cache_proc)
+    assert on[0]["tokens"] == off[0]["tokens"], "runs generated different tokens"
+    for r in on:
+        assert r["local_bytes"] >= r["route_bytes"], "reshard lost rows"
+    results = {
+        "machine": machine(),
+        "size": dataclasses.asdict(size),
+        "workload": vars(args),
+        "capture_on": on,
+        "baseline": off,
+        "summary": summarize(on, off),
+    }
+    text = markdown(results, args)
+    print(text)
+    write_section("pipeline", text, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
