@@ -66,18 +66,24 @@ def _flat_fields(config) -> list[tuple[str, str | None, str, object, Mapping[str
     return out
 
 
-def _env_only(config, env: Mapping[str, str], env_prefix: str) -> dict[str, dict[str, str]]:
-    """The secret fields of each nested field that the environment sets."""
-    out: dict[str, dict[str, str]] = {}
+def _secret_fields(config) -> list[tuple[str, str, str]]:
+    """(environment name without the prefix, nested field, field name) of every secret."""
+    out = []
     for f in fields(config):
         value = getattr(config, f.name)
         if is_dataclass(value):
             prefix = f.metadata.get("flag_prefix", "")
-            for sub in fields(value):
-                raw = env.get(env_prefix + (prefix + sub.name).upper())
-                if sub.metadata.get("env_only") and raw:
-                    out.setdefault(f.name, {})[sub.name] = raw
+            out += [((prefix + sub.name).upper(), f.name, sub.name)
+                    for sub in fields(value) if sub.metadata.get("env_only")]  # fmt: skip
     return out
+
+
+def env_names(config_class, env_prefix: str) -> set[str]:
+    """Every environment variable ``parse_service_config`` reads for ``config_class``."""
+    defaults = config_class()
+    names = [name.upper() for name, *_ in _flat_fields(defaults)]
+    names += [name for name, *_ in _secret_fields(defaults)]
+    return {env_prefix + name for name in names}
 
 
 def parse_service_config(
@@ -123,7 +129,10 @@ def parse_service_config(
             )
     args = vars(parser.parse_args(argv))
     values = {name: args[name] for name, nested, *_ in flat if nested is None}
-    secrets = _env_only(defaults, env, env_prefix)
+    secrets: dict[str, dict[str, str]] = {}
+    for env_name, nested, sub in _secret_fields(defaults):
+        if env.get(env_prefix + env_name):
+            secrets.setdefault(nested, {})[sub] = env[env_prefix + env_name]
     try:
         for f in fields(defaults):
             value = getattr(defaults, f.name)

@@ -3,6 +3,7 @@ strict mode, and hadolint on every Dockerfile. Each check is shown to fail on a 
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -109,6 +110,7 @@ def trainer_commands() -> list[tuple[str, list[str], list[str]]]:
     for name, service in compose_services().items():
         if name.startswith("trainer"):
             mounts = [v["target"] for v in service.get("volumes", [])]
+            mounts += [secret["target"] for secret in service.get("secrets", [])]
             out.append((f"compose {name}", service["command"], mounts))
     for doc in yaml.safe_load_all((ROOT / "k8s" / "trainer.yaml").read_text()):
         if doc["kind"] == "Job":
@@ -142,6 +144,59 @@ def test_trainer_commands_match_the_code():
         config = load_config(args.config, overrides)
         assert config.router_replay.mode.value == "R3", where
         assert config.route_cache.target == "route-cache:50051", where
+        token = Path(config.route_cache.token_file)
+        assert any(token == Path(m) or Path(m) in token.parents for m in mounts), (where, token)
         assert args.ids.startswith("@"), where
         ids = Path(args.ids[1:])
         assert any(ids == Path(m) or Path(m) in ids.parents for m in mounts), (where, ids)
+
+
+def deployed_settings(text: str) -> set[str]:
+    return set(re.findall(r"\b(?:ROUTE_CACHE|ROLLOUT_SERVER)_[A-Z0-9_]+\b", text))
+
+
+def test_service_settings_match_the_code():
+    """No drift: every ROUTE_CACHE_* and ROLLOUT_SERVER_* variable that the compose file and
+    the manifests set is one the services read, and a misspelt one is caught."""
+    from rollout_server.config import ENV_PREFIX as ROLLOUT_PREFIX
+    from rollout_server.config import Config as RolloutConfig
+    from route_cache.config import ENV_PREFIX as CACHE_PREFIX
+    from route_cache.config import Config as CacheConfig
+    from routereplay.service_config import env_names
+
+    known = env_names(CacheConfig, CACHE_PREFIX) | env_names(RolloutConfig, ROLLOUT_PREFIX)
+    files = [ROOT / "docker-compose.yml", *manifests()]
+    used = deployed_settings("\n".join(p.read_text() for p in files))
+    assert {"ROUTE_CACHE_AUTH_TOKEN_FILE", "ROLLOUT_SERVER_ROUTE_CACHE_TOKEN_FILE"} <= used
+    assert used <= known, used - known
+    misspelt = deployed_settings("ROUTE_CACHE_AUTH_TOKEN_PATH: /run/secrets/route-cache-token")
+    assert not misspelt <= known
+
+
+def test_secret_files_are_mounted():
+    """Every *_FILE setting of a compose service names a secret that service mounts; every one
+    of a manifest's containers lies in a folder mounted from a Secret."""
+    for name, service in compose_services().items():
+        targets = {secret["target"] for secret in service.get("secrets", [])}
+        for key, value in (service.get("environment") or {}).items():
+            if key.endswith("_FILE"):
+                assert value in targets, (name, key, value)
+    yaml = pytest.importorskip("yaml")
+    for manifest in manifests():
+        docs = list(yaml.safe_load_all(manifest.read_text()))
+        config_maps = {d["metadata"]["name"]: d.get("data", {}) for d in docs
+                       if d["kind"] == "ConfigMap"}  # fmt: skip
+        for doc in docs:
+            if doc["kind"] not in ("Deployment", "StatefulSet", "Job"):
+                continue
+            pod = doc["spec"]["template"]["spec"]
+            secret_volumes = {v["name"] for v in pod.get("volumes", []) if "secret" in v}
+            for container in pod["containers"]:
+                settings = {e["name"]: e.get("value") for e in container.get("env", [])}
+                for source in container.get("envFrom", []):
+                    settings |= config_maps[source["configMapRef"]["name"]]
+                mounted = [Path(m["mountPath"]) for m in container.get("volumeMounts", [])
+                           if m["name"] in secret_volumes]  # fmt: skip
+                for key, value in settings.items():
+                    if key.endswith("_FILE"):
+                        assert Path(value).parent in mounted, (manifest.name, key, value)
