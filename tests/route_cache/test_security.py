@@ -279,6 +279,32 @@ def test_concurrent_rpc_limit(serve):
         client.close()
 
 
+def test_concurrent_streams_per_connection_limit(serve):
+    """With one HTTP/2 stream per connection, a waiting ReadReady leaves its connection no
+    stream: a call on that channel waits past its deadline while another channel is served."""
+    target = serve(limits=ServerLimits(max_concurrent_streams=1))
+    with RouteCacheClient(target, timeout_s=2, retry=NO_RETRY) as shared:
+        holder = threading.Thread(target=shared.read_ready, args=("sec-streams", "c0"),
+                                  kwargs={"block_ms": 3000})  # fmt: skip
+        holder.start()
+        try:
+            for _ in range(100):
+                try:
+                    shared.stat("sec-none")  # answered: the holder had not started yet
+                except NotFound:
+                    continue
+                except RouteReplayError as exc:
+                    assert "Deadline Exceeded" in str(exc)
+                    break
+            else:
+                pytest.fail("the shared connection never ran out of streams")
+            with RouteCacheClient(target, timeout_s=5, retry=NO_RETRY) as other:
+                with pytest.raises(NotFound):  # another connection has its own streams
+                    other.stat("sec-none")
+        finally:
+            holder.join()
+
+
 # --- Redis: password, ACL user, TLS -------------------------------------------------------
 
 
