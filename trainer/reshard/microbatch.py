@@ -1,0 +1,120 @@
+"""Micro-batches (step 3): a padded batch cut along its samples, and dynamic batching of
+packed samples under a token budget, with the permutation back to the original order."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from trainer.reshard.layout import LayoutError, padded_length
+
+
+def split_padded_microbatches(x: torch.Tensor, seq: int, num_microbatches: int) -> list:
+    """Split a padded batch's rows (megatron order ``[seq * batch, ...]``) into micro-batches
+    of consecutive samples: micro-batch m holds samples ``[m * b / M, (m + 1) * b / M)``, each
+    returned in megatron order ``[seq * (b / M), ...]``."""
+    batch = x.shape[0] // seq
+    if seq * batch != x.shape[0]:
+        raise LayoutError(f"{x.shape[0]} rows are not seq={seq} x a batch size")
+    if batch % num_microbatches:
+        raise LayoutError(
+            f"a batch of {batch} does not split into {num_microbatches} micro-batches"
+        )
+    per = batch // num_microbatches
+    view = x.reshape(seq, batch, *x.shape[1:])
+    return [
+        view[:, m * per : (m + 1) * per].reshape(seq * per, *x.shape[1:])
+        for m in range(num_microbatches)
+    ]
+
+
+@dataclass(frozen=True)
+class DynamicBatches:
+    """Samples grouped into micro-batches under a token budget.
+
+    Attributes:
+        groups: Per micro-batch, the original indices of its samples (execution order).
+        tokens: Per micro-batch, its token count (after padding to ``multiple``).
+    """
+
+    groups: tuple[tuple[int, ...], ...]
+    tokens: tuple[int, ...]
+
+    @property
+    def order(self) -> np.ndarray:
+        """int64 ``[n]``: original sample index at each position of the execution order."""
+        return np.fromiter((i for g in self.groups for i in g), dtype=np.int64)
+
+    @property
+    def inverse(self) -> np.ndarray:
+        """int64 ``[n]``: execution position of each original sample (``order``'s inverse)."""
+        order = self.order
+        inv = np.empty_like(order)
+        inv[order] = np.arange(order.size)
+        return inv
+
+    def restore(self, results: Sequence) -> list:
+        """Per-sample results given in execution order -> the original sample order."""
+        if len(results) != self.order.size:
+            raise ValueError(f"{len(results)} results for {self.order.size} samples")
+        return [results[p] for p in self.inverse]
+
+
+def dynamic_microbatches(
+    lengths: Sequence[int],
+    max_tokens: int,
+    *,
+    multiple: int = 1,
+    min_microbatches: int = 1,
+) -> DynamicBatches:
+    """Group samples into micro-batches of at most ``max_tokens`` (padded) tokens, balanced.
+
+    Longest first, each sample goes to the micro-batch with the fewest tokens that still has
+    room; the count starts at the lower bound ``ceil(total / max_tokens)`` (or
+    ``min_microbatches``, e.g. the maximum over DP ranks so every rank runs the same number)
+    and grows until everything fits. Micro-batches run heaviest first; within one, samples keep
+    their original relative order.
+
+    Args:
+        lengths: Tokens per sample.
+        max_tokens: Budget per micro-batch.
+        multiple: Each sample is padded to this multiple when packed (``Layout.multiple``).
+        min_microbatches: At least this many micro-batches (empty ones are refused).
+
+    Raises:
+        LayoutError: A single sample over the budget, or more micro-batches than samples.
+    """
+    sizes = [padded_length(int(n), multiple) for n in lengths]
+    if not sizes:
+        raise LayoutError("no samples to batch")
+    if max(sizes) > max_tokens:
+        raise LayoutError(
+            f"a sample of {max(sizes)} tokens (padded to a multiple of {multiple}) exceeds the "
+            f"micro-batch budget of {max_tokens} tokens"
+        )
+    count = max(min_microbatches, math.ceil(sum(sizes) / max_tokens))
+    by_size = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+    while True:
+        if count > len(sizes):
+            raise LayoutError(f"{count} micro-batches for {len(sizes)} samples")
+        loads, groups = [0] * count, [[] for _ in range(count)]
+        fits = True
+        for i in by_size:
+            room = [m for m in range(count) if loads[m] + sizes[i] <= max_tokens]
+            if not room:
+                fits = False
+                break
+            m = min(room, key=lambda m: (loads[m], m))
+            loads[m] += sizes[i]
+            groups[m].append(i)
+        if fits and all(groups):
+            break
+        count += 1
+    ranked = sorted(range(count), key=lambda m: (-loads[m], min(groups[m])))
+    return DynamicBatches(
+        tuple(tuple(sorted(groups[m])) for m in ranked), tuple(loads[m] for m in ranked)
+    )
