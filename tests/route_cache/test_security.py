@@ -5,6 +5,7 @@ limits, and Redis with a password, an ACL user and TLS."""
 from __future__ import annotations
 
 import threading
+import uuid
 
 import grpc
 import numpy as np
@@ -242,7 +243,7 @@ def test_message_size_limit(serve):
 
 
 def test_concurrent_rpc_limit(serve):
-    """One ReadReady call waits for entries and holds the only slot; other calls are refused
+    """One ReadReady call waits for new entries and holds the only slot; other calls are refused
     until it ends."""
     target = serve(limits=ServerLimits(max_concurrent_rpcs=1))
     client = RouteCacheClient(target, timeout_s=30, retry=NO_RETRY)
@@ -251,7 +252,8 @@ def test_concurrent_rpc_limit(serve):
     def hold():
         while not holding.is_set():  # the other calls below may take the slot first
             try:
-                client.read_ready("sec-group", "c0", block_ms=3000)
+                client.read_ready(f"sec-{uuid.uuid4().hex}", "c0", block_ms=3000,
+                                  start_from_latest=True)  # fmt: skip
                 return
             except ResourceExhausted:
                 pass
@@ -284,8 +286,8 @@ def test_concurrent_streams_per_connection_limit(serve):
     stream: a call on that channel waits past its deadline while another channel is served."""
     target = serve(limits=ServerLimits(max_concurrent_streams=1))
     with RouteCacheClient(target, timeout_s=2, retry=NO_RETRY) as shared:
-        holder = threading.Thread(target=shared.read_ready, args=("sec-streams", "c0"),
-                                  kwargs={"block_ms": 3000})  # fmt: skip
+        holder = threading.Thread(target=shared.read_ready, args=(f"sec-{uuid.uuid4().hex}", "c0"),
+                                  kwargs={"block_ms": 3000, "start_from_latest": True})  # fmt: skip
         holder.start()
         try:
             for _ in range(100):
