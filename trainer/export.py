@@ -143,9 +143,12 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def push_weights(targets: str, folder: str | Path, timeout_s: float = 600.0) -> list[int]:
+def push_weights(
+    targets: str, folder: str | Path, security=None, timeout_s: float = 600.0
+) -> list[int]:
     """Have each rollout server in ``targets`` (comma-separated ``host:port``) load ``folder``
     through ``UpdateWeights``, one after the other; returns their new policy versions.
+    ``security``: a ``routereplay.security.ClientSecurity`` (default: plaintext).
 
     Each server drains its running turns first, so every turn's record names the weights that
     generated it. The folder must be readable by the servers (shared storage).
@@ -157,12 +160,13 @@ def push_weights(targets: str, folder: str | Path, timeout_s: float = 600.0) -> 
 
     from routereplay.client import domain_error
     from routereplay.grpc_server import channel_options
+    from routereplay.security import PLAINTEXT, secure_channel
     from routereplay.v1 import rollout_pb2, rollout_pb2_grpc
 
     request = rollout_pb2.UpdateWeightsRequest(path=str(Path(folder).resolve()))
     versions = []
     for target in filter(None, (t.strip() for t in targets.split(","))):
-        with grpc.insecure_channel(target, options=channel_options()) as channel:
+        with secure_channel(target, security or PLAINTEXT, channel_options()) as channel:
             stub = rollout_pb2_grpc.RolloutStub(channel)
             try:
                 reply = stub.UpdateWeights(request, timeout=timeout_s, wait_for_ready=True)

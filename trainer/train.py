@@ -125,10 +125,11 @@ def train(
     if resume_from is not None:
         start = checkpoint.load(resume_from, model, optimizer)
     stepper = RLStep(model, optimizer, config, dp)
-    feed = FeedPlans(config, dp) if plans is None else None
+    # The feed is read through the records' client when there is one (one connection).
+    feed = FeedPlans(config, dp, getattr(source, "client", None)) if plans is None else None
     if feed is not None:
         # The feed has no step numbers: a resumed run takes the next batches it offers.
-        todo = itertools.islice(feed, cfg.steps - start)
+        todo = itertools.islice(feed, max(0, cfg.steps - start))
     else:
         todo = itertools.islice(plans, start, None)
     reports: list[dict] = []
