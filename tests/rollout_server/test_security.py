@@ -15,7 +15,8 @@ from route_cache.server import RouteCacheServer
 from route_cache.store import RouteStore, connect
 from routereplay.client import RouteCacheClient
 from routereplay.devcerts import generate
-from routereplay.errors import RouteReplayError
+from routereplay.errors import InvalidArgument, ResourceExhausted, RouteReplayError
+from routereplay.grpc_server import MIB, ServerLimits
 from routereplay.security import ClientSecurity, ServerSecurity, secure_aio_channel
 from routereplay.v1 import rollout_pb2, rollout_pb2_grpc
 from tests.rollout_server.conftest import rollout_config
@@ -39,6 +40,8 @@ def test_secured_rollout_server_writes_to_a_secured_route_cache(
         cache_target,
         security=ServerSecurity(**tls, tls_client_ca_file=ca, auth_token_file=str(token)),
         route_cache_security=to_cache,
+        max_prompts=2,
+        limits=ServerLimits(max_message_bytes=MIB),
     )
     client_cert = dict(cert_file=str(certs / "client.pem"), key_file=str(certs / "client-key.pem"))
     allowed = ClientSecurity(ca_file=ca, token_file=str(token), **client_cert)
@@ -50,8 +53,12 @@ def test_secured_rollout_server_writes_to_a_secured_route_cache(
             async with RolloutClient(target, timeout_s=120, security=allowed) as client:
                 options = SamplingOptions(temperature=0.0, max_tokens=6)
                 events = [e async for e in client.generate("Secure hello", options, "sec-r1")]
-            done = events[-1]
-            assert isinstance(done, SampleDone) and done.stored, done
+                done = events[-1]
+                assert isinstance(done, SampleDone) and done.stored, done
+                with pytest.raises(InvalidArgument, match=r"prompts \(count\) is 3; .* \[1, 2\]"):
+                    [e async for e in client.generate_batch(["a", "b", "c"], 1, options)]
+                with pytest.raises(ResourceExhausted, match="larger than max"):
+                    [e async for e in client.generate("x" * (2 * MIB), options)]
             for refused, match in [
                 (ClientSecurity(ca_file=ca, **client_cert), "missing bearer token"),
                 (ClientSecurity(ca_file=ca, token_file=str(token)), None),  # no client cert

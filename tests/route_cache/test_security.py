@@ -20,7 +20,7 @@ from route_cache.store import RouteStore, connect, record_key
 from routereplay.client import AsyncRouteCacheClient, RetryPolicy, RouteCacheClient
 from routereplay.codec import Encoding, encode_routes
 from routereplay.devcerts import generate
-from routereplay.errors import NotFound, ResourceExhausted, RouteReplayError
+from routereplay.errors import InvalidArgument, NotFound, ResourceExhausted, RouteReplayError
 from routereplay.grpc_server import MIB, ServerLimits
 from routereplay.launch import free_port, start_service, stop_process
 from routereplay.security import (
@@ -230,6 +230,16 @@ def test_chunks_per_write_limit(serve, redis_node):
             route_cache_pb2_grpc.RouteCacheStub(channel).WriteRecord(endless(), timeout=10)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert not redis.Redis.from_url(redis_node.url).exists(record_key("sec-endless"))
+
+
+def test_block_size_limit(serve):
+    target = serve(max_record_mib=1)
+    record = synthetic_record("sec-big", SMALL, 60000, np.random.default_rng(5))  # 1.2 MB
+    with RouteCacheClient(target, timeout_s=10, retry=NO_RETRY) as client:
+        with pytest.raises(InvalidArgument, match="exceeds the server's limit of 1048576 bytes"):
+            client.write(record)
+        with pytest.raises(NotFound):
+            client.stat(record.sample_id)
 
 
 def test_message_size_limit(serve):
