@@ -34,7 +34,7 @@ from routereplay.security import (
 from routereplay.synthetic import synthetic_record
 from routereplay.v1 import route_cache_pb2, route_cache_pb2_grpc
 from routereplay.wire import write_requests
-from tests.conftest import RedisProcess
+from tests.conftest import RedisProcess, start_cluster
 from tests.route_cache.conftest import SMALL
 
 TOKEN = "s3cret-token-value"
@@ -357,6 +357,27 @@ def test_redis_password_and_acl_user(secured_redis, tmp_path):
     assert not ping(url)
     assert not ping(url, password="wrong")
     assert not ping(url, username="rr", password="default-pass")
+
+
+def test_redis_cluster_with_a_password():
+    nodes = start_cluster(3)
+    try:
+        for node in nodes:
+            redis.Redis(port=node.port).config_set("requirepass", "cluster-pass")
+        url = nodes[0].url.rsplit("/", 1)[0]
+        client = connect(url, True, **RedisSecurity(password="cluster-pass").connect_kwargs())
+        store = RouteStore(client)
+        assert store.ping()
+        keys = [f"rr:{{k{i}}}" for i in range(30)]  # spread over the three masters
+        for key in keys:
+            client.set(key, key)
+        assert [client.get(k).decode() for k in keys] == keys
+        client.close()
+        with pytest.raises(redis.exceptions.RedisClusterException, match="authenticated"):
+            connect(url, True)
+    finally:
+        for node in nodes:
+            node.kill()
 
 
 def test_redis_tls(secured_redis, certs, other_certs):
