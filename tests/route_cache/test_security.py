@@ -322,17 +322,17 @@ def test_concurrent_streams_per_connection_limit(serve):
 
 @pytest.fixture(scope="module")
 def secured_redis(certs):
-    """A redis-server with a password for the default user, an ACL user, and a TLS port
-    beside the plain one (which the start-up check uses)."""
+    """A redis-server started with an ACL user and a TLS port beside the plain one; the
+    default user's password (``requirepass``) is set once it runs, because the start-up check
+    pings as the default user without one."""
     tls_port = free_port()
     node = RedisProcess(
+        "--user", "rr", "on", ">rr-pass", "~rr:*", "+@all",
         "--tls-port", str(tls_port), "--tls-cert-file", str(certs / "server.pem"),
         "--tls-key-file", str(certs / "server-key.pem"), "--tls-ca-cert-file",
         str(certs / "ca.pem"), "--tls-auth-clients", "optional",
     ).start()  # fmt: skip
-    admin = redis.Redis(port=node.port)
-    admin.execute_command("ACL SETUSER", "rr", "on", ">rr-pass", "~rr:*", "+@all")
-    admin.config_set("requirepass", "default-pass")
+    redis.Redis(port=node.port).config_set("requirepass", "default-pass")
     yield node, tls_port
     node.stop()
 
