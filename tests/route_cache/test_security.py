@@ -61,7 +61,7 @@ def token_file(tmp_path_factory):
 
 @pytest.fixture
 def serve(redis_node):
-    """Starts route cache servers over the session's Redis; stops them at the end."""
+    """Starts route cache servers over the shared test Redis; stops them at the end."""
     servers = []
     redis_client = connect(redis_node.url, cluster=False)
 
