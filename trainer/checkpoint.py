@@ -14,8 +14,11 @@ step depends on:
 
 Resume (``train.resume``, on by default): when ``checkpoint_dir`` has a checkpoint, ``train()``
 loads it before the first step and continues from its step, so a restarted trainer gives the
-same losses and weights as one that never stopped (tested bitwise). One rank; a multi-rank
-trainer would save each rank's shard (``trainer/reshard.py``).
+same losses and weights as one that never stopped (tested bitwise). Under data parallel, DP
+rank 0 writes it and every rank loads it: weights, optimizer state and RNG streams are the same
+on every DP rank. A job whose rank was killed mid-step and that was restarted also ends bitwise
+equal (``tests/trainer/test_resume.py``). Other layouts would save each rank's shard
+(``trainer/reshard.py``).
 """
 
 from __future__ import annotations
