@@ -1,4 +1,4 @@
-"""Each rank's share of the routes (trainer/reshard.py) against megatron-core's own functions.
+"""Each rank's share of the routes (trainer/reshard/) against megatron-core's own functions.
 
 Oracles: megatron's CP batch split (``get_batch_on_this_cp_rank``) applied to position ids,
 its sequence-parallel scatter (``_split_along_first_dim``), its pipeline layer placement
