@@ -18,7 +18,7 @@ same losses and weights as one that never stopped (tested bitwise). Under data p
 rank 0 writes it and every rank loads it: weights, optimizer state and RNG streams are the same
 on every DP rank. A job whose rank was killed mid-step and that was restarted also ends bitwise
 equal (``tests/trainer/test_resume.py``). Other layouts would save each rank's shard
-(``trainer/reshard.py``).
+(``trainer/reshard/``).
 """
 
 from __future__ import annotations

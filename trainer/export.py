@@ -13,7 +13,7 @@
 
 The folder appears atomically: it is written beside ``out_dir`` under a temporary name and
 renamed, so a server never reads a half-written export. One rank (the whole model in this
-process); a multi-rank trainer gathers to one rank first (``trainer/reshard.py``).
+process); a multi-rank trainer gathers to one rank first (``trainer/reshard/``).
 """
 
 from __future__ import annotations
