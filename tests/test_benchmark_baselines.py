@@ -1,0 +1,58 @@
+"""The benchmarks' own parts: the raw gRPC baseline moves the bytes it is given, and the
+pipeline benchmark's summary adds its stages up the way its report says."""
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.bench_pipeline import summarize
+from benchmarks.raw_grpc import RawClient
+from routereplay.launch import start_service, stop_process
+
+
+@pytest.fixture(scope="module")
+def raw_target():
+    root = Path(__file__).resolve().parent.parent  # where the benchmarks folder is
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc, target = start_service("benchmarks.raw_grpc", env=env, quiet=True)
+    yield target
+    stop_process(proc)
+
+
+def test_raw_grpc_returns_what_was_written(raw_target):
+    rng = np.random.default_rng(0)
+    data = {key: rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+            for key, size in (("a", 3 << 20), ("b", 1000), ("c", (1 << 20) + 1))}  # fmt: skip
+    client = RawClient(raw_target)
+    try:
+        for key, value in data.items():
+            chunks = [value[i : i + (1 << 20)] for i in range(0, len(value), 1 << 20)]
+            assert client.write(key, chunks) == len(value)
+        got = b"".join(client.read_batch(["c", "a", "b"]))
+        assert got == data["c"] + data["a"] + data["b"]
+    finally:
+        client.close()
+
+
+def test_pipeline_summary_by_hand():
+    on = [
+        {"generate": 1.0, "store": 0.1, "fetch": 0.05, "reshard": 0.01, "route_bytes": 2**20,
+         "tokens": 100, "record_tokens": 200},
+        {"generate": 3.0, "store": 0.3, "fetch": 0.15, "reshard": 0.03, "route_bytes": 2**20,
+         "tokens": 100, "record_tokens": 200},
+        {"generate": 2.0, "store": 0.2, "fetch": 0.10, "reshard": 0.02, "route_bytes": 2**20,
+         "tokens": 100, "record_tokens": 200},
+    ]  # fmt: skip
+    off = [{"generate": 1.5, "store": 0.0}, {"generate": 2.5, "store": 0.0}]
+    s = summarize(on, off)
+    assert s["stage_s_median"] == pytest.approx(
+        {"generate": 2.0, "store": 0.2, "fetch": 0.1, "reshard": 0.02}
+    )
+    assert s["end_to_end_s_median"] == pytest.approx(2.32)
+    assert s["baseline_s_median"] == pytest.approx(2.0)
+    assert s["route_moving_share"] == pytest.approx(0.32 / 2.32)
+    assert s["overhead_vs_baseline"] == pytest.approx(0.16)
+    assert s["route_mibs"]["fetch"] == pytest.approx(10.0)  # 1 MiB in 0.1 s
+    assert s["end_to_end_route_mibs"] == pytest.approx(1 / 2.32)
