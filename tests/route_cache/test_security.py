@@ -205,6 +205,58 @@ def test_garbage_requests_are_invalid_and_do_not_stall_the_connection(serve):
         assert check.status == health_pb2.HealthCheckResponse.SERVING
 
 
+UNARY_METHODS = ["StatRecord", "DeleteRecord", "ReadReady", "AckReady"]
+STREAM_METHODS = ["ReadRecord", "ReadBatch"]  # one request, a stream of replies
+CLIENT_STREAM_METHODS = ["WriteRecord", "AppendTurn"]
+# What random bytes may get: a refusal when they parse, INVALID_ARGUMENT when they do not.
+# INTERNAL, UNKNOWN or UNAVAILABLE would be bugs.
+ANSWERS = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+
+def test_random_bytes_to_every_method_on_one_channel(serve):
+    """Byte-level fuzzing: random request bytes to every RouteCache method, all on ONE
+    channel, never get a bug status, and the channel still serves after them."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    target = serve(ready_max_block_ms=0)  # a parsed ReadReady may not wait
+    with grpc.insecure_channel(target) as channel:
+
+        def code_of(call, *args) -> grpc.StatusCode:
+            try:
+                reply = call(*args, timeout=10)
+                if hasattr(reply, "__next__"):
+                    list(reply)
+                return grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                assert exc.code() in ANSWERS, (exc.code(), exc.details())
+                return exc.code()
+
+        @settings(max_examples=300, deadline=None,
+                  suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+        @given(st.sampled_from(UNARY_METHODS + STREAM_METHODS + CLIENT_STREAM_METHODS),
+               st.lists(st.binary(max_size=120), min_size=1, max_size=4))  # fmt: skip
+        def check(method, messages):
+            path = f"/routereplay.v1.RouteCache/{method}"
+            if method in UNARY_METHODS:
+                code_of(channel.unary_unary(path), messages[0])
+            elif method in STREAM_METHODS:
+                code_of(channel.unary_stream(path), messages[0])
+            else:
+                code_of(channel.stream_unary(path), iter(messages))
+
+        check()
+        assert code_of(channel.unary_unary("/routereplay.v1.RouteCache/StatRecord"),
+                       GARBAGE) == grpc.StatusCode.INVALID_ARGUMENT  # fmt: skip
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
 # --- limits -------------------------------------------------------------------------------
 
 
