@@ -4,6 +4,9 @@ limits, and Redis with a password, an ACL user and TLS."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import uuid
 
@@ -473,3 +476,24 @@ def test_route_cache_process_with_every_secret_from_files(secured_redis, certs, 
             round_trip(target, tls)
     finally:
         assert stop_process(proc, 10) == 0
+
+
+def test_container_healthcheck_over_mutual_tls(serve, certs, token_file):
+    """The health command the compose file and images run reaches a mutual-TLS server with
+    the CA and client certificate from its environment, and no token."""
+    security = ServerSecurity(str(certs / "server.pem"), str(certs / "server-key.pem"),
+                              tls_client_ca_file=str(certs / "ca.pem"),
+                              auth_token_file=token_file)  # fmt: skip
+    target = serve(security=security)
+
+    def check(**env) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "routereplay.healthcheck", target],
+                              env={**os.environ, **env}, capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+
+    assert check().returncode == 1  # plaintext against TLS
+    assert check(HEALTHCHECK_CA_FILE=str(certs / "ca.pem")).returncode == 1  # no client cert
+    ok = check(HEALTHCHECK_CA_FILE=str(certs / "ca.pem"),
+               HEALTHCHECK_CERT_FILE=str(certs / "client.pem"),
+               HEALTHCHECK_KEY_FILE=str(certs / "client-key.pem"))  # fmt: skip
+    assert (ok.returncode, ok.stdout.strip()) == (0, "SERVING")
