@@ -92,12 +92,14 @@ class FetchedBatch:
 
 
 class CacheSource:
-    """Records from the route cache: one ``read_batch`` call per batch."""
+    """Records from the route cache: one ``read_batch`` call per batch. ``security``: a
+    ``routereplay.security.ClientSecurity`` (default: plaintext)."""
 
-    def __init__(self, target: str, timeout_s: float = 60.0):
+    def __init__(self, target: str, timeout_s: float = 60.0, security=None):
         from routereplay.client import RouteCacheClient
+        from routereplay.security import PLAINTEXT
 
-        self.client = RouteCacheClient(target, timeout_s=timeout_s)
+        self.client = RouteCacheClient(target, timeout_s=timeout_s, security=security or PLAINTEXT)
 
     def fetch(self, sample_ids: Sequence[str]) -> list[Record | None]:
         from routereplay.wire import Missing
@@ -239,7 +241,9 @@ class FeedPlans:
             from routereplay.ready import ReadyConsumer
 
             if client is None:
-                client = self._own_client = RouteCacheClient(config.route_cache.target)
+                client = self._own_client = RouteCacheClient(
+                    config.route_cache.target, security=config.route_cache.security()
+                )
             self.consumer = ReadyConsumer(
                 client, data.consumer_group, data.consumer, data.group_size,
                 start_from_latest=data.start_from_latest,

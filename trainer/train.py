@@ -51,7 +51,9 @@ RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recom
 def open_source(config: TrainerConfig):
     """The records' source: a file (``replay_file`` or ``data.records_file``) or the cache."""
     path = config.router_replay.replay_file or config.data.records_file
-    return FileSource(path) if path else CacheSource(config.route_cache.target)
+    if path:
+        return FileSource(path)
+    return CacheSource(config.route_cache.target, security=config.route_cache.security())
 
 
 def build(config: TrainerConfig, pg_collection=None) -> tuple[TrainerModel, AdamW]:

@@ -24,7 +24,9 @@ from route_cache.config import Config
 from route_cache.server import RouteCacheServer
 from route_cache.store import RouteStore, connect
 from routereplay.client import RouteCacheClient
+from routereplay.errors import RouteReplayError
 from routereplay.ready import ReadyConsumer
+from routereplay.security import ClientSecurity, ServerSecurity
 from trainer.config import ConfigError, load_config
 from trainer.data import BatchPlan
 from trainer.train import train
@@ -36,14 +38,16 @@ SAME = ("agreement", "reward_mean", "rows", "samples", "update_agreement")
 class Cache:
     """A route cache server with a ready stream of its own, on the session's redis-server."""
 
-    def __init__(self, redis_url: str):
+    def __init__(self, redis_url: str, token_file: str = ""):
         self.redis = connect(redis_url, cluster=False)
         self.stream = f"rr:ready:{uuid.uuid4().hex[:8]}"
         config = Config(host="127.0.0.1", port=0, grace_s=1, health_interval_s=0.1,
-                        ready_stream=self.stream, ready_max_block_ms=5000)  # fmt: skip
+                        ready_stream=self.stream, ready_max_block_ms=5000,
+                        security=ServerSecurity(auth_token_file=token_file))  # fmt: skip
         self.server = RouteCacheServer(config, RouteStore(self.redis, ttl_ms=600_000)).start()
         self.target = f"127.0.0.1:{self.server.port}"
-        self.client = RouteCacheClient(self.target, timeout_s=30)
+        security = ClientSecurity(token_file=token_file)
+        self.client = RouteCacheClient(self.target, timeout_s=30, security=security)
 
     def pending(self, group: str) -> int:
         return int(self.redis.xpending(self.stream, group)["pending"])
@@ -168,6 +172,26 @@ def test_two_data_parallel_ranks_share_one_consumer(tiny_model_dir, rollout, ids
         for key in SAME:
             assert got[key] == want[key], key
     assert cache.pending("trainer") == 0
+
+
+def test_a_route_cache_that_wants_a_token_gets_the_configured_one(
+    tiny_model_dir, rollout, pg_collection, redis_node, tmp_path
+):
+    token = tmp_path / "token"
+    token.write_text(uuid.uuid4().hex)
+    cache = Cache(redis_node.url, token_file=str(token))
+    try:
+        first, _ = _groups(rollout)
+        for record in first:
+            cache.client.write(record)
+        feed = ["data.source=feed", "data.group_size=4", "train.steps=1"]
+        with pytest.raises(RouteReplayError, match="token"):
+            train(_config(tiny_model_dir, cache.target, *feed), None, pg_collection=pg_collection)
+        config = _config(tiny_model_dir, cache.target, *feed, f"route_cache.token_file={token}")
+        reports = train(config, None, pg_collection=pg_collection)
+        assert [r["feed"]["groups"] for r in reports] == [[first[0].group_id]]
+    finally:
+        cache.close()
 
 
 @pytest.mark.parametrize(
