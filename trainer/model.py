@@ -19,6 +19,7 @@ from trainer.hf_config import (
 )
 from trainer.hf_weights import hf_to_megatron, load_hf_state_dict
 from trainer.reshard import PipelineSplit, stage_moe_layers
+from trainer.shard_weights import local_weights
 
 
 def _pipeline_rank(pg_collection) -> tuple[int, int]:
@@ -87,6 +88,20 @@ def check_replay_config(config) -> None:
         )
 
 
+def load_checkpoint(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Load this rank's share of the checkpoint into ``model`` (any TP / EP / PP / VP layout).
+
+    Args:
+        model: This rank's ``GPTModel`` (a pipeline stage or virtual-stage chunk).
+        full: The whole checkpoint under megatron's names (``hf_weights.hf_to_megatron``).
+
+    Raises:
+        UnsupportedConfig: A parameter without a source or with a wrongly shaped slice.
+    """
+    # local_weights covers every entry of the model's state dict but _extra_state.
+    model.load_state_dict(local_weights(model, full), strict=False)
+
+
 def moe_routers(model: torch.nn.Module) -> list[replay.ReplayRouter]:
     """The model's top-k routers by global (0-based) decoder layer number, ascending.
 
@@ -118,7 +133,8 @@ def build_model(
             replay on every router (R2 and R3); refuses settings that bypass replay.
         pg_collection: megatron ``ProcessGroupCollection`` (``distributed.init_single_process``
             returns one); megatron's global groups when None.
-        load_weights: Load the checkpoint's weights (else uninitialised parameters).
+        load_weights: Load the checkpoint's weights, this rank's share of them in a parallel
+            layout (else uninitialised parameters).
         model_id: Identifier stored in ``geometry`` (default: the folder's name).
         **config_overrides: Extra ``TransformerConfig`` fields.
 
@@ -146,12 +162,6 @@ def build_model(
             "interleaved (virtual) stages are not wired in yet"
         )
     pp_rank, pp_size = _pipeline_rank(pg_collection)
-    if load_weights and pp_size > 1:
-        # hf_to_megatron names layers by their global number; a later stage's GPTModel
-        # numbers its state-dict layers from 0.
-        raise UnsupportedConfig(
-            "loading Hugging Face weights into a pipeline stage (pp > 1) is not supported yet"
-        )
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     model = GPTModel(
         config,
@@ -162,14 +172,7 @@ def build_model(
         **gpt_model_args(hf_config).as_kwargs(),
     )
     if load_weights:
-        weights = hf_to_megatron(load_hf_state_dict(model_dir), hf_config)
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise UnsupportedConfig(
-                f"weight mapping incomplete: megatron parameters without a source {missing}, "
-                f"mapped names megatron does not have {unexpected}"
-            )
+        load_checkpoint(model, hf_to_megatron(load_hf_state_dict(model_dir), hf_config))
     routers = moe_routers(model)
     control = replay.install(routers) if routing_replay else None
     geometry = model_geometry(hf_config, model_id or Path(model_dir).name)

@@ -41,7 +41,8 @@ from trainer.hf_config import (
     read_hf_config,
     transformer_config,
 )
-from trainer.model import check_replay_config, moe_routers
+from trainer.hf_weights import hf_to_megatron, load_hf_state_dict
+from trainer.model import check_replay_config, load_checkpoint, moe_routers
 from trainer.replay import RouterReplayControl
 from trainer.reshard import PipelineSplit, check_stage_routers, stage_moe_layers
 
@@ -96,15 +97,21 @@ class ModelChunks:
 
 
 def build_model_chunks(
-    model_dir: str | Path, *, pg_collection, model_id: str | None = None, **config_overrides: Any
+    model_dir: str | Path,
+    *,
+    pg_collection,
+    load_weights: bool = False,
+    model_id: str | None = None,
+    **config_overrides: Any,
 ) -> ModelChunks:
     """Build this pipeline rank's chunks of a Qwen3-MoE checkpoint for megatron's interleaved
-    schedule, randomly initialised (same seed on every rank), replay installed on every router.
+    schedule, replay installed on every router.
 
     Args:
-        model_dir: Folder with the checkpoint's ``config.json`` (weights are not loaded: the
-            HF weight map names layers by global number, a chunk numbers its own from 0).
+        model_dir: Folder with the checkpoint's ``config.json`` and safetensors weights.
         pg_collection: megatron's ``ProcessGroupCollection`` (its ``pp`` group gives the rank).
+        load_weights: Load each chunk's share of the checkpoint's weights
+            (``model.load_checkpoint``); else random initialisation (same seed on every rank).
         model_id: Identifier stored in ``geometry`` (default: the folder's name).
         **config_overrides: ``TransformerConfig`` fields, ``virtual_pipeline_model_parallel_size``
             among them (``parallel.model_overrides`` sets it from the layout).
@@ -119,7 +126,10 @@ def build_model_chunks(
 
     cpu_compat.apply()
     hf_config = read_hf_config(model_dir)
-    overrides = {"use_cpu_initialization": not torch.cuda.is_available(), **config_overrides}
+    overrides: dict[str, Any] = {"use_cpu_initialization": not torch.cuda.is_available()}
+    if load_weights:
+        overrides["perform_initialization"] = False  # every parameter is loaded below
+    overrides.update(config_overrides)
     config = transformer_config(hf_config, routing_replay=True, **overrides)
     check_replay_config(config)
     vp = config.virtual_pipeline_model_parallel_size
@@ -128,6 +138,7 @@ def build_model_chunks(
     pp_rank, pp_size = pg_collection.pp.rank(), pg_collection.pp.size()
     geometry = model_geometry(hf_config, model_id or Path(model_dir).name)
     split = PipelineSplit.from_config(config)
+    full = hf_to_megatron(load_hf_state_dict(model_dir), hf_config) if load_weights else None
     models, chunk_routers = [], []
     for v in range(vp):
         spec = get_gpt_decoder_block_spec(
@@ -142,6 +153,8 @@ def build_model_chunks(
             vp_stage=v,
             **gpt_model_args(hf_config).as_kwargs(),
         )
+        if full is not None:
+            load_checkpoint(model, full)
         routers = moe_routers(model)
         expected = stage_moe_layers(split, geometry.moe_layers, pp_rank, vp_stage=v)
         check_stage_routers(expected, [r.layer for r in routers], f"pp {pp_rank} vp {v}: ")
