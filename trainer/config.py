@@ -115,6 +115,8 @@ class TrainConfig:
         push_weights_to: Comma-separated rollout servers (``host:port``) that load each
             export through ``UpdateWeights`` (a folder they can read: shared storage); each
             load bumps their policy version. None pushes nothing.
+        push_ca_file: TLS to those servers, trusting this CA (PEM); empty: plaintext.
+        push_token_file: A file holding the bearer token those servers expect.
         checkpoint_dir: Save model, optimizer, step and RNG states to
             ``checkpoint_dir/step_NNNNNN.pt`` every ``checkpoint_every`` steps (and after the
             last step). None saves nothing.
@@ -134,9 +136,17 @@ class TrainConfig:
     export_dir: str | None = None
     export_every: int = 1
     push_weights_to: str | None = None
+    push_ca_file: str = ""
+    push_token_file: str = ""
     checkpoint_dir: str | None = None
     checkpoint_every: int = 1
     resume: bool = True
+
+    def push_security(self):
+        """How to reach the rollout servers, a ``routereplay.security.ClientSecurity``."""
+        from routereplay.security import ClientSecurity
+
+        return ClientSecurity(ca_file=self.push_ca_file, token_file=self.push_token_file)
 
 
 @dataclass

@@ -159,7 +159,7 @@ def train(
                     if cfg.push_weights_to:
                         from trainer.export import push_weights
 
-                        versions = push_weights(cfg.push_weights_to, folder)
+                        versions = push_weights(cfg.push_weights_to, folder, cfg.push_security())
                         report["policy_versions"] = versions
                         log.info("rollout servers now at policy versions %s", versions)
                 exported = step
