@@ -12,11 +12,11 @@ resharding their routes into packed micro-batches (``trainer.reshard``). Stages 
 - fetch: one ``read_batch`` of the batch's records;
 - reshard: dynamic micro-batching and packing of every record's routes (TP1: the whole batch).
 
-The baseline is the same batch through the engine alone, capture off (vLLM's
-``enable_return_routed_experts=False``, nothing stored, fetched or resharded), in the same
-run. With ``--baseline store-off`` (``--quick``'s default, to load one engine only) the
-baseline is the same capture-on engine behind a server that stores nothing: it measures moving
-the routes, not capturing them.
+Two baselines, same run: the same capture-on engine behind a second server that stores
+nothing, its batches interleaved with the measured ones (what moving the routes costs, free of
+the machine's drift); and, a second engine loaded afterwards (skipped by ``--quick``, which
+loads one engine), the engine alone with capture off (vLLM's
+``enable_return_routed_experts=False``): capture and moving together, but not interleaved.
 
 Usage: python benchmarks/bench_pipeline.py [--quick] [--size bench|tiny] [--prompts 8 --n 4]
 """
@@ -112,47 +112,55 @@ def start_engine(model: Path, capture: bool, args) -> VLLMEngine:
     )
 
 
-async def run_batches(engine: VLLMEngine, cache: str, store: bool, args) -> list[dict]:
-    """``args.repeats`` batches after a warm-up, per batch its stages. ``store``: records
-    written, then fetched and resharded; otherwise the server stores nothing."""
-    config = Config(host="127.0.0.1", port=0, route_cache=cache, capture_routes=store,
-                    max_n=args.n, grace_s=5)  # fmt: skip
-    server = await RolloutServer(config, engine).start()
-    client = RolloutClient(f"127.0.0.1:{server.port}")
+async def run_batches(engine: VLLMEngine, cache: str, stores: tuple[bool, ...], args):
+    """``args.repeats`` batches after a warm-up through one server per entry of ``stores``
+    (True: records written, then fetched and resharded; False: nothing stored), the servers
+    taking turns batch by batch. Returns per server the stages of each batch."""
+    servers = []
+    for store in stores:
+        config = Config(host="127.0.0.1", port=0, route_cache=cache, capture_routes=store,
+                        max_n=args.n, grace_s=5)  # fmt: skip
+        servers.append(await RolloutServer(config, engine).start())
+    clients = [RolloutClient(f"127.0.0.1:{server.port}") for server in servers]
     source = CacheSource(cache)
-    runs = []
+    runs: list[list[dict]] = [[] for _ in stores]
     try:
         for i in range(args.repeats + 1):  # the first is a warm-up
-            batch = await generate(client, args)
-            ids = batch.pop("ids")
-            if store:
-                assert len(ids) == args.prompts * args.n, "records were not stored"
-                batch |= fetch_and_reshard(source, ids, args.budget)
-            else:
-                assert not ids, "a baseline run stored records"
-            if i:
-                runs.append(batch)
+            turns = list(range(len(stores)))
+            for k in turns if i % 2 else turns[::-1]:  # who goes first alternates
+                batch = await generate(clients[k], args)
+                ids = batch.pop("ids")
+                if stores[k]:
+                    assert len(ids) == args.prompts * args.n, "records were not stored"
+                    batch |= fetch_and_reshard(source, ids, args.budget)
+                else:
+                    assert not ids, "a baseline run stored records"
+                if i:
+                    runs[k].append(batch)
     finally:
         source.close()
-        await client.close()
-        await server.stop(5)
+        for client, server in zip(clients, servers, strict=True):
+            await client.close()
+            await server.stop(5)
     return runs
 
 
-async def bench(model: Path, cache: str, args) -> tuple[list[dict], list[dict]]:
-    """The capture-on batches and the baseline's, one engine at a time."""
+async def bench(model: Path, cache: str, args) -> dict[str, list[dict]]:
+    """Per run ("on", "store_off", and unless quick "capture_off") its batches; one engine
+    at a time."""
     engine = start_engine(model, True, args)
     try:
-        on = await run_batches(engine, cache, True, args)
-        if args.baseline == "store-off":
-            return on, await run_batches(engine, cache, False, args)
+        on, store_off = await run_batches(engine, cache, (True, False), args)
     finally:
         engine.shutdown()
-    engine = start_engine(model, False, args)
-    try:
-        return on, await run_batches(engine, cache, False, args)
-    finally:
-        engine.shutdown()
+    runs = {"on": on, "store_off": store_off}
+    if not args.quick:
+        engine = start_engine(model, False, args)
+        try:
+            (runs["capture_off"],) = await run_batches(engine, cache, (False,), args)
+        finally:
+            engine.shutdown()
+    return runs
 
 
 def summarize(on: list[dict], off: list[dict]) -> dict:
@@ -182,36 +190,49 @@ def spread(runs: list[dict]) -> str:
     return f"{min(times):.2f}-{max(times):.2f}"
 
 
+BASELINES = {
+    "store_off": "same engine, a server storing nothing, interleaved",
+    "capture_off": "engine alone, capture off, loaded afterwards",
+}
+
+
 def markdown(results: dict, args) -> str:
-    s = results["summary"]
-    med, mibs = s["stage_s_median"], s["route_mibs"]
-    baseline = (
-        "the same batch through the engine alone, capture off (nothing captured, stored, "
-        "fetched or resharded)"
-        if args.baseline == "engine"
-        else "the same capture-on engine behind a server that stores nothing (capture itself "
-        "is not in this difference)"
-    )
-    total = s["end_to_end_s_median"]
+    runs, summary = results["runs"], results["summary"]
+    s = summary["store_off"]
+    med, mibs, total = s["stage_s_median"], s["route_mibs"], s["end_to_end_s_median"]
+    size = results["size"]
     rows = "\n".join(
         f"| {name} | {1000 * med[key]:.1f} | {100 * med[key] / total:.1f}% "
         f"| {f'{mibs[key]:.1f}' if key in mibs else '-'} |"
         for key, name in STAGE_NAMES.items()
     )
-    size = results["size"]
+    baselines = "\n".join(
+        f"| baseline: {BASELINES[b]} | {1000 * summary[b]['baseline_s_median']:.1f} "
+        f"| **{100 * summary[b]['overhead_vs_baseline']:+.1f}%** | - |"
+        for b in BASELINES
+        if b in summary
+    )
+    spreads = "; ".join(f"{BASELINES.get(k, 'capture on, storing')} {spread(v)} s"
+                        for k, v in runs.items())  # fmt: skip
+    capture_off_note = (
+        " The capture-off engine adds capture inside the engine, but runs after the others and"
+        " so carries the machine's drift."
+        if "capture_off" in summary
+        else ""
+    )
     return f"""## End to end: rollout -> route cache -> trainer fetch + reshard
 
 `python benchmarks/bench_pipeline.py{" --quick" if args.quick else ""}`: {args.prompts} prompts x {args.n} samples of {args.max_tokens} tokens per batch ({s["tokens_per_batch"]} generated tokens; {s["route_bytes_per_batch"] / 1024:.0f} KiB of routes for {s["record_tokens_per_batch"]} record tokens); medians over {args.repeats} batches after a warm-up.
 Model: generated Qwen3-MoE, {size["num_hidden_layers"]} layers (layer 0 dense), hidden {size["hidden_size"]}, top-{size["num_experts_per_tok"]} of {size["num_experts"]} experts, float32. The rollout server (vLLM CPU build) and the trainer's fetch + reshard run in one process, the route cache in its own over a Redis-compatible server.
-Machine: {results["machine"]}. Baseline: {baseline}, same run.
+Machine: {results["machine"]}.
 
-| stage per batch | ms (median) | of end to end | route MiB/s |
+| stage per batch | ms (median) | of end to end (or against it) | route MiB/s |
 |---|---|---|---|
 {rows}
-| **end to end** | {1000 * s["end_to_end_s_median"]:.1f} | 100% | {s["end_to_end_route_mibs"]:.2f} |
-| baseline ({args.baseline}) | {1000 * s["baseline_s_median"]:.1f} | - | - |
+| **end to end** | {1000 * total:.1f} | 100% | {s["end_to_end_route_mibs"]:.2f} |
+{baselines}
 
-Time moving routes (store + fetch + reshard): **{100 * s["route_moving_share"]:.1f}%** of end to end; end to end against the baseline: **{100 * s["overhead_vs_baseline"]:+.1f}%**, the rest of it in generation (capture inside the engine, and noise: per batch, generate took {spread(results["capture_on"])} s with capture on and {spread(results["baseline"])} s in the baseline).
+Time in the route stages (store + fetch + reshard): **{100 * s["route_moving_share"]:.1f}%** of end to end. Against the interleaved baseline the rest of the difference is in generate: finished samples' records are validated and written while the others still generate, on the same cores.{capture_off_note} Generate per batch, min-max: {spreads}.
 This model's routes are small ({s["route_bytes_per_batch"] / s["record_tokens_per_batch"]:.0f} B per token against 384 for Qwen3-30B-A3B) and a CPU generates few tokens/s, so per-call costs dominate the route stages' MiB/s here; the route cache section measures throughput at full size, and the scaling model below carries both to a fleet.
 """  # noqa: E501
 
@@ -224,16 +245,11 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--budget", type=int, default=4096, help="tokens per micro-batch")
-    parser.add_argument("--baseline", choices=["engine", "store-off"], default="engine",
-                        help="engine: a second engine, capture off; store-off: the same "
-                        "engine, nothing stored")  # fmt: skip
-    parser.add_argument(
-        "--quick", action="store_true", help="tiny model, 2 x 2 samples of 16 tokens, 2 repeats"
-    )
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny, 2 x 2 samples of 16 tokens, 2 repeats, one engine")  # fmt: skip
     args = parser.parse_args()
     if args.quick:
         args.size, args.prompts, args.n, args.max_tokens, args.repeats = "tiny", 2, 2, 16, 2
-        args.baseline = "store-off"
 
     import torch
 
@@ -243,19 +259,20 @@ def main() -> int:
         model = build_tiny_model(Path(work) / "model", seed=0, size=size)
         cache_proc, cache = start_service("route_cache", "--ttl-s", "600", quiet=True)
         try:
-            on, off = asyncio.run(bench(model, cache, args))
+            runs = asyncio.run(bench(model, cache, args))
         finally:
             stop_process(cache_proc)
-    assert on[0]["tokens"] == off[0]["tokens"], "runs generated different tokens"
+    on = runs["on"]
+    for name, batches in runs.items():
+        assert batches[0]["tokens"] == on[0]["tokens"], f"{name} generated different tokens"
     for r in on:
         assert r["local_bytes"] >= r["route_bytes"], "reshard lost rows"
     results = {
         "machine": machine(),
         "size": dataclasses.asdict(size),
         "workload": vars(args),
-        "capture_on": on,
-        "baseline": off,
-        "summary": summarize(on, off),
+        "runs": runs,
+        "summary": {name: summarize(on, runs[name]) for name in BASELINES if name in runs},
     }
     text = markdown(results, args)
     print(text)

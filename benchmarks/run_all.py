@@ -15,8 +15,8 @@ Each benchmark compares against a baseline measured in the same run, on the same
 - ``reshard``: one rank's share of a batch's routes for several parallel layouts against a
   plain copy of the same bytes.
 - ``pipeline``: one RL batch end to end (rollout server, route cache, a trainer rank's fetch
-  and reshard), time per stage and the share spent moving routes, against the same batch
-  through the engine alone with capture off.
+  and reshard), time per stage and the share spent moving routes, against the same engine
+  behind a server that stores nothing (interleaved) and the engine alone with capture off.
 - ``scaling``: no measurement; the route cache figures of this run carried to a fleet
   (route bytes/s, route cache replicas, Redis shards, a trainer rank's memory).
 
@@ -79,7 +79,7 @@ BENCHMARKS = (
     ),
     Benchmark(
         "pipeline", "bench_pipeline.py", ("--quick",),
-        "rollout -> route cache -> trainer fetch + reshard per batch vs the engine alone",
+        "rollout -> route cache -> trainer fetch + reshard per batch vs storing nothing",
     ),
     Benchmark(
         "scaling", "scaling_model.py", (),
