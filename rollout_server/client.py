@@ -104,32 +104,33 @@ class RolloutClient:
 
     def generate(
         self, prompt: str | Sequence[int], options: SamplingOptions, sample_id: str = "",
-        group_id: str = "", return_routes: bool = False,
+        group_id: str = "", return_routes: bool = False, more_turns: bool = False,
     ) -> AsyncIterator[SampleEvent]:  # fmt: skip
         request = rollout_pb2.GenerateRequest(
             prompt=prompt_to_pb(prompt), sampling=sampling_to_pb(options), sample_id=sample_id,
-            group_id=group_id, return_routes=return_routes,
+            group_id=group_id, return_routes=return_routes, more_turns=more_turns,
         )  # fmt: skip
         return self._stream(self.stub.Generate(request, timeout=self.timeout_s))
 
     def generate_batch(
         self, prompts: Sequence[str | Sequence[int]], n: int, options: SamplingOptions,
         sample_ids: Sequence[str] = (), group_ids: Sequence[str] = (),
-        return_routes: bool = False,
+        return_routes: bool = False, more_turns: bool = False,
     ) -> AsyncIterator[SampleEvent]:  # fmt: skip
         request = rollout_pb2.GenerateBatchRequest(
             prompts=[prompt_to_pb(p) for p in prompts], n=n, sampling=sampling_to_pb(options),
             sample_ids=list(sample_ids), group_ids=list(group_ids), return_routes=return_routes,
+            more_turns=more_turns,
         )  # fmt: skip
         return self._stream(self.stub.GenerateBatch(request, timeout=self.timeout_s))
 
     def continue_sample(
         self, sample_id: str, prompt: str | Sequence[int], options: SamplingOptions,
-        return_routes: bool = False,
+        return_routes: bool = False, final: bool = False,
     ) -> AsyncIterator[SampleEvent]:  # fmt: skip
         request = rollout_pb2.ContinueRequest(
             sample_id=sample_id, prompt=prompt_to_pb(prompt), sampling=sampling_to_pb(options),
-            return_routes=return_routes,
+            return_routes=return_routes, final=final,
         )  # fmt: skip
         return self._stream(self.stub.Continue(request, timeout=self.timeout_s))
 

@@ -23,6 +23,8 @@ class SampleRequest:
         prompt: This turn's prompt: text, or token ids.
         options: Sampling settings.
         return_routes: Put the turn's routes into the final event too.
+        announce: Announce the record on the route cache's ready feed once this turn is
+            stored (False for a first turn with more to come; True for a last later turn).
     """
 
     sample_id: str
@@ -30,6 +32,7 @@ class SampleRequest:
     prompt: str | list[int]
     options: SamplingOptions
     return_routes: bool = False
+    announce: bool = True
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             prompt=prompt_from_pb(request.prompt, "prompt"),
             options=sampling_from_pb(request.sampling),
             return_routes=request.return_routes,
+            announce=not request.more_turns,
         )
         async for event in self.rollout.generate(sample):
             yield event_to_pb(event)
@@ -50,6 +51,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             list(request.sample_ids),
             list(request.group_ids),
             request.return_routes,
+            request.more_turns,
         )
         async for event in events:
             yield event_to_pb(event)
@@ -60,6 +62,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             prompt_from_pb(request.prompt, "prompt"),
             sampling_from_pb(request.sampling),
             request.return_routes,
+            request.final,
         )
         async for event in events:
             yield event_to_pb(event)

@@ -40,6 +40,7 @@ class _Job:
     item: Record | TurnAppend
     done: asyncio.Future
     queued_at: float
+    announce: bool = True
 
 
 class RecordWriter:
@@ -108,8 +109,12 @@ class RecordWriter:
                 job.done.set_exception(Unavailable("the server stopped before the write landed"))
         self._pending.clear()
 
-    def submit(self, item: Record | TurnAppend) -> asyncio.Future[WriteResult]:
+    def submit(
+        self, item: Record | TurnAppend, announce: bool = True
+    ) -> asyncio.Future[WriteResult]:
         """Queue a write; never blocks. The future resolves with the cache's answer.
+        ``announce``: the route cache announces the record on its ready feed once this write
+        lands (a record: unless False, more turns to come; an append: only if True, the last).
 
         Callers check ``full`` before they start generating (admission control); a sample
         already generated is always accepted, so the buffer can exceed ``max_pending`` by
@@ -118,7 +123,7 @@ class RecordWriter:
         future: asyncio.Future[WriteResult] = asyncio.get_running_loop().create_future()
         # A caller that stopped waiting must not leave "exception never retrieved" noise.
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
-        job = _Job(item, future, time.monotonic())
+        job = _Job(item, future, time.monotonic(), announce)
         self._pending[item.sample_id] = job
         self._queue.put_nowait(job)
         self.counters["writes_queued"] += 1
@@ -151,8 +156,8 @@ class RecordWriter:
         while True:
             try:
                 if isinstance(job.item, Record):
-                    return await self.cache.write(job.item)
-                return await self.cache.append(job.item)
+                    return await self.cache.write(job.item, more_turns=not job.announce)
+                return await self.cache.append(job.item, final=job.announce)
             except _FINAL:
                 raise
             except RouteReplayError as exc:

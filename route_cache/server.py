@@ -60,7 +60,7 @@ class RouteCacheServicer(route_cache_pb2_grpc.RouteCacheServicer):
             header.sample_id, header.group_id, geometry_from_pb(header.geometry), block
         )
         rows = block.routes.num_rows
-        if self.feed is not None:
+        if self.feed is not None and not header.more_turns:
             # A duplicate is announced again: the first announcement may have been lost.
             # The writer hears back only after this, so its retries make delivery at least once.
             versions = tuple(t.policy_version for t in block.turns)
@@ -77,6 +77,12 @@ class RouteCacheServicer(route_cache_pb2_grpc.RouteCacheServicer):
         duplicate, rows = self.store.append(
             header.sample_id, geometry_from_pb(header.geometry), block
         )
+        if self.feed is not None and header.final:
+            # The whole record's turns (one more read, on final appends only); as for writes,
+            # a retried final append announces again.
+            record = self.store.stat(header.sample_id).record
+            versions = tuple(t.policy_version for t in record.turns)
+            self.feed.publish(ReadyEntry("", header.sample_id, record.group_id, rows + 1, versions))
         return route_cache_pb2.WriteResponse(
             sample_id=header.sample_id, num_tokens=rows + 1, num_rows=rows, duplicate=duplicate
         )

@@ -176,27 +176,31 @@ class RouteCacheClient(_Base):
                     raise domain_error(exc) from None
                 time.sleep(self.retry.backoff(attempt))
 
-    def write(self, record: Record) -> WriteResult:
+    def write(self, record: Record, more_turns: bool = False) -> WriteResult:
         """Check, encode once, and store a new record (retried whole on UNAVAILABLE).
 
-        The check here is structural; the server checks every expert id."""
+        The check here is structural; the server checks every expert id. ``more_turns``:
+        announce it on the ready feed with its ``final`` append instead of now."""
         record.validate(check_ids=False)
         encoded = encode_routes(record.routes, self.encoding)
         return _write_result(
             self._call(
                 lambda: self.stub.WriteRecord(
-                    write_requests(record, encoded, self.chunk_bytes), timeout=self.timeout_s
+                    write_requests(record, encoded, self.chunk_bytes, more_turns),
+                    timeout=self.timeout_s,
                 )
             )
         )
 
-    def append(self, append: TurnAppend) -> WriteResult:
+    def append(self, append: TurnAppend, final: bool = False) -> WriteResult:
+        """Append a turn; ``final``: the sample's last, announced on the ready feed."""
         append.validate(check_ids=False)
         encoded = encode_routes(append.routes, self.encoding)
         return _write_result(
             self._call(
                 lambda: self.stub.AppendTurn(
-                    append_requests(append, encoded, self.chunk_bytes), timeout=self.timeout_s
+                    append_requests(append, encoded, self.chunk_bytes, final),
+                    timeout=self.timeout_s,
                 )
             )
         )
@@ -301,22 +305,24 @@ class AsyncRouteCacheClient(_Base):
                     raise domain_error(exc) from None
                 await asyncio.sleep(self.retry.backoff(attempt))
 
-    async def write(self, record: Record) -> WriteResult:
+    async def write(self, record: Record, more_turns: bool = False) -> WriteResult:
         record.validate(check_ids=False)
         encoded = encode_routes(record.routes, self.encoding)
         response = await self._call(
             lambda: self.stub.WriteRecord(
-                write_requests(record, encoded, self.chunk_bytes), timeout=self.timeout_s
+                write_requests(record, encoded, self.chunk_bytes, more_turns),
+                timeout=self.timeout_s,
             )
         )
         return _write_result(response)
 
-    async def append(self, append: TurnAppend) -> WriteResult:
+    async def append(self, append: TurnAppend, final: bool = False) -> WriteResult:
         append.validate(check_ids=False)
         encoded = encode_routes(append.routes, self.encoding)
         response = await self._call(
             lambda: self.stub.AppendTurn(
-                append_requests(append, encoded, self.chunk_bytes), timeout=self.timeout_s
+                append_requests(append, encoded, self.chunk_bytes, final),
+                timeout=self.timeout_s,
             )
         )
         return _write_result(response)

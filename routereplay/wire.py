@@ -167,8 +167,9 @@ class ChunkCollector:
 
 
 def write_requests(
-    record: Record, encoded: EncodedRoutes, chunk_bytes: int = DEFAULT_CHUNK_BYTES
-) -> Iterator[route_cache_pb2.WriteRecordRequest]:
+    record: Record, encoded: EncodedRoutes, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    more_turns: bool = False,
+) -> Iterator[route_cache_pb2.WriteRecordRequest]:  # fmt: skip
     header = route_cache_pb2.RecordHeader(
         sample_id=record.sample_id,
         group_id=record.group_id,
@@ -176,6 +177,7 @@ def write_requests(
         token_ids=np.asarray(record.token_ids, "<i4").tobytes(),
         turns=[turn_to_pb(t) for t in record.turns],
         block=block_to_pb(encoded, 0, record.geometry),
+        more_turns=more_turns,
     )
     yield route_cache_pb2.WriteRecordRequest(header=header)
     for chunk in chunks_to_pb(encoded.data, 0, chunk_bytes):
@@ -183,8 +185,9 @@ def write_requests(
 
 
 def append_requests(
-    append: TurnAppend, encoded: EncodedRoutes, chunk_bytes: int = DEFAULT_CHUNK_BYTES
-) -> Iterator[route_cache_pb2.AppendTurnRequest]:
+    append: TurnAppend, encoded: EncodedRoutes, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    final: bool = False,
+) -> Iterator[route_cache_pb2.AppendTurnRequest]:  # fmt: skip
     header = route_cache_pb2.AppendHeader(
         sample_id=append.sample_id,
         geometry=geometry_to_pb(append.geometry),
@@ -192,6 +195,7 @@ def append_requests(
         token_ids=np.asarray(append.token_ids, "<i4").tobytes(),
         turns=[turn_to_pb(t) for t in append.turns],
         block=block_to_pb(encoded, append.row_offset, append.geometry),
+        final=final,
     )
     yield route_cache_pb2.AppendTurnRequest(header=header)
     for chunk in chunks_to_pb(encoded.data, 0, chunk_bytes):

@@ -359,3 +359,36 @@ def test_continue_while_generating_is_refused(rollout, loop):
             await stream.aclose()
 
     loop.run_until_complete(run())
+
+
+def test_a_multi_turn_sample_is_announced_on_the_feed_once_complete(rollout, route_cache, loop):
+    """``more_turns`` keeps a sample off the ready feed until the turn marked ``final``; a
+    plain sample is announced after its one turn."""
+    _, client = rollout
+    redis = route_cache.store.client  # the route cache's ready stream, read directly
+    group = f"g-{uuid.uuid4().hex[:8]}"
+
+    def announced() -> list[tuple[str, str, str]]:
+        entries = redis.xrange("rr:ready")
+        return [
+            (f[b"sample_id"].decode(), f[b"num_tokens"].decode(), f[b"policy_versions"].decode())
+            for _, f in entries
+            if f[b"group_id"].decode() == group
+        ]
+
+    async def run():
+        _, done = split(await events_of(
+            client.generate_batch([TEXTS[0]], 2, GREEDY, group_ids=[group], more_turns=True)
+        ))  # fmt: skip
+        assert announced() == []
+        multi, _ = sorted(done)
+        middle = split(await events_of(client.continue_sample(multi, " Then", GREEDY)))[1]
+        assert announced() == []
+        last = split(await events_of(client.continue_sample(multi, " End", GREEDY, final=True)))
+        return done, middle[multi], last[1][multi]
+
+    done, middle, last = loop.run_until_complete(run())
+    assert middle.stored and last.stored
+    version = str(last.turn.policy_version)
+    assert announced() == [(last.sample_id, str(last.num_tokens), ",".join([version] * 3))]
+    assert last.num_tokens > middle.num_tokens > done[last.sample_id].num_tokens

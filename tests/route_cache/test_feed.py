@@ -16,6 +16,7 @@ from route_cache.store import RouteStore, connect
 from routereplay.client import AsyncRouteCacheClient, RouteCacheClient
 from routereplay.errors import FailedPrecondition, InvalidArgument
 from routereplay.ready import ReadyConsumer
+from routereplay.record import Turn, TurnAppend
 from routereplay.synthetic import synthetic_record
 from tests.route_cache.conftest import SMALL
 
@@ -92,6 +93,27 @@ def test_commit_announces_the_record(feed, rng, sid):
     assert feed.redis.xlen(feed.stream) == 2
     assert feed.client.ack_ready("trainer", [page.entries[0].entry_id]) == 1
     assert feed.client.ack_ready("trainer", [page.entries[0].entry_id]) == 0  # idempotent
+
+
+def test_a_multi_turn_sample_is_announced_when_complete(feed, rng, sid):
+    """``more_turns`` on the write holds the announcement back; the append marked ``final``
+    announces the whole record (its token count, every turn's version); other appends don't."""
+    whole = synthetic_record(sid(), SMALL, 40, rng, prompt_tokens=10, group_id="g-mt")
+    lp = whole.turns[0].logprobs
+    first = type(whole)(whole.sample_id, SMALL, whole.token_ids[:25], whole.routes[:24],
+                        [Turn(0, 25, 10, 3, lp[:15])], "g-mt")  # fmt: skip
+    feed.client.write(first, more_turns=True)
+    second = TurnAppend(whole.sample_id, SMALL, 24, whole.token_ids[25:30], whole.routes[24:29],
+                        [Turn(25, 30, 27, 4, lp[5:8])])  # fmt: skip
+    feed.client.append(second)
+    assert feed.redis.xlen(feed.stream) == 0
+    last = TurnAppend(whole.sample_id, SMALL, 29, whole.token_ids[30:], whole.routes[29:],
+                      [Turn(30, 40, 32, 5, lp[7:15])])  # fmt: skip
+    feed.client.append(last, final=True)
+    page = feed.client.read_ready("trainer", "rank0", max_entries=10)
+    assert [(e.sample_id, e.group_id, e.num_tokens, e.policy_versions) for e in page.entries] == [
+        (whole.sample_id, "g-mt", 40, (3, 4, 5))
+    ]
 
 
 def test_duplicate_write_yields_the_sample_once(feed, rng, sid):
