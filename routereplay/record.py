@@ -178,21 +178,29 @@ def check_routes(
         )
 
 
+# Top-k rows checked per block: 512 KiB of top-8 rows, which stay in a core's L2 cache while
+# they are transposed and compared pairwise.
+_CHECK_BLOCK_ROWS = 1 << 16
+
+
 def _repeated_in_topk(routes: np.ndarray) -> int | None:
     """Index (row * L + layer) of the first top-k with a repeated id, or None.
 
-    Pairwise comparisons on a [k, rows * L] copy: measured about 1 GB/s, 10x faster than
-    sorting each top-k.
+    Pairwise comparisons on [k, n] copies of L2-sized blocks of top-k rows: 1.35-1.5x faster
+    than one copy of the whole array for a 32K-token record (12 MB), the same at 4K tokens;
+    10x faster than sorting each top-k.
     """
     k = routes.shape[-1]
-    columns = np.ascontiguousarray(routes.reshape(-1, k).T)
-    repeated = np.zeros(columns.shape[1], dtype=bool)
-    for i in range(k):
-        for j in range(i + 1, k):
-            repeated |= columns[i] == columns[j]
-    if not repeated.any():
-        return None
-    return int(np.argmax(repeated))
+    flat = routes.reshape(-1, k)
+    for start in range(0, flat.shape[0], _CHECK_BLOCK_ROWS):
+        columns = np.ascontiguousarray(flat[start : start + _CHECK_BLOCK_ROWS].T)
+        repeated = np.zeros(columns.shape[1], dtype=bool)
+        for i in range(k):
+            for j in range(i + 1, k):
+                repeated |= columns[i] == columns[j]
+        if repeated.any():
+            return start + int(np.argmax(repeated))
+    return None
 
 
 @dataclass

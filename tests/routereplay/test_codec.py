@@ -146,3 +146,17 @@ def test_shape_and_dtype_must_match_the_geometry():
         check_routes(routes, geometry, 5)
     with pytest.raises(InvalidArgument, match="needs uint16"):
         check_routes(routes.astype(np.uint8), geometry, 4)
+
+
+@pytest.mark.parametrize("row", [0, 16383, 16384, 30000, 39999])
+def test_repeated_ids_are_found_in_every_block_of_a_long_record(row):
+    """The id check walks a long record in cache-sized blocks: a repeat in any block, or on a
+    block's first or last row, is reported at its own row and layer (4 layers: 16384 rows a
+    block)."""
+    geometry = Geometry((1, 2, 3, 4), 8, 128)
+    routes = synthetic_routes(geometry, 40000, np.random.default_rng(row))
+    check_routes(routes, geometry, routes.shape[0])
+    layer = 3 if row == 16383 else 0  # the last top-k of a block, or the first of one
+    routes[row, layer, 7] = routes[row, layer, 2]
+    with pytest.raises(InvalidArgument, match=rf"routes\[{row}\] layer {layer + 1}: "):
+        check_routes(routes, geometry, routes.shape[0])
