@@ -6,7 +6,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The dependency set; the venv is rebuilt when it changes.
+# The dependency set; the venv is rebuilt when it changes. The stamp is named by the content
+# of pyproject.toml, not compared by date: a fresh clone must not reinstall a cached venv.
 DEPS_STAMP := $(VENV)/.deps-$(shell cat pyproject.toml | sha256sum | cut -c1-16)
 PROTOS := $(wildcard proto/routereplay/v1/*.proto)
 STUBS_STAMP := routereplay/v1/.generated
@@ -16,7 +17,7 @@ STUBS_STAMP := routereplay/v1/.generated
 setup: $(DEPS_STAMP) $(STUBS_STAMP)
 	@$(PY) -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
 
-$(DEPS_STAMP): pyproject.toml
+$(DEPS_STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
