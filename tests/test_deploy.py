@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+BASE = ROOT / "k8s" / "base"
 BIN = Path(sys.executable).parent
 
 
@@ -36,7 +37,7 @@ def test_compose_file_is_valid(tmp_path):
 
 
 def manifests() -> list[Path]:
-    return sorted(p for p in (ROOT / "k8s").glob("*.yaml") if p.name != "kustomization.yaml")
+    return sorted(p for p in BASE.glob("*.yaml") if p.name != "kustomization.yaml")
 
 
 @pytest.mark.parametrize("manifest", manifests(), ids=lambda p: p.name)
@@ -54,7 +55,7 @@ def test_kubernetes_manifests_are_valid(manifest, tmp_path):
 def test_kustomization_lists_every_manifest():
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl is not installed")
-    result = run("kubectl", "kustomize", "k8s")
+    result = run("kubectl", "kustomize", BASE)
     assert result.returncode == 0, result.stderr
     for manifest in manifests():
         kinds_and_names = [
@@ -84,7 +85,7 @@ def test_every_deployment_file_is_checked():
     """The globs above cover every manifest kustomize renders and every service's Dockerfile, so
     a new file cannot escape the checks."""
     yaml = pytest.importorskip("yaml")
-    kustomization = yaml.safe_load((ROOT / "k8s" / "kustomization.yaml").read_text())
+    kustomization = yaml.safe_load((BASE / "kustomization.yaml").read_text())
     assert sorted(kustomization["resources"]) == [p.name for p in manifests()]
     dockerfiles = {str(p.relative_to(ROOT)) for p in ROOT.glob("*/Dockerfile*")}
     for service in ("route_cache", "rollout_server", "trainer"):
@@ -104,7 +105,7 @@ def compose_services() -> dict:
 
 def trainer_commands() -> list[tuple[str, list[str], list[str]]]:
     """(where, torchrun's argument list, the paths mounted into the container) of every trainer
-    in docker-compose.yml and k8s/trainer.yaml."""
+    in docker-compose.yml and k8s/base/trainer.yaml."""
     yaml = pytest.importorskip("yaml")
     out = []
     for name, service in compose_services().items():
@@ -112,7 +113,7 @@ def trainer_commands() -> list[tuple[str, list[str], list[str]]]:
             mounts = [v["target"] for v in service.get("volumes", [])]
             mounts += [secret["target"] for secret in service.get("secrets", [])]
             out.append((f"compose {name}", service["command"], mounts))
-    for doc in yaml.safe_load_all((ROOT / "k8s" / "trainer.yaml").read_text()):
+    for doc in yaml.safe_load_all((BASE / "trainer.yaml").read_text()):
         if doc["kind"] == "Job":
             container = doc["spec"]["template"]["spec"]["containers"][0]
             args = [a.replace("$(NODE_RANK)", "0") for a in container["args"]]

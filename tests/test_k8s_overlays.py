@@ -1,7 +1,8 @@
-"""The Kubernetes overlays (``k8s/overlays/cpu-demo``, ``k8s/overlays/gpu``) and the base's
-policies, checked offline: rendered by kustomize (``kubectl kustomize``), every object
-validated by ``kubernetes-validate --strict``, and what each overlay promises read back from
-the render. A broken overlay is shown to fail both checks."""
+"""The Kubernetes base (``k8s/base``), its overlays (``k8s/overlays/cpu-demo``,
+``k8s/overlays/gpu``) and its policies, checked offline: rendered by kustomize (``kubectl
+kustomize``, with its default load restrictions), every object validated by
+``kubernetes-validate --strict``, and what each overlay promises read back from the render. A
+broken overlay is shown to fail both checks."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ yaml = pytest.importorskip("yaml")
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
+BASE = K8S / "base"
 VALIDATE = Path(sys.executable).parent / "kubernetes-validate"
 OVERLAYS = ("cpu-demo", "gpu")
 NAME = "app.kubernetes.io/name"
@@ -24,11 +26,7 @@ pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl
 
 
 def render(folder: Path) -> subprocess.CompletedProcess:
-    # The overlays list the base's files one by one (the base folder holds them).
-    return subprocess.run(
-        ["kubectl", "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(folder)],
-        capture_output=True, text=True,
-    )  # fmt: skip
+    return subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True, text=True)
 
 
 def objects(folder: Path) -> dict[tuple[str, str], dict]:
@@ -87,16 +85,15 @@ def test_overlay_renders_and_validates_strictly(overlay, tmp_path):
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_is_the_base_plus_patches(overlay):
-    """Same objects as the base (none lost, none added), from the base's own file list."""
-    base = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    """Same objects as the base (none lost, none added): the base folder is its only resource."""
     mine = yaml.safe_load((K8S / "overlays" / overlay / "kustomization.yaml").read_text())
-    assert mine["resources"] == [f"../../{name}" for name in base["resources"]]
-    assert mine["components"] == [f"../../{name}" for name in base["components"]]
-    assert objects(K8S / "overlays" / overlay).keys() == objects(K8S).keys()
+    assert mine["resources"] == ["../../base"]
+    assert "components" not in mine  # the base brings the policies
+    assert objects(K8S / "overlays" / overlay).keys() == objects(BASE).keys()
 
 
 def test_only_clients_reach_the_route_cache_and_only_it_reaches_redis():
-    rendered = objects(K8S)
+    rendered = objects(BASE)
     labels = pod_labels(rendered)
     policies = [obj for (kind, _), obj in rendered.items() if kind == "NetworkPolicy"]
     for target, allowed, port in (
@@ -121,7 +118,7 @@ def test_only_clients_reach_the_route_cache_and_only_it_reaches_redis():
 
 @pytest.mark.parametrize("overlay", [None, *OVERLAYS])
 def test_route_cache_scales_and_keeps_a_replica_through_drains(overlay):
-    rendered = objects(K8S / "overlays" / overlay if overlay else K8S)
+    rendered = objects(K8S / "overlays" / overlay if overlay else BASE)
     deployment = rendered[("Deployment", "route-cache")]
     hpa = rendered[("HorizontalPodAutoscaler", "route-cache")]
     pdb = rendered[("PodDisruptionBudget", "route-cache")]
@@ -139,7 +136,7 @@ def test_route_cache_scales_and_keeps_a_replica_through_drains(overlay):
 
 def test_cpu_demo_is_one_small_replica_each():
     rendered = objects(K8S / "overlays" / "cpu-demo")
-    base = objects(K8S)
+    base = objects(BASE)
     for name in ("route-cache", "rollout-server"):
         assert rendered[("Deployment", name)]["spec"]["replicas"] == 1
     for key, obj in rendered.items():
@@ -181,8 +178,9 @@ def _gib(quantity: str) -> float:
     [
         # A misspelt field: kustomize merges it, strict validation refuses it.
         ("overlays/gpu/gpus.yaml", "tolerations:", "toleration:"),
-        # A component that is not there: kustomize refuses it.
-        ("overlays/cpu-demo/kustomization.yaml", "../../policies", "../../policy"),
+        # A base or a component that is not there: kustomize refuses it.
+        ("overlays/cpu-demo/kustomization.yaml", "../../base", "../../bases"),
+        ("base/kustomization.yaml", "../policies", "../policy"),
     ],
 )
 def test_a_broken_overlay_fails(file, old, new, tmp_path):
