@@ -2,8 +2,9 @@
 
 Runs N RL steps in one process (world size 1, gloo) and prints the consistency report of each
 step. Under ``torchrun`` (``WORLD_SIZE`` set) every process is one rank of the ``parallel.*``
-layout: data parallel today (``torchrun --nproc-per-node 2 -m trainer ... parallel.dp=2``);
-each DP rank trains its share of every batch and DP rank 0 prints and writes the reports.
+layout: data, tensor or expert parallel (``torchrun --nproc-per-node 2 -m trainer ...
+parallel.dp=2``, or ``parallel.tp=2 parallel.sequence_parallel=true``, or ``parallel.ep=2``);
+each DP rank trains its share of every batch and one rank prints and writes the reports.
 Samples come from the route cache (``route_cache.target`` and the ids) or from a records file
 (``router_replay.replay_file`` or ``data.records_file``; every record in it when no ids are
 given). With ``data.source=feed`` there are no ids: batches of whole GRPO groups come from
@@ -95,10 +96,17 @@ def _main_torchrun(config, plans) -> int:
             f"parallel.dp={config.parallel.dp} but world size {world_size} leaves {dp_size} "
             f"data-parallel ranks"
         )
-    if layout.tp * layout.cp * layout.pp * layout.ep > 1 or layout.vp is not None:
+    if layout.cp * layout.pp > 1 or layout.vp is not None:
         raise LayoutError(
-            "python -m trainer runs data parallel only (parallel.tp/cp/pp/ep = 1, vp unset); "
-            "the other layouts' replay is exercised by tests/trainer/test_multirank.py"
+            "python -m trainer runs data, tensor and expert parallel layouts (parallel.dp, tp, "
+            "ep, etp); pipeline and context parallel (parallel.pp, vp, cp) are not wired into "
+            "the RL step yet (their replay is exercised by tests/trainer/test_multirank.py)"
+        )
+    sharded = config.train.export_dir or config.train.checkpoint_dir
+    if layout.tp * layout.ep > 1 and (sharded or config.data.source == "feed"):
+        raise LayoutError(
+            "with parallel.tp or parallel.ep > 1 each rank holds a shard of the weights: "
+            "train.export_dir, train.checkpoint_dir and data.source=feed are not supported yet"
         )
     if int(os.environ.get("RANK", "0")) != 0:
         logging.getLogger().setLevel(logging.WARNING)

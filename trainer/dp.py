@@ -12,18 +12,48 @@ sum is the single-rank token-mean gradient (up to float summation order). One fl
 backward (one collective). Chosen over megatron's ``DistributedDataParallel`` because the model
 is built as a plain module and the optimizer is our own AdamW on the CPU; nothing overlaps here.
 
-With one DP rank every method is the identity (no collective runs).
+Model parallel (``ModelParallel``: tensor and expert parallelism, no pipeline): the ranks of a
+TP group share a DP rank, hence its samples. Gradients are summed the way megatron's
+``finalize_model_grads`` and ``DistributedDataParallel`` would: over the TP group for the
+parameters each TP rank sees only part of the tokens or heads of (``sequence_parallel``
+norms and routers, q/k norms), over the DP group for the rest, except expert parameters under
+expert parallelism (``allreduce`` False), summed over the expert data-parallel group instead:
+an expert already received every DP rank's tokens through the dispatcher.
+
+With one rank of each kind every method is the identity (no collective runs).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from trainer.data import BatchPlan
-from trainer.reshard import LayoutError, dp_shard
+from trainer.reshard import Layout, LayoutError, RankCoords, dp_shard
+
+
+@dataclass(frozen=True)
+class ModelParallel:
+    """This rank's tensor- and expert-parallel place, for the step's collectives.
+
+    Attributes:
+        layout: The parallel layout (``reshard.Layout``; pipeline and context parallel 1).
+        coords: This rank's coordinates (its TP rank shards the replayed routes).
+        tp_group: The TP group: logits and natural routes are gathered over it.
+        expert_dp_group: Expert parameters' gradients are summed over it (with ``ep`` > 1).
+    """
+
+    layout: Layout
+    coords: RankCoords
+    tp_group: object
+    expert_dp_group: object
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
 
 
 class DataParallel:
@@ -34,14 +64,22 @@ class DataParallel:
         group: The DP process group (None: the default group, when it is the DP group).
     """
 
-    def __init__(self, size: int = 1, rank: int = 0, group=None):
+    def __init__(
+        self, size: int = 1, rank: int = 0, group=None, model: ModelParallel | None = None
+    ):
         self.size = size
         self.rank = rank
         self.group = group
+        self.model = model
 
     @property
     def enabled(self) -> bool:
         return self.size > 1
+
+    @property
+    def lead(self) -> bool:
+        """The one rank that logs and writes files (DP rank 0, TP rank 0)."""
+        return self.rank == 0 and (self.model is None or self.model.coords.tp_rank == 0)
 
     # -- samples ------------------------------------------------------------------------------
 
@@ -98,33 +136,64 @@ class DataParallel:
         return out
 
     def broadcast_parameters(self, model: torch.nn.Module) -> None:
-        """Start every rank from DP rank 0's weights."""
-        if not self.enabled:
-            return
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        for p in model.parameters():
-            dist.broadcast(p.data, src=src, group=self.group)
+        """Start every rank from DP rank 0's weights (expert parameters under expert
+        parallelism: from expert DP rank 0's, the rank holding the same experts)."""
+        for params, group in self._grad_groups(model):
+            src = dist.get_global_rank(group, 0) if group is not None else 0
+            for p in params:
+                dist.broadcast(p.data, src=src, group=group)
 
     def reduce_gradients(self, model: torch.nn.Module) -> None:
-        """Sum the gradients over the DP ranks (one flat buffer). A parameter without a
-        gradient on this rank but with one elsewhere gets zeros first; one without on every
-        rank keeps ``None`` (the optimizer skips it, as on one rank)."""
-        if not self.enabled:
-            return
+        """Sum the gradients over the ranks that share each parameter (see the module
+        docstring), one flat buffer per group. A parameter without a gradient on this rank but
+        with one elsewhere gets zeros first; one without on every rank keeps ``None`` (the
+        optimizer skips it, as on one rank)."""
+        mp = self.model
+        if mp is not None and mp.tp > 1:
+            partial = [p for name, p in model.named_parameters()
+                       if p.requires_grad and _tp_partial(name, p)]  # fmt: skip
+            _sum_grads(partial, mp.tp_group)
+        for params, group in self._grad_groups(model):
+            _sum_grads(params, group)
+
+    def _grad_groups(self, model: torch.nn.Module) -> list[tuple[list, object]]:
+        """(parameters, the group of ranks holding the same copy) with more than one rank."""
         params = [p for p in model.parameters() if p.requires_grad]
-        has = self.sum([float(p.grad is not None) for p in params])
-        for p, n in zip(params, has.tolist(), strict=True):
-            if p.grad is None and n > 0:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        expert_group = self.model.expert_dp_group if self.model is not None else None
+        if expert_group is None or self.model.layout.ep == 1:
+            return [(params, self.group)] if self.enabled else []
+        dense = [p for p in params if getattr(p, "allreduce", True)]
+        experts = [p for p in params if not getattr(p, "allreduce", True)]
+        out = [(dense, self.group)] if self.enabled else []
+        if dist.get_world_size(expert_group) > 1:
+            out.append((experts, expert_group))
+        return out
+
+
+def _tp_partial(name: str, param: torch.Tensor) -> bool:
+    """Whether each TP rank holds a partial gradient of this replicated parameter: it saw only
+    its sequence shard (sequence-parallel norms and routers) or its heads (q/k norms)."""
+    return getattr(param, "sequence_parallel", False) or name.endswith(
+        ("q_layernorm.weight", "k_layernorm.weight")
+    )
+
+
+def _sum_grads(params: list[torch.Tensor], group) -> None:
+    """Sum ``params``' gradients over ``group`` (one flat buffer)."""
+    has = torch.tensor([float(p.grad is not None) for p in params], dtype=torch.float64)
+    dist.all_reduce(has, group=group)
+    for p, n in zip(params, has.tolist(), strict=True):
+        if p.grad is None and n > 0:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 SINGLE = DataParallel()
@@ -134,6 +203,16 @@ def from_world(world) -> DataParallel:
     """The DP group of a ``parallel.World``."""
     from megatron.core import parallel_state
 
+    layout = world.layout
+    model = None
+    if layout.tp > 1 or layout.ep > 1:
+        model = ModelParallel(
+            layout,
+            world.coords,
+            parallel_state.get_tensor_model_parallel_group(),
+            parallel_state.get_expert_data_parallel_group(),
+        )
     if world.dp_size == 1:
-        return DataParallel()
-    return DataParallel(world.dp_size, world.dp_rank, parallel_state.get_data_parallel_group())
+        return DataParallel(model=model)
+    group = parallel_state.get_data_parallel_group()
+    return DataParallel(world.dp_size, world.dp_rank, group, model)

@@ -21,11 +21,19 @@ Data parallel (``trainer.dp``): each DP rank runs the step on its own samples (i
 every global micro-batch); the advantages come from every rank's rewards, each backward's
 gradients are summed over the ranks with the loss normalised by the global token count, and
 the report is reduced over the ranks, so every rank returns the report of the whole batch.
+
+Tensor and expert parallel (``dp.model``, a ``trainer.dp.ModelParallel``): the ranks of a TP
+group run the step on the same samples. Each micro-batch is padded to a multiple of the TP
+size (sequence parallelism splits it), each router replays its rank's share of the routes
+(``reshard.shard_padded``), and the vocabulary-parallel logits and the routers' natural top-k
+are gathered over the TP group, so the rest of the step sees what one rank would. Experts need
+nothing: routes name global experts and the dispatcher sends tokens to the rank holding them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections import defaultdict
 
@@ -35,11 +43,13 @@ import torch
 from routereplay.record import Record, Turn
 from trainer import metrics, rl
 from trainer.align import align_routes, routes_from_recorded
+from trainer.batch import PaddedBatch
 from trainer.config import ReplayMode, TrainerConfig
 from trainer.data import FetchedBatch
 from trainer.dp import SINGLE, DataParallel
 from trainer.model import TrainerModel
 from trainer.r2 import record_pass
+from trainer.reshard import padded_length, shard_padded
 
 
 class RLStep:
@@ -52,6 +62,8 @@ class RLStep:
     ):
         self.built = built
         self.dp = dp
+        self.mp = dp.model
+        self.tp = self.mp.tp if self.mp is not None else 1
         self.optimizer = optimizer
         self.config = config
         self.mode = config.router_replay.mode
@@ -67,12 +79,45 @@ class RLStep:
 
     def _forward(self, mb: rl.MicroBatch, indices=None, natural=None) -> torch.Tensor:
         b = mb.batch
+        if indices is not None and self.mp is not None:
+            indices = [shard_padded(i, b.seq_len, self.mp.layout, self.mp.coords) for i in indices]
         replay = (
             self.built.replay.forward(indices) if indices is not None else contextlib.nullcontext()
         )
         capture = natural.capture() if natural is not None else contextlib.nullcontext()
         with replay, capture:
-            return self.built.model(b.token_ids, b.position_ids(), b.attention_mask())
+            logits = self.built.model(b.token_ids, b.position_ids(), b.attention_mask())
+        if self.tp == 1:
+            return logits
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        # Vocabulary slices -> full logits (the backward hands each rank its slice again).
+        return gather_from_tensor_model_parallel_region(logits, group=self.mp.tp_group)
+
+    def _last(self, natural: metrics.NaturalTopk) -> list[torch.Tensor]:
+        """The last call's natural top-k of every router, over the whole micro-batch (its
+        sequence shards gathered over the TP group)."""
+        last = natural.last()
+        if self.tp == 1:
+            return last
+        out = []
+        for shard in last:
+            parts = [torch.empty_like(shard) for _ in range(self.tp)]
+            torch.distributed.all_gather(parts, shard.contiguous(), group=self.mp.tp_group)
+            out.append(torch.cat(parts))
+        return out
+
+    def _micro_batches(self, samples, records, adv, size: int) -> list[rl.MicroBatch]:
+        """``rl.micro_batches``, each padded to a multiple of the layout's (sequence
+        parallelism splits the sequence over the TP ranks)."""
+        side = self.config.train.padding_side
+        out = rl.micro_batches(samples, records, adv, size, side)
+        multiple = self.mp.layout.multiple if self.mp is not None else 1
+        for i, mb in enumerate(out):
+            seq = padded_length(mb.batch.seq_len, multiple)
+            if seq != mb.batch.seq_len:
+                out[i] = _repadded(mb, seq, side)
+        return out
 
     def _backward(self, replaying: bool):
         return self.built.replay.backward() if replaying else contextlib.nullcontext()
@@ -123,7 +168,7 @@ class RLStep:
         samples = fetched.samples
         local_mb = max(cfg.micro_batch_size // dp.size, 1)
         rewards, adv = self._advantages(samples, local_mb)
-        mbs = rl.micro_batches(samples, fetched.records, adv, local_mb, cfg.padding_side)
+        mbs = self._micro_batches(samples, fetched.records, adv, local_mb)
         n_mbs = int(dp.max(len(mbs)))  # a rank short of samples still joins every collective
         need_rollout = mode is ReplayMode.R3 or self.compare
         rollout_ids = [self._align(mb, mb.records) for mb in mbs] if need_rollout else None
@@ -135,7 +180,7 @@ class RLStep:
         for i, mb in enumerate(mbs):
             natural = self._natural()
             with torch.no_grad(), self._scope():
-                if mode is ReplayMode.R2:
+                if mode is ReplayMode.R2 and self.tp == 1:
                     (logits,), recorded = record_pass(
                         self.built, [mb.batch], lambda m, b, mb=mb: self._forward(mb)
                     )
@@ -147,10 +192,12 @@ class RLStep:
             old.append(logp)
             mass = rl.target_mass(logits)
             exp_reward.append(mass[mb.generated])
-            if mode is ReplayMode.R2:
+            if mode is ReplayMode.R2 and self.tp == 1:
                 routes = [r.routes for r in recorded]
             else:
-                routes = routes_from_recorded(mb.batch, natural.last(), self.built.geometry)
+                # Under TP, R2 keeps the natural top-k of this (natural) pass: what megatron's
+                # RECORD would hold, gathered over the sequence shards.
+                routes = routes_from_recorded(mb.batch, self._last(natural), self.built.geometry)
             natural_routes.append(routes)
             if mode is ReplayMode.R3:
                 used_ids.append(rollout_ids[i])
@@ -169,7 +216,7 @@ class RLStep:
                     if mode is ReplayMode.R3:
                         logits = self._forward(mb, natural=natural)
                         natural_routes[i] = routes_from_recorded(
-                            mb.batch, natural.last(), self.built.geometry
+                            mb.batch, self._last(natural), self.built.geometry
                         )
                     else:
                         logits = self._forward(mb, rollout_ids[i].indices)
@@ -218,7 +265,7 @@ class RLStep:
                 self.optimizer.step()
                 losses.append(loss.item())
                 clips.append(clip)
-                agree.append(_topk_counts(natural.last(), used_ids[i].indices))
+                agree.append(_topk_counts(self._last(natural), used_ids[i].indices))
             counts = dp.sum(np.stack(agree), dtype=torch.int64).numpy() if agree else []
             drift.append(float(np.mean([_same_fraction(c) for c in counts])))
         lap("update")
@@ -340,6 +387,26 @@ class RLStep:
                 **metrics.agreement_from_counts(counts, self.built.geometry.topk),
             },
         }
+
+
+def _repadded(mb: rl.MicroBatch, seq: int, padding_side: str) -> rl.MicroBatch:
+    """``mb`` padded to ``seq`` columns on its padding side."""
+    batch = PaddedBatch.from_samples(
+        mb.batch.sample_ids, [s.token_ids for s in mb.samples], padding_side=padding_side,
+        max_length=seq,
+    )  # fmt: skip
+    extra = seq - mb.batch.seq_len
+
+    def pad(t: torch.Tensor, value) -> torch.Tensor:
+        cols = torch.full((t.shape[0], extra), value, dtype=t.dtype)
+        return torch.cat([cols, t] if padding_side == "left" else [t, cols], dim=1)
+
+    return dataclasses.replace(
+        mb,
+        batch=batch,
+        generated=pad(mb.generated, False),
+        rollout_logp=pad(mb.rollout_logp, float("nan")),
+    )
 
 
 def _topk_counts(natural: list[torch.Tensor], used: list[torch.Tensor]) -> np.ndarray:

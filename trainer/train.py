@@ -35,7 +35,7 @@ import torch
 
 from routereplay.record import Record
 from routereplay.record_file import save_records
-from trainer import checkpoint
+from trainer import checkpoint, parallel
 from trainer.config import ReplayMode, TrainerConfig
 from trainer.data import BatchPlan, CacheSource, FeedPlans, FileSource, Prefetcher
 from trainer.dp import SINGLE, DataParallel
@@ -59,7 +59,7 @@ def open_source(config: TrainerConfig):
 def build(config: TrainerConfig, pg_collection=None) -> tuple[TrainerModel, AdamW]:
     """The model (replay installed when a mode or the comparison pass needs it) and AdamW."""
     torch.manual_seed(config.train.seed)
-    overrides: dict = {}
+    overrides: dict = parallel.model_overrides(config.parallel.layout())
     if config.train.dtype == "bfloat16":
         overrides.update(params_dtype=torch.bfloat16, bf16=True)
     if config.model.recompute:
@@ -117,7 +117,7 @@ def train(
     """
     cfg = config.train
     dp.check(cfg.batch_size, cfg.micro_batch_size)
-    lead = dp.rank == 0
+    lead = dp.lead
     own_source = source is None
     source = source or open_source(config)
     model, optimizer = built or build(config, pg_collection)

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.trainer.ranks import run_each_rank
+from tests.trainer.test_dp_train import records  # noqa: F401 (fixture)
 from tests.trainer.test_model_parity import LOGIT_ATOL
 from tests.trainer.test_multirank import tiny8_model_dir  # noqa: F401 (fixture)
 from trainer.shard_weights import tp_slice
@@ -81,3 +83,70 @@ def test_gated_fc1_splits_gate_and_up_each():
     # Row-parallel (fc2, linear_proj): columns; replicated parameters: the whole tensor.
     assert torch.equal(tp_slice(full, 1, 2, 3, gated=False), full[:, 2:])
     assert tp_slice(full, None, 1, 2, gated=False) is full
+
+
+# ``python -m trainer`` under tensor and expert parallelism: the same RL steps as one rank.
+# Against one rank only the float summation order differs (row-parallel partial sums, the
+# sequence-parallel gradients summed over 2 ranks): measured |d loss| <= 9e-9, |d expected
+# reward| 7e-9, |d gap mean| 4.5e-8. Leaving the TP gradient sum of the sequence-parallel norms,
+# routers and q/k norms out moved step 0's loss by 3.6e-6 and step 1's gap mean by 5e-4;
+# summing expert gradients over the DP group under EP2 moved them by 4e-4 and 6e-3.
+LOSS_ATOL = 5e-7
+GAP_ATOL = 1e-5
+RL_LAYOUTS = {
+    "tp2sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "ep2": ["parallel.ep=2"],
+}
+
+
+def _trainer(model_dir, records_file, report: Path, *extra: str, nproc: int = 1, timeout=240):
+    args = ["-m", "trainer", f"model.path={model_dir}", f"data.records_file={records_file}",
+            "router_replay.mode=R3", "train.batch_size=4", "train.micro_batch_size=2",
+            "train.lr=1e-3", *extra, "--steps", "2", "--report", str(report)]  # fmt: skip
+    head = [sys.executable]
+    if nproc > 1:
+        launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+        head = [launcher] if launcher else [sys.executable, "-m", "torch.distributed.run"]
+        head += ["--standalone", "--nproc-per-node", str(nproc)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([*head, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc, json.loads(report.read_text())
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_model_dir, records, tmp_path_factory):  # noqa: F811
+    """2 R3 steps (lr 1e-3: step 1 runs on weights step 0 moved) on one rank."""
+    return _trainer(tiny_model_dir, records, tmp_path_factory.mktemp("one") / "r.json")[1]
+
+
+@pytest.mark.parametrize("layout", sorted(RL_LAYOUTS))
+def test_rl_steps_under_tp_and_ep_equal_one_rank(
+    layout,
+    tiny_model_dir,
+    records,  # noqa: F811
+    one_rank,
+    tmp_path,
+):
+    proc, got = _trainer(tiny_model_dir, records, tmp_path / "r.json", *RL_LAYOUTS[layout], nproc=2)
+    assert proc.stdout.count("step 1 [R3]") == 1, proc.stdout[-3000:]  # one rank logs
+    assert len(got) == len(one_rank) == 2
+    for ref, step in zip(one_rank, got, strict=True):
+        for key in ("samples", "reward_mean", "rows", "agreement", "update_agreement"):
+            assert step[key] == ref[key], key
+        assert step["loss"] == pytest.approx(ref["loss"], abs=LOSS_ATOL)
+        assert step["expected_reward"] == pytest.approx(ref["expected_reward"], abs=LOSS_ATOL)
+        for name, gap in ref["gap"].items():
+            assert step["gap"][name]["mean_abs"] == pytest.approx(gap["mean_abs"], abs=GAP_ATOL)
+    # Step 1 trains on weights step 0 changed: its gap to the rollout is far from step 0's.
+    assert got[1]["gap"]["replayed"]["mean_abs"] > 100 * GAP_ATOL
+
+
+def test_pipeline_parallel_rl_is_refused_on_every_rank(tiny_model_dir, records, tmp_path):  # noqa: F811
+    args = [sys.executable, "-m", "trainer", f"model.path={tiny_model_dir}",
+            f"data.records_file={records}", "parallel.pp=2", "--steps", "1"]  # fmt: skip
+    for returncode, _, stderr in run_each_rank(args):
+        assert returncode != 0
+        assert "pipeline and context parallel (parallel.pp, vp, cp) are not wired" in stderr
