@@ -99,9 +99,10 @@ RL_LAYOUTS = {
 }
 
 
-def _trainer(model_dir, records_file, report: Path, *extra: str, nproc: int = 1, timeout=240):
+def _trainer(model_dir, records_file, report: Path, mode: str, *extra: str, nproc: int = 1,
+             timeout: float = 240):  # fmt: skip
     args = ["-m", "trainer", f"model.path={model_dir}", f"data.records_file={records_file}",
-            "router_replay.mode=R3", "train.batch_size=4", "train.micro_batch_size=2",
+            f"router_replay.mode={mode}", "train.batch_size=4", "train.micro_batch_size=2",
             "train.lr=1e-3", *extra, "--steps", "2", "--report", str(report)]  # fmt: skip
     head = [sys.executable]
     if nproc > 1:
@@ -118,22 +119,34 @@ def _trainer(model_dir, records_file, report: Path, *extra: str, nproc: int = 1,
 
 @pytest.fixture(scope="module")
 def one_rank(tiny_model_dir, records, tmp_path_factory):  # noqa: F811
-    """2 R3 steps (lr 1e-3: step 1 runs on weights step 0 moved) on one rank."""
-    return _trainer(tiny_model_dir, records, tmp_path_factory.mktemp("one") / "r.json")[1]
+    """Per mode, 2 steps on one rank (lr 1e-3: step 1 runs on weights step 0 moved)."""
+    runs: dict[str, list[dict]] = {}
+
+    def get(mode: str) -> list[dict]:
+        if mode not in runs:
+            report = tmp_path_factory.mktemp("one") / "r.json"
+            runs[mode] = _trainer(tiny_model_dir, records, report, mode)[1]
+        return runs[mode]
+
+    return get
 
 
-@pytest.mark.parametrize("layout", sorted(RL_LAYOUTS))
+# R2 under TP records from the gathered natural top-k instead of megatron's RECORD.
+@pytest.mark.parametrize(("layout", "mode"), [("tp2sp", "R3"), ("tp2sp", "R2"), ("ep2", "R3")])
 def test_rl_steps_under_tp_and_ep_equal_one_rank(
     layout,
+    mode,
     tiny_model_dir,
     records,  # noqa: F811
     one_rank,
     tmp_path,
 ):
-    proc, got = _trainer(tiny_model_dir, records, tmp_path / "r.json", *RL_LAYOUTS[layout], nproc=2)
-    assert proc.stdout.count("step 1 [R3]") == 1, proc.stdout[-3000:]  # one rank logs
-    assert len(got) == len(one_rank) == 2
-    for ref, step in zip(one_rank, got, strict=True):
+    extra = RL_LAYOUTS[layout]
+    proc, got = _trainer(tiny_model_dir, records, tmp_path / "r.json", mode, *extra, nproc=2)
+    assert proc.stdout.count(f"step 1 [{mode}]") == 1, proc.stdout[-3000:]  # one rank logs
+    reference = one_rank(mode)
+    assert len(got) == len(reference) == 2
+    for ref, step in zip(reference, got, strict=True):
         for key in ("samples", "reward_mean", "rows", "agreement", "update_agreement"):
             assert step[key] == ref[key], key
         assert step["loss"] == pytest.approx(ref["loss"], abs=LOSS_ATOL)
