@@ -122,10 +122,10 @@ def trainer_commands() -> list[tuple[str, list[str], list[str]]]:
     return out
 
 
-def test_trainer_commands_match_the_code():
-    """No drift: each trainer's command parses with torchrun's own parser, its trainer arguments
-    with the trainer's parser and configuration schema (unknown keys fail), and its ids file
-    lies in a mounted folder."""
+def trainer_config(command: list[str]):
+    """(the trainer's parsed arguments, its configuration) from torchrun's argument list, parsed
+    with torchrun's own parser, then the trainer's parser and configuration schema (unknown keys
+    and invalid combinations fail)."""
     pytest.importorskip("torch")
     pytest.importorskip("megatron.core")
     from torch.distributed.run import parse_args as torchrun_args
@@ -133,23 +133,69 @@ def test_trainer_commands_match_the_code():
     from trainer.__main__ import parse
     from trainer.config import load_config
 
+    launcher = torchrun_args(command)
+    assert launcher.module and launcher.training_script == "trainer", command
+    args = parse(launcher.training_script_args)
+    return args, load_config(args.config, [*args.overrides, f"train.steps={args.steps}"])
+
+
+def within(path: str, mounts: list[str]) -> bool:
+    return any(Path(path) == Path(m) or Path(m) in Path(path).parents for m in mounts)
+
+
+def test_trainer_commands_match_the_code():
+    """No drift: each trainer's command parses (``trainer_config``), takes whole GRPO groups
+    from the route cache's ready feed rather than a list of ids, and reads its token from a
+    mounted file. Rank 0 waits for a batch while the other ranks wait in a collective, so the
+    feed's wait stays under the process group's timeout (gloo's default; NCCL's is 10 min)."""
+    from torch.distributed.constants import default_pg_timeout
+
     commands = trainer_commands()
     assert {where for where, _, _ in commands} == {
         "compose trainer-cpu", "compose trainer-gpu", "k8s Job trainer"
     }  # fmt: skip
     for where, command, mounts in commands:
-        launcher = torchrun_args(command)
-        assert launcher.module and launcher.training_script == "trainer", where
-        args = parse(launcher.training_script_args)
-        overrides = [*args.overrides, f"train.steps={args.steps}"]
-        config = load_config(args.config, overrides)
+        args, config = trainer_config(command)
         assert config.router_replay.mode.value == "R3", where
         assert config.route_cache.target == "route-cache:50051", where
-        token = Path(config.route_cache.token_file)
-        assert any(token == Path(m) or Path(m) in token.parents for m in mounts), (where, token)
-        assert args.ids.startswith("@"), where
-        ids = Path(args.ids[1:])
-        assert any(ids == Path(m) or Path(m) in ids.parents for m in mounts), (where, ids)
+        assert within(config.route_cache.token_file, mounts), where
+        assert args.ids is None and config.data.source == "feed", where
+        assert config.data.wait_s < min(default_pg_timeout.total_seconds(), 600), where
+        if where.startswith("k8s"):  # no push there: its header says why
+            assert config.train.push_weights_to is None and config.train.export_dir is None
+
+
+def test_compose_trainer_pushes_weights_its_rollout_server_reads():
+    """The trainer's exports reach the rollout server of its profile: the export folder is a
+    named volume the server mounts at the same path (``UpdateWeights`` names the trainer's
+    path), made writable for the trainer image's user first; the push goes to the server's
+    network alias and port, with the server's own token; the trainer starts (and its wait for
+    the feed runs) once the server is healthy."""
+    services = compose_services()
+    commands = {where: command for where, command, _ in trainer_commands()}
+    uid = re.search(r"^USER (\d+)$", (ROOT / "trainer" / "Dockerfile").read_text(), re.M)[1]
+    for profile in ("cpu", "gpu"):
+        trainer, server = services[f"trainer-{profile}"], services[f"rollout-server-{profile}"]
+        _, config = trainer_config(commands[f"compose trainer-{profile}"])
+        (export,) = [
+            v for v in trainer["volumes"] if within(config.train.export_dir, [v["target"]])
+        ]
+        assert export["type"] == "volume" and not export.get("read_only"), export
+        shared = [v for v in server["volumes"] if v["source"] == export["source"]]
+        assert [v["target"] for v in shared] == [export["target"]], profile
+        (owner,) = [name for name, dep in trainer["depends_on"].items()
+                    if dep["condition"] == "service_completed_successfully"]  # fmt: skip
+        assert services[owner]["command"] == ["chown", f"{uid}:{uid}", export["target"]]
+        assert export["source"] in [v["source"] for v in services[owner]["volumes"]]
+        assert trainer["depends_on"][f"rollout-server-{profile}"]["condition"] == "service_healthy"
+
+        host, port = config.train.push_weights_to.split(":")
+        assert host in server["networks"]["default"]["aliases"], profile
+        assert port == server["environment"]["ROLLOUT_SERVER_PORT"], profile
+        secrets = {s["target"]: s["source"] for s in trainer["secrets"]}
+        server_secrets = {s["target"]: s["source"] for s in server["secrets"]}
+        server_token = server_secrets[server["environment"]["ROLLOUT_SERVER_AUTH_TOKEN_FILE"]]
+        assert secrets[config.train.push_token_file] == server_token, profile
 
 
 def deployed_settings(text: str) -> set[str]:
