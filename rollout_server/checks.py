@@ -44,8 +44,10 @@ def check_sampling(engine: Engine, options: SamplingOptions, prompt_len: int, na
             f"{name}.max_tokens is {options.max_tokens}: past the model's context of {context} "
             f"tokens after a {prompt_len}-token prompt (at most {context - prompt_len})"
         )
-    if options.temperature < 0:
-        raise InvalidArgument(f"{name}.temperature is {options.temperature}; it must be >= 0")
+    # vLLM refuses NaN, inf and temperatures above 2 itself, which the client would see as
+    # INTERNAL; the comparison is False for NaN.
+    if not 0 <= options.temperature <= 2:
+        raise InvalidArgument(f"{name}.temperature is {options.temperature}; it must be in [0, 2]")
     if not 0 < options.top_p <= 1:
         raise InvalidArgument(f"{name}.top_p is {options.top_p}; it must be in (0, 1]")
     if options.top_k < -1:

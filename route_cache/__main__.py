@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
                 **config.redis.connect_kwargs(),
             ),
             ttl_ms=int(config.ttl_s * 1000),
+            wait_replicas=config.wait_replicas,
         )
         RouteCacheServer(config, store).start().wait()
     finally:

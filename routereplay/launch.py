@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -59,14 +62,27 @@ def wait_serving(
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float = 30.0) -> int:
-    """SIGTERM, then SIGKILL after ``grace_s``; returns the exit code."""
+    """SIGTERM, then SIGKILL after ``grace_s``; returns the exit code.
+
+    A process that leads its own process group (``start_service`` starts services so) takes
+    the rest of its group with it: vLLM's engine processes outlive a rollout server that died
+    without shutting them down.
+    """
+    try:
+        leads_group = os.getpgid(proc.pid) == proc.pid
+    except ProcessLookupError:  # already reaped
+        leads_group = False
     if proc.poll() is None:
         proc.terminate()
         try:
-            return proc.wait(grace_s)
+            proc.wait(grace_s)
         except subprocess.TimeoutExpired:
             proc.kill()
-    return proc.wait()
+    code = proc.wait()
+    if leads_group:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return code
 
 
 def start_service(
@@ -87,11 +103,14 @@ def start_service(
     port = port or free_port()
     target = f"127.0.0.1:{port}"
     output = subprocess.DEVNULL if quiet else None
+    # Its own process group, so that stopping it can reap whatever it leaves behind; the
+    # caller stops it (a terminal's Ctrl-C reaches the caller, not the service).
     proc = subprocess.Popen(
         [sys.executable, "-m", module, *args, "--host", "127.0.0.1", "--port", str(port)],
         env=env,
         stdout=output,
         stderr=output,
+        process_group=0,
     )
     try:
         wait_serving(target, proc, timeout_s, security)

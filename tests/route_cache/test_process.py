@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from route_cache.store import STAGING_TTL_MS
 from routereplay.client import RetryPolicy, RouteCacheClient
 from routereplay.codec import encode_routes
+from routereplay.errors import Unavailable
 from routereplay.launch import free_port, start_service
 from routereplay.synthetic import synthetic_record
 from routereplay.v1 import route_cache_pb2_grpc
@@ -145,3 +146,24 @@ def test_the_client_retries_through_a_restart(redis_node, sid):
             np.testing.assert_array_equal(a.routes, b.routes)
     finally:
         cache.stop()
+
+
+def test_wait_replicas_reaches_the_store_of_the_process(redis_node, sid):
+    """``--wait-replicas`` is honoured by ``python -m route_cache``: against a node without
+    replicas a write is not acknowledged (UNAVAILABLE), while the same process without the
+    setting acknowledges it."""
+    record = synthetic_record(sid(), SMALL, 50, np.random.default_rng(3))
+    for wait, acknowledged in (("1", False), ("0", True)):
+        env = {**os.environ, "ROUTE_CACHE_REDIS_URL": redis_node.url,
+               "ROUTE_CACHE_WAIT_REPLICAS": wait}  # fmt: skip
+        proc, target = start_service("route_cache", env=env, timeout_s=30, quiet=True)
+        try:
+            with RouteCacheClient(target, timeout_s=10, retry=RetryPolicy(attempts=1)) as client:
+                if acknowledged:
+                    assert client.write(record).num_rows == 49
+                else:
+                    with pytest.raises(Unavailable, match="replica"):
+                        client.write(record)
+        finally:
+            proc.kill()
+            proc.wait()
