@@ -247,3 +247,17 @@ def test_secret_files_are_mounted():
                 for key, value in settings.items():
                     if key.endswith("_FILE"):
                         assert Path(value).parent in mounted, (manifest.name, key, value)
+
+
+def test_documented_deployment_paths_exist():
+    """Every ``k8s/...`` path that the README, the docs and the deployment files name exists, so
+    a moved manifest cannot leave a stale instruction behind."""
+    texts = [ROOT / "README.md", ROOT / "docker-compose.yml", *(ROOT / "docs").glob("*.md")]
+    texts += (ROOT / "k8s").rglob("*.yaml")
+    named = {
+        (text.name, path)
+        for text in texts
+        for path in re.findall(r"\bk8s(?:/[\w.-]+)+", text.read_text())
+    }
+    assert ("README.md", "k8s/base") in named
+    assert [item for item in named if not (ROOT / item[1]).exists()] == []
