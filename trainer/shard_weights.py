@@ -23,6 +23,9 @@ key head, its value head), so a contiguous slice is whole query groups, which is
 rank computes. ``linear_fc1`` of a gated MLP is ``[gate; up]``, and each rank holds
 ``[gate slice; up slice]``: both halves are split, not the concatenation (a plain split would
 give rank 0 all of gate and rank 1 all of up).
+
+``full_weights`` is the inverse, a collective: every rank's share gathered back into the full,
+globally named tensors (for exporting the weights of a model-parallel trainer).
 """
 
 from __future__ import annotations
@@ -126,3 +129,54 @@ def local_weights(
             set_tensor_model_parallel_attributes(param, True, dim, 1)
         out[name] = tensor
     return out
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The inverse of ``local_weights``: this rank's parameters gathered over their TP and EP
+    groups into the full, globally named tensors of its pipeline stage or chunk (what
+    ``hf_weights.megatron_to_hf`` reads). A collective: every rank of the model's TP and EP
+    groups calls it, for the same chunks in the same order.
+
+    Args:
+        model: This rank's ``GPTModel``.
+
+    Returns:
+        Global megatron names -> full tensors (a later stage's copy of a tied output layer
+        left out: it is the embedding).
+    """
+    gated = model.config.gated_linear_unit
+    tied = getattr(model, "share_embeddings_and_output_weights", False)
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith("_extra_state") or (tied and name == "output_layer.weight"):
+            continue
+        owner = model.get_submodule(name.rpartition(".")[0])
+        dim = partition_dim(owner)
+        if dim is not None and owner.tp_group.size() > 1:
+            parts = _all_gather(tensor, owner.tp_group)
+            if gated and name.endswith("linear_fc1.weight"):
+                halves = [torch.cat([p.chunk(2, dim)[h] for p in parts], dim) for h in (0, 1)]
+                tensor = torch.cat(halves, dim)
+            else:
+                tensor = torch.cat(parts, dim)
+        match = _LAYER.fullmatch(name)
+        expert = _EXPERT.fullmatch(match[2]) if match else None
+        if expert is None:
+            out[global_name(model, name)] = tensor.clone()
+            continue
+        # EP rank r holds global experts [r * n, (r + 1) * n).
+        layer = model.decoder.layers[int(match[1])]
+        experts = layer.mlp.experts
+        prefix = f"decoder.layers.{layer.layer_number - 1}.mlp.experts.local_experts."
+        for r, part in enumerate(_all_gather(tensor, experts.ep_group)):
+            out[f"{prefix}{r * experts.num_local_experts + int(expert[1])}.{expert[2]}"] = part
+    return out
+
+
+def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` in ``group`` rank order (a copy)."""
+    if group.size() == 1:
+        return [tensor.clone()]
+    parts = [torch.empty_like(tensor) for _ in range(group.size())]
+    torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
+    return parts

@@ -10,7 +10,10 @@ without), natural routing. Each rank gathers its vocabulary slices of the logits
 sequence shards of the routing maps over its TP group, and sends them to rank 0, which runs
 transformers on each sample alone and writes, as JSON to ``--out``: the largest |logit
 difference| over every rank holding logits, whether argmax agrees, and per MoE layer the tokens
-whose top-k expert set differs from transformers' on any rank holding that layer.
+whose top-k expert set differs from transformers' on any rank holding that layer. Before
+that, each rank gathers its share back (``shard_weights.full_weights``): rank 0 records
+whether every gathered tensor equals the checkpoint's bit for bit and whether the ranks
+together gave back every tensor of it.
 """
 
 from __future__ import annotations
@@ -28,9 +31,12 @@ from tests.trainer.multirank_pp import MICRO_BATCH, _micro_batches
 from tests.trainer.multirank_worker import LENGTHS, SEED, _gather_tp
 from tests.trainer.test_model_parity import _hf_reference
 from trainer import parallel
+from trainer.hf_config import read_hf_config
+from trainer.hf_weights import hf_to_megatron, load_hf_state_dict
 from trainer.model import build_model
 from trainer.pipeline import build_model_chunks
 from trainer.reshard import Layout, padded_length
+from trainer.shard_weights import full_weights
 
 LAYOUTS = {
     "tp2sp": Layout(tp=2, sequence_parallel=True),
@@ -94,6 +100,8 @@ def run(layout_name: str, model_dir: str, out: str) -> None:
     world = parallel.init_world(layout, seed=SEED)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     models, routers = _build(model_dir, layout, world)
+    full = hf_to_megatron(load_hf_state_dict(model_dir), read_hf_config(model_dir))
+    back = {name: t for model in models for name, t in full_weights(model).items()}
     for model in models:
         model.eval()
     micro_batches = _micro_batches(padded_length(max(LENGTHS), layout.multiple))
@@ -102,12 +110,16 @@ def run(layout_name: str, model_dir: str, out: str) -> None:
     local = {
         "logits": [_gather_vocab(x, tp_group) for x in logits],
         "maps": {layer: [_gather_tp(m, tp_group) for m in calls] for layer, calls in maps.items()},
+        "gathered": sorted(back),
+        "gathered_equal": all(torch.equal(t, full[name]) for name, t in back.items()),
     }
     gathered = [None] * world.world_size if world.rank == 0 else None
     dist.gather_object(local, gathered, dst=0)
     if world.rank == 0:
         result = _compare(gathered, micro_batches, model_dir)
         result.update(layout=layout_name, world_size=world.world_size)
+        result["gathered_equal"] = all(g["gathered_equal"] for g in gathered)
+        result["gathered_complete"] = {n for g in gathered for n in g["gathered"]} == set(full)
         with open(out, "w") as f:
             json.dump(result, f, indent=2)
     dist.barrier()

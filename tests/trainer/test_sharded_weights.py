@@ -50,6 +50,8 @@ def _check(result: dict, logit_ranks: int) -> None:
     # Every MoE layer seen on some rank, on every real token.
     assert [int(layer) for layer in result["layers"]] == result["hf_moe_layers"], result
     assert not any(result["mismatched_tokens"].values()), result
+    # The shares gathered back (shard_weights.full_weights) are the checkpoint, bit for bit.
+    assert result["gathered_equal"] and result["gathered_complete"], result
     print(f"{result['layout']}: max |dlogit| {result['max_dlogit']:.2e}")
 
 
