@@ -21,11 +21,15 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
+
+import redis
 
 from pipeline.report import MODES, figure, mode_lines
 from rollout_server.client import RolloutClient
@@ -47,9 +51,9 @@ def log(message: str) -> None:
     print(f"[pipeline] {message}", flush=True)
 
 
-def start(module: str, args: list[str], name: str, procs: list) -> str:
+def start(module: str, args: list[str], name: str, procs: list, port: int = 0) -> str:
     log(f"starting {name}")
-    proc, target = start_service(module, *args, timeout_s=300)
+    proc, target = start_service(module, *args, port=port or None, timeout_s=300)
     procs.append(proc)
     log(f"{name} is serving on {target}")
     return target
@@ -170,6 +174,44 @@ def run_mode(mode: str, cache: str, rollouts: list[str], model_dir: str, args, p
     return json.loads(report.read_text())
 
 
+def port_taken(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def preflight(args) -> None:
+    """Refuse, before any process starts, what would otherwise fail later and less clearly."""
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        raise SystemExit(
+            f"[pipeline] --model {args.model}: no Hugging Face checkpoint there (no "
+            "config.json); name a local MoE checkpoint folder, or leave --model out for the "
+            "embedded tiny model"
+        )
+    ports = {"--cache-port": args.cache_port, "--rollout-port": args.rollout_port}
+    for flag, port in ports.items():
+        if port and port_taken(port):
+            raise SystemExit(
+                f"[pipeline] {flag} {port}: the port is taken by another process; pick "
+                "another, or 0 for a free one"
+            )
+    if args.cache_port and args.cache_port == args.rollout_port:
+        raise SystemExit("[pipeline] --cache-port and --rollout-port must differ")
+    if args.redis_url:
+        # The URL may hold a password: show only where it points.
+        shown = urlsplit(args.redis_url).netloc.rpartition("@")[2]
+        try:
+            redis.Redis.from_url(args.redis_url, socket_connect_timeout=3, socket_timeout=3).ping()
+        except (redis.RedisError, ValueError) as exc:
+            raise SystemExit(
+                f"[pipeline] --redis-url (host {shown!r}): cannot reach Redis ({exc}); start "
+                "it, correct the URL, or leave --redis-url out for the embedded server"
+            ) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__)
     parser.add_argument("--n", type=int, default=4, help="samples per prompt (GRPO group size)")
@@ -180,18 +222,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trainer-ranks", type=int, default=2, help="data-parallel ranks")
     parser.add_argument("--steps", type=int, default=3, help="RL steps per mode")
     parser.add_argument("--groups", type=int, default=2, help="GRPO groups (prompts) per step")
+    parser.add_argument("--redis-url", default="", help="Redis for the route cache (default: "
+                        "an embedded server)")  # fmt: skip
+    parser.add_argument("--cache-port", type=int, default=0, help="route cache port (0: free)")
+    parser.add_argument("--rollout-port", type=int, default=0, help="rollout port (0: free)")
     args = parser.parse_args(argv)
+    preflight(args)
     args.out.mkdir(parents=True, exist_ok=True)
 
     procs: list[subprocess.Popen] = []
     stages: dict[str, float] = {}
     try:
         t0 = time.perf_counter()
-        cache = start("route_cache", [], "the route cache (embedded Redis)", procs)
+        redis_args = ["--redis-url", args.redis_url] if args.redis_url else []
+        where = "Redis at --redis-url" if args.redis_url else "embedded Redis"
+        cache = start("route_cache", redis_args, f"the route cache ({where})", procs,
+                      args.cache_port)  # fmt: skip
         tiny = Path(tempfile.gettempdir()) / "router-replay-tiny-moe"
         model = ["--model", args.model] if args.model else ["--tiny-model-dir", str(tiny)]
         rollout_target = start("rollout_server", ["--route-cache", cache, *model],
-                               "the rollout server (vLLM on the CPU)", procs)  # fmt: skip
+                               "the rollout server (vLLM on the CPU)", procs,
+                               args.rollout_port)  # fmt: skip
         stages["start services"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -94,3 +95,29 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--model", "/no/such/checkpoint"], "--model /no/such/checkpoint: no Hugging Face"),
+        (["--redis-url", "redis://:secret@127.0.0.1:{taken}/0"], "cannot reach Redis"),
+        (["--cache-port", "{taken}"], "--cache-port {taken}: the port is taken"),
+        (["--rollout-port", "{taken}"], "--rollout-port {taken}: the port is taken"),
+    ],
+    ids=["missing-model", "unreachable-redis", "cache-port-taken", "rollout-port-taken"],
+)
+def test_bad_input_is_refused_before_anything_starts(tmp_path, flags, message):
+    with socket.socket() as taken:  # a port something else holds (and Redis is not on)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        flags = [f.format(taken=port) for f in flags]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline", "--out", str(tmp_path), *flags], cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )  # fmt: skip
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert message.format(taken=port) in err and "secret" not in err
+    assert session_processes(proc.pid) == []
