@@ -6,6 +6,8 @@ through megatron's schedule, and rank 0 compares the logits (gathered over TP, f
 pipeline stage) and the natural top-k of every MoE layer with transformers running each sample
 alone. Same tolerance as the single-rank parity test (tests/trainer/test_model_parity.py):
 max |logit difference| <= 1e-5, argmax equal, top-k expert set equal on 100% of tokens.
+
+Then ``python -m trainer``'s RL steps under TP2 + SP and EP2 against one rank (below).
 """
 
 from __future__ import annotations
