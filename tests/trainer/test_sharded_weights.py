@@ -97,9 +97,12 @@ def test_gated_fc1_splits_gate_and_up_each():
 # summing expert gradients over the DP group under EP2 moved them by 4e-4 and 6e-3.
 LOSS_ATOL = 5e-7
 GAP_ATOL = 1e-5
-RL_LAYOUTS = {
-    "tp2sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
-    "ep2": ["parallel.ep=2"],
+_TP2SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+RL_LAYOUTS = {  # name: (ranks, overrides)
+    "tp2sp": (2, _TP2SP),
+    "ep2": (2, ["parallel.ep=2"]),
+    # DP2 x TP2 + SP, experts over EP2 (expert TP 1): every kind of gradient sum at once.
+    "dp2_tp2sp_ep2": (4, [*_TP2SP, "parallel.ep=2", "parallel.etp=1"]),
 }
 
 
@@ -136,7 +139,10 @@ def one_rank(tiny_model_dir, records, tmp_path_factory):  # noqa: F811
 
 
 # R2 under TP records from the gathered natural top-k instead of megatron's RECORD.
-@pytest.mark.parametrize(("layout", "mode"), [("tp2sp", "R3"), ("tp2sp", "R2"), ("ep2", "R3")])
+@pytest.mark.parametrize(
+    ("layout", "mode"),
+    [("tp2sp", "R3"), ("tp2sp", "R2"), ("ep2", "R3"), ("dp2_tp2sp_ep2", "R3")],
+)
 def test_rl_steps_under_tp_and_ep_equal_one_rank(
     layout,
     mode,
@@ -145,8 +151,8 @@ def test_rl_steps_under_tp_and_ep_equal_one_rank(
     one_rank,
     tmp_path,
 ):
-    extra = RL_LAYOUTS[layout]
-    proc, got = _trainer(tiny_model_dir, records, tmp_path / "r.json", mode, *extra, nproc=2)
+    nproc, extra = RL_LAYOUTS[layout]
+    proc, got = _trainer(tiny_model_dir, records, tmp_path / "r.json", mode, *extra, nproc=nproc)
     assert proc.stdout.count(f"step 1 [{mode}]") == 1, proc.stdout[-3000:]  # one rank logs
     reference = one_rank(mode)
     assert len(got) == len(reference) == 2
