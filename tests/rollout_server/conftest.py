@@ -32,13 +32,16 @@ def max_num_batched_tokens():
 
 @pytest.fixture(scope="session")
 def loop():
-    """One event loop for the session: the engine is bound to its loop."""
+    """One event loop for the session: the engine is bound to its loop. It is also the
+    thread's current loop, for the clients that tests build outside a running loop."""
     loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
     yield loop
     pending = asyncio.all_tasks(loop)
     for task in pending:
         task.cancel()
     loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    asyncio.set_event_loop(None)
     loop.close()
 
 

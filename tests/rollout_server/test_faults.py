@@ -48,7 +48,7 @@ def rollout_process(tiny_model_dir, route_cache):
         proc.wait()
 
 
-def test_killed_mid_generation(rollout_process, cache_reader, redis_node, record_property):
+def test_killed_mid_generation(rollout_process, cache_reader, redis_node, record_property, loop):
     proc, target = rollout_process
     workers = psutil.Process(proc.pid).children(recursive=True)
     sample_id = f"killed-{os.getpid()}"
@@ -66,7 +66,8 @@ def test_killed_mid_generation(rollout_process, cache_reader, redis_node, record
                         killed_at = time.monotonic()
         return deltas, time.monotonic() - killed_at, error.value
 
-    deltas, waited_s, error = asyncio.run(asyncio.wait_for(generate_and_kill(), 60))
+    # The session's loop, not asyncio.run: that would leave the thread without a current loop.
+    deltas, waited_s, error = loop.run_until_complete(asyncio.wait_for(generate_and_kill(), 60))
     record_property("unavailable_after_kill_s", round(waited_s, 3))
     print(f"UNAVAILABLE {waited_s:.3f} s after the kill: {error}")
     assert deltas >= 3 and proc.wait(10) == -signal.SIGKILL
