@@ -1,9 +1,10 @@
 """Bad input at scale: every RouteCache RPC and the route codec, fuzzed with hypothesis.
 
-Against a real route cache server over real gRPC on a real redis-server (single node). For
-every fuzzed call the server must answer with a status (never INTERNAL or UNKNOWN), keep
-serving, and store nothing unless it answered OK; whatever it did store reads back whole and
-passes validation (expert ids in range and distinct, checksums).
+Against a real route cache server over real gRPC on real redis-server processes (a single
+node, then a 3-master cluster). For every fuzzed call the server must answer with a status
+(never INTERNAL or UNKNOWN), keep serving, and store nothing unless it answered OK; whatever
+it did store reads back whole and passes validation (expert ids in range and distinct,
+checksums).
 
 Bugs it found are fixed, each with a regression test (docs/reliability.md lists them).
 Request bytes that are not a message at all are fuzzed in test_security.py.
@@ -62,9 +63,15 @@ entry_ids = st.one_of(
 )
 
 
-@pytest.fixture(scope="module")
-def server(redis_node):
-    redis_client = connect(redis_node.url, cluster=False)
+@pytest.fixture(scope="module", params=["single", "cluster"])
+def server(request, redis_node):
+    """A route cache over one Redis node, then over a 3-master Redis Cluster (where a record's
+    keys share a hash slot and the ready feed lives in another)."""
+    if request.param == "single":
+        redis_client = connect(redis_node.url, cluster=False)
+    else:
+        nodes = request.getfixturevalue("redis_cluster_nodes")
+        redis_client = connect(nodes[0].url.rsplit("/", 1)[0], cluster=True)
     store = RouteStore(redis_client, ttl_ms=600_000)
     cache = RouteCacheServer(
         Config(host="127.0.0.1", port=0, grace_s=1, health_interval_s=0.1), store
