@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
-from benchmarks.bench_rollout import prompts  # noqa: E402
+from benchmarks.bench_rollout import prompts, start_engine  # noqa: E402
 from benchmarks.common import machine, write_section  # noqa: E402
 from rollout_server.client import RolloutClient  # noqa: E402
 from rollout_server.config import Config  # noqa: E402
@@ -99,17 +99,6 @@ def fetch_and_reshard(source: CacheSource, ids: list[str], budget: int) -> dict:
     t2 = time.perf_counter()
     return {"fetch": t1 - t0, "reshard": t2 - t1, "route_bytes": sum(r.nbytes for r in routes),
             "record_tokens": sum(lengths), "local_bytes": local_bytes}  # fmt: skip
-
-
-def start_engine(model: Path, capture: bool, args) -> VLLMEngine:
-    return VLLMEngine(
-        model,
-        capture_routes=capture,
-        max_model_len=1024,
-        max_num_seqs=args.prompts * args.n,
-        enable_prefix_caching=True,
-        seed=0,
-    )
 
 
 async def run_batches(engine: VLLMEngine, cache: str, stores: tuple[bool, ...], args):

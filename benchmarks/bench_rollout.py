@@ -69,8 +69,9 @@ async def one_batch(client: RolloutClient, args) -> dict:
             "delays": delays}  # fmt: skip
 
 
-async def run_mode(model: Path, cache_target: str, capture: bool, args) -> dict:
-    engine = VLLMEngine(
+def start_engine(model: Path, capture: bool, args) -> VLLMEngine:
+    """The benchmarks' engine: one batch of ``prompts x n`` samples at once."""
+    return VLLMEngine(
         model,
         capture_routes=capture,
         max_model_len=1024,
@@ -78,6 +79,10 @@ async def run_mode(model: Path, cache_target: str, capture: bool, args) -> dict:
         enable_prefix_caching=True,
         seed=0,
     )
+
+
+async def run_mode(model: Path, cache_target: str, capture: bool, args) -> dict:
+    engine = start_engine(model, capture, args)
     config = Config(host="127.0.0.1", port=0, route_cache=cache_target, capture_routes=capture,
                     max_n=args.n, grace_s=5)  # fmt: skip
     server = await RolloutServer(config, engine).start()
