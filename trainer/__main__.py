@@ -102,12 +102,6 @@ def _main_torchrun(config, plans) -> int:
             "ep, etp); pipeline and context parallel (parallel.pp, vp, cp) are not wired into "
             "the RL step yet (their replay is exercised by tests/trainer/test_multirank.py)"
         )
-    sharded = config.train.export_dir or config.train.checkpoint_dir
-    if layout.tp * layout.ep > 1 and (sharded or config.data.source == "feed"):
-        raise LayoutError(
-            "with parallel.tp or parallel.ep > 1 each rank holds a shard of the weights: "
-            "train.export_dir, train.checkpoint_dir and data.source=feed are not supported yet"
-        )
     if int(os.environ.get("RANK", "0")) != 0:
         logging.getLogger().setLevel(logging.WARNING)
     world = parallel.init_world(layout, seed=config.train.seed)

@@ -17,8 +17,13 @@ loads it before the first step and continues from its step, so a restarted train
 same losses and weights as one that never stopped (tested bitwise). Under data parallel, DP
 rank 0 writes it and every rank loads it: weights, optimizer state and RNG streams are the same
 on every DP rank. A job whose rank was killed mid-step and that was restarted also ends bitwise
-equal (``tests/trainer/test_resume.py``). Other layouts would save each rank's shard
-(``trainer/reshard/``).
+equal (``tests/trainer/test_resume.py``).
+
+Under tensor or expert parallelism each rank holds its own shard of the weights and optimizer
+state and its own RNG streams, so every rank writes its own file,
+``step_NNNNNN.<shard>.pt`` (``shard`` names its TP, EP and DP ranks), and loads its own; the
+step is named in ``latest`` only once every rank's file is written (the caller's barrier), so a
+resume never mixes steps. A resume in another layout finds no file of its name and says so.
 """
 
 from __future__ import annotations
@@ -66,11 +71,29 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
-def save(checkpoint_dir: str | Path, steps_done: int, built, optimizer, config=None) -> Path:
-    """Write the checkpoint after ``steps_done`` steps; returns its path."""
+def _path(root: Path, stem: str, shard: str) -> Path:
+    return root / (f"{stem}.{shard}.pt" if shard else f"{stem}.pt")
+
+
+def save(
+    checkpoint_dir: str | Path,
+    steps_done: int,
+    built,
+    optimizer,
+    config=None,
+    *,
+    shard: str = "",
+    mark: bool = True,
+) -> Path:
+    """Write the checkpoint after ``steps_done`` steps; returns its path.
+
+    Args:
+        shard: This rank's name under model parallelism (its own file); "" for the whole model.
+        mark: Name the step in ``latest`` (for shards: once every rank has written, ``mark``).
+    """
     root = Path(checkpoint_dir)
     root.mkdir(parents=True, exist_ok=True)
-    path = root / f"step_{steps_done:06d}.pt"
+    path = _path(root, f"step_{steps_done:06d}", shard)
     state = {
         "step": steps_done,
         "model": {
@@ -83,23 +106,43 @@ def save(checkpoint_dir: str | Path, steps_done: int, built, optimizer, config=N
     tmp = path.with_name(f".{path.name}.tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
-    latest = root / ".latest.tmp"
-    latest.write_text(path.name + "\n")
-    os.replace(latest, root / "latest")
+    if mark:
+        mark_latest(root, steps_done)
     return path
 
 
-def latest(checkpoint_dir: str | Path | None) -> Path | None:
-    """The last checkpoint in ``checkpoint_dir`` (None when there is none)."""
+def mark_latest(checkpoint_dir: str | Path, steps_done: int) -> None:
+    """Name the checkpoint after ``steps_done`` steps in ``checkpoint_dir/latest``."""
+    root = Path(checkpoint_dir)
+    tmp = root / ".latest.tmp"
+    tmp.write_text(f"step_{steps_done:06d}\n")
+    os.replace(tmp, root / "latest")
+
+
+def latest(checkpoint_dir: str | Path | None, shard: str = "") -> Path | None:
+    """The last checkpoint in ``checkpoint_dir`` (None when there is none); with ``shard``,
+    this rank's file of the step ``latest`` names.
+
+    Raises:
+        FileNotFoundError: ``latest`` names a step without this shard's file (written under
+            another layout).
+    """
     if not checkpoint_dir:
         return None
     root = Path(checkpoint_dir)
     marker = root / "latest"
     if marker.exists():
-        path = root / marker.read_text().strip()
+        path = _path(root, marker.read_text().strip().removesuffix(".pt"), shard)
         if path.exists():
             return path
-    found = sorted(root.glob("step_*.pt"))
+        if shard:
+            raise FileNotFoundError(
+                f"checkpoint {marker.read_text().strip()} in {root} has no file {path.name} "
+                f"for this rank (written under another parallel layout?)"
+            )
+    if shard:  # only ``latest`` says that every rank's file of a step was written
+        return None
+    found = sorted(root.glob("step_??????.pt"))
     return found[-1] if found else None
 
 

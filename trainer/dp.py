@@ -44,12 +44,15 @@ class ModelParallel:
         coords: This rank's coordinates (its TP rank shards the replayed routes).
         tp_group: The TP group: logits and natural routes are gathered over it.
         expert_dp_group: Expert parameters' gradients are summed over it (with ``ep`` > 1).
+        shard: This rank's name among the checkpoint's per-rank files (its TP, EP and DP
+            ranks: ``tp0-ep1-dp0``).
     """
 
     layout: Layout
     coords: RankCoords
     tp_group: object
     expert_dp_group: object
+    shard: str = ""
 
     @property
     def tp(self) -> int:
@@ -126,6 +129,15 @@ class DataParallel:
         if self.enabled:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t.item()
+
+    def from_lead(self, obj):
+        """The lead's ``obj`` on every rank of the world (picklable objects). The lead is global
+        rank 0: every other coordinate of it is 0 too."""
+        if not self.enabled and self.model is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def all_gather(self, obj) -> list:
         """Every rank's ``obj``, in DP rank order (picklable objects)."""
@@ -206,11 +218,13 @@ def from_world(world) -> DataParallel:
     layout = world.layout
     model = None
     if layout.tp > 1 or layout.ep > 1:
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
         model = ModelParallel(
             layout,
             world.coords,
             parallel_state.get_tensor_model_parallel_group(),
             parallel_state.get_expert_data_parallel_group(),
+            f"tp{world.coords.tp_rank}-ep{ep_rank}-dp{world.dp_rank}",
         )
     if world.dp_size == 1:
         return DataParallel(model=model)

@@ -12,8 +12,9 @@
   files, ``generation_config.json``, chat templates (everything but the weights and their index).
 
 The folder appears atomically: it is written beside ``out_dir`` under a temporary name and
-renamed, so a server never reads a half-written export. One rank (the whole model in this
-process); a multi-rank trainer gathers to one rank first (``trainer/reshard/``).
+renamed, so a server never reads a half-written export. Under tensor or expert parallelism
+every rank gathers the full tensors (``shard_weights.full_weights``, a collective) and one rank
+passes them as ``weights``.
 """
 
 from __future__ import annotations
@@ -39,16 +40,22 @@ def served_dtype(hf_config: dict) -> torch.dtype | None:
     return _DTYPES.get(str(name)) if name else None
 
 
-def hf_state_dict(built, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def hf_state_dict(
+    built, dtype: torch.dtype | None = None, weights: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """The model's weights under Hugging Face names, contiguous, on the CPU.
 
     Args:
         built: A ``TrainerModel``.
         dtype: Cast to this dtype (default: the checkpoint's ``served_dtype``; unchanged when
             the checkpoint declares none).
+        weights: The whole model under megatron's global names (default: ``built.model``'s
+            state dict, the whole model on one rank).
     """
     dtype = dtype or served_dtype(built.hf_config)
-    state = megatron_to_hf(built.model.state_dict(), built.hf_config)
+    if weights is None:
+        weights = built.model.state_dict()
+    state = megatron_to_hf(weights, built.hf_config)
     out = {}
     for name, t in state.items():
         t = t.detach().cpu()
@@ -78,6 +85,7 @@ def export_hf(
     *,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write the model as a Hugging Face checkpoint folder at ``out_dir`` (replaced if present).
 
@@ -88,6 +96,7 @@ def export_hf(
         out_dir: The folder to write.
         dtype: Weight dtype (default: the source's ``config.json`` dtype).
         max_shard_bytes: Split the weights into shards of at most this size (plus an index).
+        weights: The whole model under megatron's global names (``hf_state_dict``).
 
     Returns:
         ``out_dir`` as a ``Path``.
@@ -96,7 +105,7 @@ def export_hf(
 
     source, out = Path(source_dir), Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    state = hf_state_dict(built, dtype)
+    state = hf_state_dict(built, dtype, weights)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         for item in source.iterdir():
@@ -128,11 +137,14 @@ def export_hf(
     return out
 
 
-def export_step(built, source_dir: str | Path, export_dir: str | Path, step: int) -> Path:
+def export_step(
+    built, source_dir: str | Path, export_dir: str | Path, step: int, weights=None
+) -> Path:
     """Export after ``step`` (0-based) to ``export_dir/step_NNNNNN`` and point
-    ``export_dir/latest`` (a text file with the folder's name) at it; returns the folder."""
+    ``export_dir/latest`` (a text file with the folder's name) at it; returns the folder.
+    ``weights``: as ``export_hf``'s."""
     root = Path(export_dir)
-    folder = export_hf(built, source_dir, root / f"step_{step + 1:06d}")
+    folder = export_hf(built, source_dir, root / f"step_{step + 1:06d}", weights=weights)
     _write_atomic(root / "latest", folder.name + "\n")
     return folder
 

@@ -11,11 +11,13 @@ layout every ``train.export_every`` steps (``train.export_dir``, for the rollout
 checkpoint in ``checkpoint_dir``, the loop restores it and skips the steps it had done.
 
 Data parallel (``dp``, a ``trainer.dp.DataParallel``): every rank gets the same plans, fetches
-and trains its own share of each batch, and returns the whole batch's reports; DP rank 0 alone
-logs them and writes the record file, the report JSON, TensorBoard, exports and checkpoints.
+and trains its own share of each batch, and returns the whole batch's reports; the lead (DP
+rank 0, TP rank 0) logs them and writes the record file, the report JSON, TensorBoard, exports
+and checkpoints. Under tensor or expert parallelism every rank gathers the full weights for an
+export (a collective the lead writes out) and writes its own checkpoint file (``checkpoint``).
 
 The input is an iterable of ``BatchPlan``: sample ids from the command line, or, with
-``data.source=feed``, the route cache's ready feed (``trainer.data.FeedPlans``): DP rank 0
+``data.source=feed``, the route cache's ready feed (``trainer.data.FeedPlans``): the lead
 reads whole GRPO groups and hands every rank the batch, and acknowledges them after the
 batch's optimizer step. With ``train.push_weights_to`` each export is loaded by those rollout
 servers (``UpdateWeights``), so their next samples come from the new policy; the step's
@@ -123,7 +125,8 @@ def train(
     model, optimizer = built or build(config, pg_collection)
     dp.broadcast_parameters(model.model)
     start = 0
-    resume_from = checkpoint.latest(cfg.checkpoint_dir) if cfg.resume else None
+    shard = dp.model.shard if dp.model is not None else ""
+    resume_from = checkpoint.latest(cfg.checkpoint_dir, shard) if cfg.resume else None
     if resume_from is not None:
         start = checkpoint.load(resume_from, model, optimizer)
     stepper = RLStep(model, optimizer, config, dp)
@@ -154,14 +157,13 @@ def train(
             report = stepper.run(fetched, step)
             used.extend(stepper.routes_used)
             if cfg.export_dir and (step + 1) % cfg.export_every == 0:
-                if lead:
-                    folder = export_weights(config, model, step)
-                    if cfg.push_weights_to:
-                        from trainer.export import push_weights
+                folder = export_weights(config, model, step, dp)
+                if lead and cfg.push_weights_to:
+                    from trainer.export import push_weights
 
-                        versions = push_weights(cfg.push_weights_to, folder, cfg.push_security())
-                        report["policy_versions"] = versions
-                        log.info("rollout servers now at policy versions %s", versions)
+                    versions = push_weights(cfg.push_weights_to, folder, cfg.push_security())
+                    report["policy_versions"] = versions
+                    log.info("rollout servers now at policy versions %s", versions)
                 exported = step
             if lead:
                 log.info("%s", summary(report))
@@ -169,17 +171,16 @@ def train(
             if writer is not None:
                 writer.write(report)
             if cfg.checkpoint_dir and (step + 1) % cfg.checkpoint_every == 0:
-                if lead:
-                    checkpoint.save(cfg.checkpoint_dir, step + 1, model, optimizer, config)
+                save_checkpoint(config, model, optimizer, step, dp)
                 saved = step
             if feed is not None:  # trained (and checkpointed when configured): acknowledge
                 groups = feed.ack()
                 if lead:
                     report["feed"] = feed_summary(groups)
-        if cfg.export_dir and exported != step and lead:
-            export_weights(config, model, step)
-        if cfg.checkpoint_dir and saved != step and lead:
-            checkpoint.save(cfg.checkpoint_dir, step + 1, model, optimizer, config)
+        if cfg.export_dir and exported != step:
+            export_weights(config, model, step, dp)
+        if cfg.checkpoint_dir and saved != step:
+            save_checkpoint(config, model, optimizer, step, dp)
     finally:
         if feed is not None:
             feed.close()
@@ -202,11 +203,35 @@ def feed_summary(groups) -> dict:
     return {"groups": [g.group_id for g in groups], "rollout_versions": sorted(versions)}
 
 
-def export_weights(config: TrainerConfig, built: TrainerModel, step: int) -> Path:
+def export_weights(
+    config: TrainerConfig, built: TrainerModel, step: int, dp: DataParallel = SINGLE
+) -> Path | None:
     """Export after ``step`` to ``train.export_dir`` (``export.export_step``); logs the path for
-    the rollout server's ``UpdateWeights``."""
+    the rollout server's ``UpdateWeights``. Under tensor or expert parallelism a collective:
+    every rank gathers the full weights, the lead writes them. Returns the folder (the lead;
+    None elsewhere)."""
     from trainer.export import export_step
+    from trainer.shard_weights import full_weights
 
-    folder = export_step(built, config.model.path, config.train.export_dir, step)
+    weights = full_weights(built.model) if dp.model is not None else None
+    if not dp.lead:
+        return None
+    folder = export_step(built, config.model.path, config.train.export_dir, step, weights)
     log.info("exported weights after step %d to %s", step, folder)
     return folder
+
+
+def save_checkpoint(
+    config: TrainerConfig, built: TrainerModel, optimizer: AdamW, step: int, dp: DataParallel
+) -> None:
+    """Checkpoint after ``step``: the lead writes the one file (data parallel: every rank holds
+    the same state), or every rank its shard and the lead names the step once all have."""
+    root, done = config.train.checkpoint_dir, step + 1
+    if dp.model is None:
+        if dp.lead:
+            checkpoint.save(root, done, built, optimizer, config)
+        return
+    checkpoint.save(root, done, built, optimizer, config, shard=dp.model.shard, mark=False)
+    torch.distributed.barrier()
+    if dp.lead:
+        checkpoint.mark_latest(root, done)

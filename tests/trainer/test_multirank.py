@@ -34,7 +34,16 @@ def tiny8_model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny8"), seed=0, size=size)
 
 
-def _torchrun(layout, model_dir, out, timeout: float = 120, env=None, nproc: int = 2):
+def _torchrun(
+    layout,
+    model_dir,
+    out,
+    timeout: float = 120,
+    env=None,
+    nproc: int = 2,
+    module: str = "tests.trainer.multirank_worker",
+):
+    """``torchrun --nproc-per-node nproc -m module --layout ... --model-dir ... --out ...``."""
     launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     cmd = [launcher] if launcher else [sys.executable, "-m", "torch.distributed.run"]
     cmd += [
@@ -42,7 +51,7 @@ def _torchrun(layout, model_dir, out, timeout: float = 120, env=None, nproc: int
         "--nproc-per-node",
         str(nproc),
         "-m",
-        "tests.trainer.multirank_worker",
+        module,
         "--layout",
         layout,
         "--model-dir",

@@ -25,7 +25,7 @@ import torch
 from tests.trainer.ranks import run_each_rank
 from tests.trainer.test_dp_train import records  # noqa: F401 (fixture)
 from tests.trainer.test_model_parity import LOGIT_ATOL
-from tests.trainer.test_multirank import tiny8_model_dir  # noqa: F401 (fixture)
+from tests.trainer.test_multirank import _torchrun, tiny8_model_dir  # noqa: F401 (fixture)
 from trainer.shard_weights import tp_slice
 
 pytest.importorskip("megatron.core")
@@ -34,13 +34,9 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def _torchrun(layout: str, model_dir, out, nproc: int = 2, timeout: float = 180):
-    launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    cmd = [launcher] if launcher else [sys.executable, "-m", "torch.distributed.run"]
-    cmd += ["--standalone", "--nproc-per-node", str(nproc), "-m", "tests.trainer.sharded_worker",
-            "--layout", layout, "--model-dir", str(model_dir), "--out", str(out)]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+def _run_worker(layout: str, model_dir, out, nproc: int = 2) -> dict:
+    proc = _torchrun(layout, model_dir, out, timeout=180, nproc=nproc,
+                     module="tests.trainer.sharded_worker")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(Path(out).read_text())
 
@@ -63,17 +59,17 @@ def _check(result: dict, logit_ranks: int) -> None:
     [("tp2sp", 2), ("ep2", 2), ("tp2sp_ep2", 2), ("pp2", 1)],
 )
 def test_a_sharded_checkpoint_matches_transformers(layout, logit_ranks, tiny_model_dir, tmp_path):
-    _check(_torchrun(layout, tiny_model_dir, tmp_path / "result.json"), logit_ranks)
+    _check(_run_worker(layout, tiny_model_dir, tmp_path / "result.json"), logit_ranks)
 
 
 def test_virtual_stage_chunks_match_transformers(tiny8_model_dir, tmp_path):  # noqa: F811
     """PP2 x VP2: 4 chunks of 2 layers of the 8-layer model, interleaved schedule."""
-    _check(_torchrun("pp2_vp2", tiny8_model_dir, tmp_path / "result.json"), 1)
+    _check(_run_worker("pp2_vp2", tiny8_model_dir, tmp_path / "result.json"), 1)
 
 
 def test_four_ranks_tp2_pp2_match_transformers(tiny_model_dir, tmp_path):
     """TP2 + SP x PP2 on 4 ranks: the last stage's 2 TP ranks hold logits."""
-    _check(_torchrun("tp2sp_pp2", tiny_model_dir, tmp_path / "result.json", nproc=4), 2)
+    _check(_run_worker("tp2sp_pp2", tiny_model_dir, tmp_path / "result.json", nproc=4), 2)
 
 
 def test_gated_fc1_splits_gate_and_up_each():
@@ -97,6 +93,11 @@ def test_gated_fc1_splits_gate_and_up_each():
 # summing expert gradients over the DP group under EP2 moved them by 4e-4 and 6e-3.
 LOSS_ATOL = 5e-7
 GAP_ATOL = 1e-5
+# The exported weights after those 2 steps (8 AdamW steps): measured mean |diff| <= 8.4e-9, max
+# 9.5e-5 (AdamW divides by sqrt(v): rounding noise on a near-zero gradient entry becomes a step
+# of up to lr = 1e-3); training moved them by 2.8e-3 on average.
+WEIGHT_ATOL = 1e-3
+WEIGHT_MEAN_ATOL = 1e-7
 _TP2SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
 RL_LAYOUTS = {  # name: (ranks, overrides)
     "tp2sp": (2, _TP2SP),
@@ -107,10 +108,13 @@ RL_LAYOUTS = {  # name: (ranks, overrides)
 
 
 def _trainer(model_dir, records_file, report: Path, mode: str, *extra: str, nproc: int = 1,
-             timeout: float = 240):  # fmt: skip
+             steps: int = 2, timeout: float = 240):  # fmt: skip
+    """``python -m trainer`` (under torchrun with ``nproc`` > 1), exporting every step to
+    ``export/`` beside ``report``."""
     args = ["-m", "trainer", f"model.path={model_dir}", f"data.records_file={records_file}",
             f"router_replay.mode={mode}", "train.batch_size=4", "train.micro_batch_size=2",
-            "train.lr=1e-3", *extra, "--steps", "2", "--report", str(report)]  # fmt: skip
+            "train.lr=1e-3", f"train.export_dir={report.parent / 'export'}", *extra,
+            "--steps", str(steps), "--report", str(report)]  # fmt: skip
     head = [sys.executable]
     if nproc > 1:
         launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent))
@@ -124,15 +128,24 @@ def _trainer(model_dir, records_file, report: Path, mode: str, *extra: str, npro
     return proc, json.loads(report.read_text())
 
 
+def _exported(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The weights of the newest export of the run writing into ``run_dir``."""
+    from safetensors.torch import load_file
+
+    export = run_dir / "export"
+    return load_file(export / (export / "latest").read_text().strip() / "model.safetensors")
+
+
 @pytest.fixture(scope="module")
 def one_rank(tiny_model_dir, records, tmp_path_factory):  # noqa: F811
-    """Per mode, 2 steps on one rank (lr 1e-3: step 1 runs on weights step 0 moved)."""
-    runs: dict[str, list[dict]] = {}
+    """Per mode, 2 steps on one rank (lr 1e-3: step 1 runs on weights step 0 moved): the
+    reports and the folder the run wrote into."""
+    runs: dict[str, tuple[list[dict], Path]] = {}
 
-    def get(mode: str) -> list[dict]:
+    def get(mode: str) -> tuple[list[dict], Path]:
         if mode not in runs:
             report = tmp_path_factory.mktemp("one") / "r.json"
-            runs[mode] = _trainer(tiny_model_dir, records, report, mode)[1]
+            runs[mode] = (_trainer(tiny_model_dir, records, report, mode)[1], report.parent)
         return runs[mode]
 
     return get
@@ -154,7 +167,7 @@ def test_rl_steps_under_tp_and_ep_equal_one_rank(
     nproc, extra = RL_LAYOUTS[layout]
     proc, got = _trainer(tiny_model_dir, records, tmp_path / "r.json", mode, *extra, nproc=nproc)
     assert proc.stdout.count(f"step 1 [{mode}]") == 1, proc.stdout[-3000:]  # one rank logs
-    reference = one_rank(mode)
+    reference, reference_dir = one_rank(mode)
     assert len(got) == len(reference) == 2
     for ref, step in zip(reference, got, strict=True):
         for key in ("samples", "reward_mean", "rows", "agreement", "update_agreement"):
@@ -165,6 +178,62 @@ def test_rl_steps_under_tp_and_ep_equal_one_rank(
             assert step["gap"][name]["mean_abs"] == pytest.approx(gap["mean_abs"], abs=GAP_ATOL)
     # Step 1 trains on weights step 0 changed: its gap to the rollout is far from step 0's.
     assert got[1]["gap"]["replayed"]["mean_abs"] > 100 * GAP_ATOL
+    _check_export(tmp_path, reference_dir, tiny_model_dir, layout)
+
+
+def _check_export(run_dir: Path, reference_dir: Path, model_dir, layout: str) -> None:
+    """The lead's export (the shards gathered by every rank) against one rank's: every tensor,
+    its shape and dtype, and values within float summation noise of the same 2 steps."""
+    from trainer.hf_weights import load_hf_state_dict
+
+    ours, theirs = _exported(run_dir), _exported(reference_dir)
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        assert (tensor.shape, tensor.dtype) == (theirs[name].shape, theirs[name].dtype), name
+    source = load_hf_state_dict(model_dir)
+    diff = torch.cat([(t - theirs[n]).abs().flatten() for n, t in ours.items()])
+    moved = torch.cat([(t - source[n]).abs().flatten() for n, t in theirs.items()])
+    print(f"{layout}: export |diff| mean {diff.mean():.2e} max {diff.max():.2e}; "
+          f"training moved weights by mean {moved.mean():.2e} max {moved.max():.2e}")  # fmt: skip
+    assert diff.max() <= WEIGHT_ATOL and diff.mean() <= WEIGHT_MEAN_ATOL
+    # Trained weights, not the source's: a weight in the wrong place would be far off.
+    assert moved.mean() > 100 * WEIGHT_MEAN_ATOL
+
+
+def test_tp_and_ep_checkpoints_resume_to_the_same_weights(tiny_model_dir, records, tmp_path):  # noqa: F811
+    """TP2 + SP with experts over EP2 on 2 ranks, each rank checkpointing its own shard: one
+    step, then the job started again for a second, ends as 2 steps without a stop, bit for bit
+    (same layout, same arithmetic: any difference is a resume bug)."""
+    extra = [*_TP2SP, "parallel.ep=2", "parallel.etp=1", "train.checkpoint_every=1"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    runs = {}
+    for folder, steps in ((whole, 2), (split, 1), (split, 2)):
+        folder.mkdir(exist_ok=True)
+        runs[folder] = _trainer(tiny_model_dir, records, folder / "r.json", "R3", *extra,
+                                f"train.checkpoint_dir={folder / 'ckpt'}", nproc=2,
+                                steps=steps)  # fmt: skip
+    proc, got = runs[split]
+    assert proc.stdout.count("(1 steps done)") == 1, proc.stdout[-3000:]
+    want = runs[whole][1]
+    assert [r["step"] for r in got] == [1]
+    for key in ("loss", "expected_reward", "gap", "agreement", "update_agreement", "rows"):
+        assert got[0][key] == want[1][key], key
+
+    names = sorted(p.name for p in (whole / "ckpt").glob("step_000002.*.pt"))
+    assert len(names) == 2 and names[0] != names[1], names  # one file per rank
+    assert (whole / "ckpt" / "latest").read_text().strip() == "step_000002"
+    for name in names:
+        a = torch.load(whole / "ckpt" / name, weights_only=False)
+        b = torch.load(split / "ckpt" / name, weights_only=False)
+        assert a["model"].keys() == b["model"].keys()
+        for key, tensor in a["model"].items():
+            assert torch.equal(tensor, b["model"][key]), (name, key)
+        moments = b["optimizer"]["inner"]["state"]
+        for param, state in a["optimizer"]["inner"]["state"].items():
+            for key, value in state.items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(moments[param][key]))
+    ours, theirs = _exported(split), _exported(whole)
+    assert all(torch.equal(t, theirs[n]) for n, t in ours.items())
 
 
 def test_pipeline_parallel_rl_is_refused_on_every_rank(tiny_model_dir, records, tmp_path):  # noqa: F811
