@@ -209,9 +209,10 @@ class Prefetcher:
 class FeedPlans:
     """Batches of whole GRPO groups from the route cache's ready feed (``data.source=feed``).
 
-    DP rank 0 alone reads the feed, as the one consumer ``data.consumer`` of
-    ``data.consumer_group``, and hands every rank the batch's sample ids (one all-gather over
-    the DP group); each rank then fetches and trains only its share (``DataParallel``). One
+    The lead (DP rank 0, TP rank 0) alone reads the feed, as the one consumer
+    ``data.consumer`` of ``data.consumer_group``, and hands every rank of the world the batch's
+    sample ids (one broadcast: the TP and EP ranks of each DP group need them too); each rank
+    then fetches and trains its DP group's share (``DataParallel``). One
     consumer rather than one per rank: all of a group's entries must reach one consumer to
     complete it, and a plan made in one place cannot give a group to two ranks, nor leave a
     rank idle while another holds a group.
@@ -224,8 +225,8 @@ class FeedPlans:
 
     Args:
         config: The trainer configuration (``data.*``, ``train.batch_size``, the cache).
-        dp: The data-parallel group.
-        client: A ``RouteCacheClient`` for rank 0 (default: one to ``route_cache.target``).
+        dp: The data-parallel group (and the model-parallel place).
+        client: A ``RouteCacheClient`` for the lead (default: one to ``route_cache.target``).
     """
 
     def __init__(self, config, dp, client=None):
@@ -233,10 +234,10 @@ class FeedPlans:
         self.dp = dp
         self.groups_per_batch = config.train.batch_size // data.group_size
         self.wait_s = data.wait_s
-        self.handed_out: list[list] = []  # rank 0: each batch's ReadyGroups, not acknowledged
+        self.handed_out: list[list] = []  # the lead: each batch's ReadyGroups, not acknowledged
         self.consumer = None
         self._own_client = None
-        if dp.rank == 0:
+        if dp.lead:
             from routereplay.client import RouteCacheClient
             from routereplay.ready import ReadyConsumer
 
@@ -266,11 +267,11 @@ class FeedPlans:
                     "%d of %d groups came from the feed within %.0f s: stopping",
                     len(groups), self.groups_per_batch, self.wait_s,
                 )  # fmt: skip
-        ids = self.dp.all_gather(ids)[0]
+        ids = self.dp.from_lead(ids)
         return None if ids is None else BatchPlan(ids)
 
     def ack(self) -> list:
-        """Acknowledge the oldest batch handed out (rank 0; a no-op elsewhere). Returns its
+        """Acknowledge the oldest batch handed out (the lead; a no-op elsewhere). Returns its
         ``ReadyGroup``s."""
         if self.consumer is None:
             return []

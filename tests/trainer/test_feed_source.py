@@ -2,8 +2,9 @@
 
 A real route cache (gRPC on a socket) over a real redis-server, the rollout's records written
 through it (each write announced on the feed), and the real trainer: one rank in this process,
-and two data-parallel ranks under torchrun. The oracle is the same training on the same sample
-ids given as a list (``data.source=ids``), whose single-rank and DP runs are tested elsewhere.
+and two data-parallel or tensor-parallel ranks under torchrun. The oracle is the same training
+on the same sample ids given as a list (``data.source=ids``), whose single-rank, DP and TP runs
+are tested elsewhere.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from routereplay.errors import RouteReplayError
 from routereplay.ready import ReadyConsumer
 from routereplay.security import ClientSecurity, ServerSecurity
 from trainer.config import ConfigError, load_config
-from trainer.data import BatchPlan
+from trainer.data import BatchPlan, FeedPlans
+from trainer.dp import DataParallel, ModelParallel
+from trainer.reshard import Layout, RankCoords
 from trainer.train import train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -148,10 +151,16 @@ def test_the_run_ends_when_no_whole_batch_comes(tiny_model_dir, rollout, pg_coll
     assert cache.pending("trainer") == 3  # still there for a later consumer
 
 
-def test_two_data_parallel_ranks_share_one_consumer(tiny_model_dir, rollout, ids_reports, cache,
-                                                    tmp_path):  # fmt: skip
-    """Rank 0 reads the feed and hands the batch to rank 1: each sample is trained once, by
-    one rank, and the step equals the single-rank step on the same ids."""
+@pytest.mark.parametrize(
+    "layout",
+    [["parallel.dp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"]],
+    ids=["dp2", "tp2sp"],
+)
+def test_two_ranks_share_one_consumer(layout, tiny_model_dir, rollout, ids_reports, cache,
+                                      tmp_path):  # fmt: skip
+    """Rank 0 reads the feed and hands the batch to rank 1: under DP2 each sample is trained
+    once, by one rank; under TP2 both ranks train the whole batch, each its shard of the model.
+    The step equals the single-rank step on the same ids."""
     for record in rollout:
         cache.client.write(record)
     launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent))
@@ -159,19 +168,34 @@ def test_two_data_parallel_ranks_share_one_consumer(tiny_model_dir, rollout, ids
     command = [*head, "--standalone", "--nproc-per-node", "2", "-m", "trainer",
                f"model.path={tiny_model_dir}", f"route_cache.target={cache.target}",
                "router_replay.mode=R3", "train.batch_size=4", "train.micro_batch_size=2",
-               "data.source=feed", "data.group_size=4", "data.wait_s=20", "parallel.dp=2",
+               "data.source=feed", "data.group_size=4", "data.wait_s=20", *layout,
                "--steps", "2", "--report", str(tmp_path / "report.json")]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("WORLD_SIZE", None)
     run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     reports = json.loads((tmp_path / "report.json").read_text())
-    assert len(reports) == 2
+    groups = [[g[0].group_id] for g in _groups(rollout)]
+    assert [r["feed"]["groups"] for r in reports] == groups  # one consumer read them, in order
     for got, want in zip(reports, ids_reports, strict=True):
-        assert got["samples"] == 4  # not 8: no sample trained on both ranks
+        assert got["samples"] == 4  # not 8: no sample trained twice (DP) or counted twice (TP)
         for key in SAME:
             assert got[key] == want[key], key
+        assert got["loss"] == pytest.approx(want["loss"], abs=1e-6)
     assert cache.pending("trainer") == 0
+
+
+@pytest.mark.parametrize(("dp_rank", "tp_rank"), [(0, 0), (0, 1), (1, 0)])
+def test_only_the_lead_reads_the_feed(dp_rank, tp_rank, tiny_model_dir, cache):
+    """One consumer per job: the TP ranks of DP rank 0 share its DP rank but only TP rank 0
+    reads (the others get the batch by broadcast; two readers would split or repeat groups)."""
+    layout = Layout(tp=2, sequence_parallel=True)
+    mp = ModelParallel(layout, RankCoords(tp_rank=tp_rank), tp_group=None, expert_dp_group=None)
+    dp = DataParallel(2, dp_rank, model=mp)
+    config = _config(tiny_model_dir, cache.target, "data.source=feed", "data.group_size=4")
+    feed = FeedPlans(config, dp, cache.client)
+    assert (feed.consumer is not None) == (dp_rank == tp_rank == 0)
+    feed.close()
 
 
 def test_a_route_cache_that_wants_a_token_gets_the_configured_one(
