@@ -28,6 +28,7 @@ import torch
 from routereplay.record import Record
 from trainer.batch import PaddedBatch
 from trainer.data import Sample
+from trainer.reshard import padded_length
 
 TARGET_MODULUS = 8
 REWARD_RULE = f"fraction of generated tokens whose id is a multiple of {TARGET_MODULUS}"
@@ -128,14 +129,19 @@ def micro_batches(
     advantages: np.ndarray,
     size: int,
     padding_side: str,
+    multiple: int = 1,
 ) -> list[MicroBatch]:
-    """Split a batch into micro-batches of ``size`` samples, each padded on its own."""
+    """Split a batch into micro-batches of ``size`` samples, each padded on its own to its
+    longest sample rounded up to a multiple of ``multiple`` (a parallel layout's: sequence
+    parallelism splits the sequence over the TP ranks)."""
     out = []
     for lo in range(0, len(samples), size):
         chunk = list(samples[lo : lo + size])
+        longest = max(s.token_ids.size for s in chunk)
         batch = PaddedBatch.from_samples(
-            [s.sample_id for s in chunk], [s.token_ids for s in chunk], padding_side=padding_side
-        )
+            [s.sample_id for s in chunk], [s.token_ids for s in chunk], padding_side=padding_side,
+            max_length=padded_length(longest, multiple),
+        )  # fmt: skip
         generated = torch.zeros(batch.token_ids.shape, dtype=torch.bool)
         rollout = torch.full(batch.token_ids.shape, float("nan"))
         for b, s in enumerate(chunk):

@@ -33,7 +33,6 @@ nothing: routes name global experts and the dispatcher sends tokens to the rank 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections import defaultdict
 
@@ -43,13 +42,12 @@ import torch
 from routereplay.record import Record, Turn
 from trainer import metrics, rl
 from trainer.align import align_routes, routes_from_recorded
-from trainer.batch import PaddedBatch
 from trainer.config import ReplayMode, TrainerConfig
 from trainer.data import FetchedBatch
 from trainer.dp import SINGLE, DataParallel
 from trainer.model import TrainerModel
 from trainer.r2 import record_pass
-from trainer.reshard import padded_length, shard_padded
+from trainer.reshard import shard_padded
 
 
 class RLStep:
@@ -107,18 +105,6 @@ class RLStep:
             out.append(torch.cat(parts))
         return out
 
-    def _micro_batches(self, samples, records, adv, size: int) -> list[rl.MicroBatch]:
-        """``rl.micro_batches``, each padded to a multiple of the layout's (sequence
-        parallelism splits the sequence over the TP ranks)."""
-        side = self.config.train.padding_side
-        out = rl.micro_batches(samples, records, adv, size, side)
-        multiple = self.mp.layout.multiple if self.mp is not None else 1
-        for i, mb in enumerate(out):
-            seq = padded_length(mb.batch.seq_len, multiple)
-            if seq != mb.batch.seq_len:
-                out[i] = _repadded(mb, seq, side)
-        return out
-
     def _backward(self, replaying: bool):
         return self.built.replay.backward() if replaying else contextlib.nullcontext()
 
@@ -168,7 +154,9 @@ class RLStep:
         samples = fetched.samples
         local_mb = max(cfg.micro_batch_size // dp.size, 1)
         rewards, adv = self._advantages(samples, local_mb)
-        mbs = self._micro_batches(samples, fetched.records, adv, local_mb)
+        multiple = self.mp.layout.multiple if self.mp is not None else 1
+        side = self.config.train.padding_side
+        mbs = rl.micro_batches(samples, fetched.records, adv, local_mb, side, multiple)
         n_mbs = int(dp.max(len(mbs)))  # a rank short of samples still joins every collective
         need_rollout = mode is ReplayMode.R3 or self.compare
         rollout_ids = [self._align(mb, mb.records) for mb in mbs] if need_rollout else None
@@ -387,26 +375,6 @@ class RLStep:
                 **metrics.agreement_from_counts(counts, self.built.geometry.topk),
             },
         }
-
-
-def _repadded(mb: rl.MicroBatch, seq: int, padding_side: str) -> rl.MicroBatch:
-    """``mb`` padded to ``seq`` columns on its padding side."""
-    batch = PaddedBatch.from_samples(
-        mb.batch.sample_ids, [s.token_ids for s in mb.samples], padding_side=padding_side,
-        max_length=seq,
-    )  # fmt: skip
-    extra = seq - mb.batch.seq_len
-
-    def pad(t: torch.Tensor, value) -> torch.Tensor:
-        cols = torch.full((t.shape[0], extra), value, dtype=t.dtype)
-        return torch.cat([cols, t] if padding_side == "left" else [t, cols], dim=1)
-
-    return dataclasses.replace(
-        mb,
-        batch=batch,
-        generated=pad(mb.generated, False),
-        rollout_logp=pad(mb.rollout_logp, float("nan")),
-    )
 
 
 def _topk_counts(natural: list[torch.Tensor], used: list[torch.Tensor]) -> np.ndarray:

@@ -102,6 +102,28 @@ def test_r2_update_passes_replay_the_recorded_routes_after_optimizer_steps(
         np.testing.assert_array_equal(recorded[r.sample_id].routes, r.routes)
 
 
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_micro_batches_pad_to_the_layouts_multiple(rollout_file, rollout, side):
+    """Padded to the longest sample rounded up to the multiple; the extra columns are padding:
+    never generated, no rollout log-prob, and the samples' tokens unmoved on their side."""
+    fetched = _fetch(rollout_file, rollout)
+    adv = np.zeros(8, np.float32)
+    plain = rl.micro_batches(fetched.samples, fetched.records, adv, 4, side)
+    padded = rl.micro_batches(fetched.samples, fetched.records, adv, 4, side, multiple=7)
+    for a, b in zip(plain, padded, strict=True):
+        seq, extra = a.batch.seq_len, b.batch.seq_len - a.batch.seq_len
+        assert b.batch.seq_len % 7 == 0 and 0 <= extra < 7
+        keep = slice(extra, None) if side == "left" else slice(0, seq)
+        pad = slice(0, extra) if side == "left" else slice(seq, None)
+        assert torch.equal(b.batch.token_ids[:, keep], a.batch.token_ids)
+        assert torch.equal(b.generated[:, keep], a.generated)
+        torch.testing.assert_close(b.rollout_logp[:, keep], a.rollout_logp, rtol=0, atol=0,
+                                   equal_nan=True)  # fmt: skip
+        assert not b.generated[:, pad].any() and b.rollout_logp[:, pad].isnan().all()
+        assert torch.equal(b.batch.lengths, a.batch.lengths)
+    assert any(b.batch.seq_len > a.batch.seq_len for a, b in zip(plain, padded, strict=True))
+
+
 def test_replay_file_and_record_file_round_trip(
     tiny_model_dir, rollout_file, rollout, pg_collection, tmp_path
 ):
