@@ -360,7 +360,8 @@ def test_redis_cluster_pods_are_locked_down_and_drain_one_at_a_time():
 
 def start_node(nodes: dict, redis_conf: str, folder: Path, password: str) -> tuple:
     """One cluster node from the StatefulSet's own start command and configuration, run with
-    local folders where the pod mounts its volumes, on free ports on loopback.
+    local folders where the pod mounts its volumes (a restart reuses them, as a pod reuses its
+    volume), on free ports on loopback.
 
     Returns:
         (the sh process, which execs redis-server; the client port)."""
@@ -369,7 +370,7 @@ def start_node(nodes: dict, redis_conf: str, folder: Path, password: str) -> tup
     mounts = sorted(container(nodes)["volumeMounts"], key=lambda m: -len(m["mountPath"]))
     local = {m["mountPath"]: folder / m["name"] for m in mounts}
     for path in local.values():
-        path.mkdir(parents=True)
+        path.mkdir(parents=True, exist_ok=True)
 
     def here(text: str) -> str:
         for mount in mounts:
@@ -428,7 +429,9 @@ def test_redis_cluster_nodes_and_job_make_a_cluster_the_route_cache_uses(tmp_pat
     password (requirepass, and masterauth for the replicas' links); run again, it changes
     nothing and succeeds. Then the route cache, started with the ConfigMap's settings (local
     paths and ports in place of the pod's), writes a record that WAIT 1 saw replicated and
-    reads it back."""
+    reads it back. A replica restarted on a new port rejoins alone. Last, every node is killed
+    and restarted on new ports with its files: the Job reconnects them, with the same roles,
+    and the record reads back."""
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         pytest.skip("redis-server and redis-cli are not installed")
     from route_cache.store import record_key
@@ -471,13 +474,14 @@ def test_redis_cluster_nodes_and_job_make_a_cluster_the_route_cache_uses(tmp_pat
         token = tmp_path / "token"
         token.write_text("t-" + os.urandom(8).hex())
         settings |= {
-            "ROUTE_CACHE_REDIS_URL": f"redis://127.0.0.1:{ports[0]}/0",
             "ROUTE_CACHE_REDIS_PASSWORD_FILE": str(password_file),
             "ROUTE_CACHE_AUTH_TOKEN_FILE": str(token),
         }
+        security = ClientSecurity(token_file=str(token))
+        settings["ROUTE_CACHE_REDIS_URL"] = f"redis://127.0.0.1:{ports[0]}/0"
         cache, target = start_service("route_cache", env={**os.environ, **settings}, quiet=True)
         record = synthetic_record("k8s-cluster-1", SMALL, 300, np.random.default_rng(0))
-        with RouteCacheClient(target, security=ClientSecurity(token_file=str(token))) as client:
+        with RouteCacheClient(target, security=security) as client:
             client.write(record)
             (got,) = client.read_batch([record.sample_id])
         assert_same(got, record)
@@ -486,6 +490,37 @@ def test_redis_cluster_nodes_and_job_make_a_cluster_the_route_cache_uses(tmp_pat
         slot = clients[0].cluster("KEYSLOT", key)
         holders = [c for c in clients if c.cluster("COUNTKEYSINSLOT", slot) > 0]
         assert sorted(c.info("replication")["role"] for c in holders) == ["master", "slave"]
+        stop_process(cache, 5)
+        cache = None
+
+        # One node restarted on a new address (a replica: no failover to wait for) rejoins by
+        # itself, and the others learn its address.
+        i = next(i for i, c in enumerate(clients) if c.info("replication")["role"] == "slave")
+        started[i][0].kill()
+        started[i][0].wait()
+        started[i] = start_node(nodes, redis_conf, tmp_path / f"node-{i}", password)
+        clients[i] = redis.Redis(port=started[i][1], password=password, decode_responses=True)
+        assert cluster_roles(clients) == roles
+
+        # Every node killed and restarted at once on new addresses (as pods get new IPs): the
+        # Job, run again, reconnects them; the cluster and the record come back from disk.
+        for proc, _ in started:
+            proc.kill()
+            proc.wait()
+        started = [start_node(nodes, redis_conf, tmp_path / f"node-{i}", password)
+                   for i in range(len(ports))]  # fmt: skip
+        moved = [port for _, port in started]
+        clients = [redis.Redis(port=port, password=password, decode_responses=True)
+                   for port in moved]  # fmt: skip
+        rejoin = run_create_job(job, moved, password_file)
+        assert rejoin.returncode == 0, rejoin.stdout + rejoin.stderr
+        assert "introducing the nodes" in rejoin.stdout
+        assert cluster_roles(clients) == roles
+        settings["ROUTE_CACHE_REDIS_URL"] = f"redis://127.0.0.1:{moved[0]}/0"
+        cache, target = start_service("route_cache", env={**os.environ, **settings}, quiet=True)
+        with RouteCacheClient(target, security=security) as client:
+            (got,) = client.read_batch([record.sample_id])
+        assert_same(got, record)
     finally:
         if cache is not None:
             stop_process(cache, 5)
