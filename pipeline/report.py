@@ -18,6 +18,10 @@ def mode_lines(mode: str, steps: list[dict]) -> list[str]:
             f"{name} routing: mean {g['mean_abs']:.2e} max {g['max_abs']:.2e}"
             for name, g in sorted(s["gap"].items())
         )
+        followed = s.get("replay_followed")
+        if followed:  # R3: where megatron's routing map sent each routed row
+            exact = " ".join(f"{x:.2%}" for x in followed["exact"])
+            gaps += f"; replayed routing = rollout's on {exact} of routed rows per layer"
         lines.append(
             f"  {mode:8s} step {s['step']}: reward {s['reward_mean']:.3f}, loss "
             f"{s['loss']:+.4f}, natural routing = rollout's on {agree} of tokens per layer; "

@@ -15,7 +15,10 @@ Routing agreement is always measured on the natural pass (the old-logprob pass i
 R2, the comparison pass in R3; without a comparison pass in R3, the natural top-k of the
 replayed pass's router logits). In each update pass, the routers' natural top-k is compared
 with the routes of the old-logprob pass (``update_agreement``): with replay the routes used stay
-those, whatever the optimizer did to the routers; ``disabled`` follows the drift.
+those, whatever the optimizer did to the routers; ``disabled`` follows the drift. In R3 the
+old-logprob pass also checks that replay happened: the experts each router's routing map (its
+output, after replay) sent a token to are compared with the rollout's route for that token
+(``replay_followed``; 1.0 per layer unless replay failed).
 
 Data parallel (``trainer.dp``): each DP rank runs the step on its own samples (its share of
 every global micro-batch); the advantages come from every rank's rewards, each backward's
@@ -75,10 +78,16 @@ class RLStep:
     def _scope(self):
         return self.built.replay.step() if self.built.replay else contextlib.nullcontext()
 
+    def _shard(self, mb: rl.MicroBatch, indices: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's rows of the routes to replay (its sequence shard under TP)."""
+        if self.mp is None:
+            return indices
+        return [shard_padded(i, mb.batch.seq_len, self.mp.layout, self.mp.coords) for i in indices]
+
     def _forward(self, mb: rl.MicroBatch, indices=None, natural=None) -> torch.Tensor:
         b = mb.batch
-        if indices is not None and self.mp is not None:
-            indices = [shard_padded(i, b.seq_len, self.mp.layout, self.mp.coords) for i in indices]
+        if indices is not None:
+            indices = self._shard(mb, indices)
         replay = (
             self.built.replay.forward(indices) if indices is not None else contextlib.nullcontext()
         )
@@ -164,6 +173,7 @@ class RLStep:
 
         # Old-logprob pass.
         old, natural_routes, used_ids, exp_reward = [], [], [], []
+        followed = np.zeros((len(self.built.routers), 2), np.int64)
         r2_records: list[Record] = []
         for i, mb in enumerate(mbs):
             natural = self._natural()
@@ -173,7 +183,9 @@ class RLStep:
                         self.built, [mb.batch], lambda m, b, mb=mb: self._forward(mb)
                     )
                 elif mode is ReplayMode.R3:
-                    logits = self._forward(mb, rollout_ids[i].indices, natural)
+                    with _routing_used(self.built.routers, self.built.geometry.topk) as used:
+                        logits = self._forward(mb, rollout_ids[i].indices, natural)
+                    followed += _topk_counts(used, self._shard(mb, rollout_ids[i].indices))
                 else:
                     logits = self._forward(mb, natural=natural)
             logp = rl.token_logprobs(logits, mb.batch.token_ids)
@@ -212,6 +224,8 @@ class RLStep:
         lap("compare")
 
         report = self._consistency(mbs, old, other, natural_routes)
+        if mode is ReplayMode.R3:
+            report["replay_followed"] = self._replay_followed(followed)
         self.routes_used = (
             [r for mb in mbs for r in mb.records if r is not None]
             if mode is ReplayMode.R3
@@ -331,6 +345,20 @@ class RLStep:
         n = max(len(p) for p in parts)
         return [p[i] for i in range(n) for p in parts if i < len(p)]
 
+    def _replay_followed(self, counts: np.ndarray) -> dict:
+        """Per MoE layer, the fraction of rows with a rollout route whose experts, as megatron's
+        routing map sent them, are exactly the rollout's (every rank's rows summed: DP ranks
+        hold other samples, TP ranks other sequence shards)."""
+        if torch.distributed.is_initialized():
+            total = torch.from_numpy(counts)
+            torch.distributed.all_reduce(total)
+            counts = total.numpy()
+        return {
+            "layers": list(self.built.geometry.moe_layers),
+            "exact": [float(same / rows) if rows else 1.0 for same, rows in counts],
+            "rows": [int(rows) for rows in counts[:, 1]],
+        }
+
     def _gathered_routes(self, mbs) -> list[Record]:
         if self.mode is ReplayMode.R3:
             per_mb = [[r for r in mb.records if r is not None] for mb in mbs]
@@ -375,6 +403,26 @@ class RLStep:
                 **metrics.agreement_from_counts(counts, self.built.geometry.topk),
             },
         }
+
+
+@contextlib.contextmanager
+def _routing_used(routers, topk: int):
+    """Per router, the experts its routing map (megatron's own output, after replay) sent each
+    token of the last call to: int64 ``[tokens, topk]``, filled in as the routers run."""
+    used: list[torch.Tensor | None] = [None] * len(routers)
+
+    def hook(j):
+        def record(module, args, output):
+            used[j] = output[1].detach().float().topk(topk, dim=-1).indices
+
+        return record
+
+    handles = [r.router.register_forward_hook(hook(j)) for j, r in enumerate(routers)]
+    try:
+        yield used
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _topk_counts(natural: list[torch.Tensor], used: list[torch.Tensor]) -> np.ndarray:

@@ -76,6 +76,8 @@ def test_dp2_step_equals_one_rank(tiny_model_dir, records, tmp_path):
     assert got["agreement"] == ref["agreement"]
     assert got["reward_mean"] == ref["reward_mean"]
     assert got["rows"] == ref["rows"]
+    assert got["replay_followed"] == ref["replay_followed"]
+    assert got["replay_followed"]["exact"] == [1.0, 1.0, 1.0]
     assert got["samples"] == ref["samples"] == 4
     assert got["update_agreement"] == ref["update_agreement"]
     assert got["loss"] == pytest.approx(ref["loss"], abs=1e-6)

@@ -211,6 +211,9 @@ def test_missing_records_fail_or_train_natively(
     assert report["missing_records"] == 1
     routed = sum(r.token_ids.size - 1 for r in rollout[:4])
     assert report["rows"]["replayed"] == routed
+    # Every row with a route, and only those, went where the rollout's route says.
+    followed = report["replay_followed"]
+    assert followed["rows"] == [routed] * 3 and followed["exact"] == [1.0] * 3
     assert report["rows"]["valid"] == routed + 4 + rollout[4].token_ids.size
 
 
@@ -260,8 +263,11 @@ def test_bf16_trainer_against_float32_rollout_replay_closes_the_gap(
         "train.ppo_epochs=1",
     )  # fmt: skip
     _, _, report = _step(config, pg_collection, rollout)
-    # bf16 flips near-ties: the trainer's natural routing misses the rollout's on some tokens.
+    # bf16 flips near-ties: the trainer's natural routing misses the rollout's on some tokens,
+    # while megatron's routing map under replay follows the rollout's routes on every row.
     assert min(report["agreement"]["exact"]) < 1.0
+    assert report["replay_followed"]["exact"] == [1.0] * 3
+    assert min(report["replay_followed"]["rows"]) > 0
     natural, replayed = report["gap"]["natural"], report["gap"]["replayed"]
     assert replayed["max_abs"] < natural["max_abs"]
     assert replayed["mean_abs"] < natural["mean_abs"]

@@ -172,6 +172,8 @@ def test_rl_steps_under_tp_and_ep_equal_one_rank(
     for ref, step in zip(reference, got, strict=True):
         for key in ("samples", "reward_mean", "rows", "agreement", "update_agreement"):
             assert step[key] == ref[key], key
+        # R3: every rank's routed rows, summed, followed the rollout's routes as on one rank.
+        assert step.get("replay_followed") == ref.get("replay_followed")
         assert step["loss"] == pytest.approx(ref["loss"], abs=LOSS_ATOL)
         assert step["expected_reward"] == pytest.approx(ref["expected_reward"], abs=LOSS_ATOL)
         for name, gap in ref["gap"].items():
