@@ -102,6 +102,23 @@ def load_checkpoint(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> No
     model.load_state_dict(local_weights(model, full), strict=False)
 
 
+def megatron_config(
+    model_dir: str | Path, routing_replay: bool, load_weights: bool, overrides: dict[str, Any]
+) -> tuple[dict[str, Any], Any]:
+    """The checkpoint's ``config.json`` and the ``TransformerConfig`` built from it (with the
+    CPU patches applied first, and a replay configuration checked)."""
+    cpu_compat.apply()
+    hf_config = read_hf_config(model_dir)
+    settings: dict[str, Any] = {"use_cpu_initialization": not torch.cuda.is_available()}
+    if load_weights:
+        settings["perform_initialization"] = False  # every parameter is loaded afterwards
+    settings.update(overrides)
+    config = transformer_config(hf_config, routing_replay=routing_replay, **settings)
+    if routing_replay:
+        check_replay_config(config)
+    return hf_config, config
+
+
 def moe_routers(model: torch.nn.Module) -> list[replay.ReplayRouter]:
     """The model's top-k routers by global (0-based) decoder layer number, ascending.
 
@@ -145,15 +162,7 @@ def build_model(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    cpu_compat.apply()
-    hf_config = read_hf_config(model_dir)
-    overrides: dict[str, Any] = {"use_cpu_initialization": not torch.cuda.is_available()}
-    if load_weights:
-        overrides["perform_initialization"] = False  # every parameter is loaded below
-    overrides.update(config_overrides)
-    config = transformer_config(hf_config, routing_replay=routing_replay, **overrides)
-    if routing_replay:
-        check_replay_config(config)
+    hf_config, config = megatron_config(model_dir, routing_replay, load_weights, config_overrides)
     # The registry is class-level: without a reset, a second build would double-register.
     RouterReplay.clear_global_router_replay_instances()
     if config.virtual_pipeline_model_parallel_size is not None:

@@ -33,16 +33,14 @@ from typing import Any
 import torch
 
 from routereplay.record import Geometry
-from trainer import cpu_compat, replay
+from trainer import replay
 from trainer.hf_config import (
     UnsupportedConfig,
     gpt_model_args,
     model_geometry,
-    read_hf_config,
-    transformer_config,
 )
 from trainer.hf_weights import hf_to_megatron, load_hf_state_dict
-from trainer.model import check_replay_config, load_checkpoint, moe_routers
+from trainer.model import load_checkpoint, megatron_config, moe_routers
 from trainer.replay import RouterReplayControl
 from trainer.reshard import PipelineSplit, check_stage_routers, stage_moe_layers
 
@@ -124,14 +122,7 @@ def build_model_chunks(
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    cpu_compat.apply()
-    hf_config = read_hf_config(model_dir)
-    overrides: dict[str, Any] = {"use_cpu_initialization": not torch.cuda.is_available()}
-    if load_weights:
-        overrides["perform_initialization"] = False  # every parameter is loaded below
-    overrides.update(config_overrides)
-    config = transformer_config(hf_config, routing_replay=True, **overrides)
-    check_replay_config(config)
+    hf_config, config = megatron_config(model_dir, True, load_weights, config_overrides)
     vp = config.virtual_pipeline_model_parallel_size
     if vp is None:
         raise UnsupportedConfig("build_model_chunks needs virtual_pipeline_model_parallel_size")
