@@ -104,12 +104,16 @@ def test_sigterm_lets_an_in_flight_stream_finish(redis_node, sid):
     def write():
         with grpc.insecure_channel(f"127.0.0.1:{cache.port}") as channel:
             stub = route_cache_pb2_grpc.RouteCacheStub(channel)
-            results.append(stub.WriteRecord(slow(requests, 3, reached, 0.1), timeout=30))
+            results.append(stub.WriteRecord(slow(requests, 3, reached, 0.3), timeout=30))
 
     writer = threading.Thread(target=write)
     writer.start()
     try:
         assert reached.wait(20)
+        # The client has sent 3 chunks; give the server a moment to take up the call (a call
+        # it has not yet begun to handle when it stops is cancelled, not finished). The rest
+        # of the stream still takes about 2 s, well inside the 10 s grace.
+        time.sleep(0.5)
         cache.signal(signal.SIGTERM)
         writer.join(30)
         assert results and results[0].num_rows == 1999
