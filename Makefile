@@ -1,6 +1,6 @@
 # One entry point for setting up, running and testing Router Replay.
 #   make demo    set up (first time) and run the main job
-#   make test    set up (first time) and run the test suite
+#   make test    set up (first time) and run the test suite (and the policy scanner's venv)
 #   make bench   set up and run every benchmark (BENCH_ARGS=--quick: a smoke run)
 
 PYTHON ?= python3
@@ -10,9 +10,13 @@ PY := $(VENV)/bin/python
 # of pyproject.toml, not compared by date: a fresh clone must not reinstall a cached venv.
 DEPS_STAMP := $(VENV)/.deps-$(shell cat pyproject.toml | sha256sum | cut -c1-16)
 PROTOS := $(wildcard proto/routereplay/v1/*.proto)
+# The policy scanner of the deployment files (checkov), in an environment of its own: its exact
+# pins would downgrade packages torch and vLLM run with. Rebuilt when its requirement changes.
+CHECKOV_VENV ?= $(VENV)-checkov
+CHECKOV_STAMP := $(CHECKOV_VENV)/.req-$(shell cat tools/checkov-requirements.txt | sha256sum | cut -c1-16)
 STUBS_STAMP := routereplay/v1/.generated
 
-.PHONY: setup proto demo test lint bench clean
+.PHONY: setup proto checkov demo test lint bench clean
 
 setup: $(DEPS_STAMP) $(STUBS_STAMP)
 	@$(PY) -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
@@ -31,11 +35,18 @@ proto $(STUBS_STAMP): $(PROTOS) $(DEPS_STAMP)
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 	touch $(STUBS_STAMP)
 
+checkov: $(CHECKOV_STAMP)
+
+$(CHECKOV_STAMP):
+	test -x $(CHECKOV_VENV)/bin/python || $(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/pip install -q -r tools/checkov-requirements.txt
+	rm -f $(CHECKOV_VENV)/.req-* && touch $@
+
 demo: setup
 	$(PY) -m pipeline
 
-test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+test: setup checkov
+	CHECKOV=$(CHECKOV_VENV)/bin/checkov $(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: setup
 	$(PY) -m ruff check .
@@ -45,4 +56,4 @@ bench: setup
 	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) routereplay/v1 build *.egg-info
+	rm -rf $(VENV) $(CHECKOV_VENV) routereplay/v1 build *.egg-info

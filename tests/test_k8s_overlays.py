@@ -1,7 +1,8 @@
 """The Kubernetes base (``k8s/base``), its overlays (``k8s/overlays/cpu-demo``,
-``k8s/overlays/gpu``, ``k8s/overlays/redis-cluster``), its policies and the Redis Cluster
-component (``k8s/components/redis-cluster``), checked offline: rendered by kustomize (``kubectl
-kustomize``, with its default load restrictions), every object validated by
+``k8s/overlays/gpu``, ``k8s/overlays/redis-cluster``), the trainer's runs (``k8s/trainer`` and
+each overlay's ``trainer``), its policies, the image setting (``k8s/components/images``) and
+the Redis Cluster component (``k8s/components/redis-cluster``), checked offline: rendered by
+kustomize (``kubectl kustomize``, with its default load restrictions), every object validated by
 ``kubernetes-validate --strict``, and what each overlay promises read back from the render. A
 broken overlay is shown to fail both checks. The cluster's start command, configuration and
 create Job run for real against local ``redis-server`` processes, and the route cache runs with
@@ -10,6 +11,7 @@ the manifest's settings against the cluster they made."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -33,6 +35,14 @@ OVERLAYS = ("cpu-demo", "gpu")
 CLUSTER = K8S / "overlays" / "redis-cluster"
 COMPONENT = K8S / "components" / "redis-cluster"
 NAME = "app.kubernetes.io/name"
+# Each pipeline (None: the base) and the kustomization of its training run.
+PIPELINES = (None, *OVERLAYS, "redis-cluster")
+RUNS = {
+    None: K8S / "trainer",
+    "cpu-demo": K8S / "overlays" / "cpu-demo" / "trainer",
+    "gpu": K8S / "overlays" / "gpu" / "trainer",
+    "redis-cluster": K8S / "trainer",
+}
 
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
 
@@ -45,6 +55,15 @@ def objects(folder: Path) -> dict[tuple[str, str], dict]:
     result = render(folder)
     assert result.returncode == 0, result.stderr
     return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(result.stdout)}
+
+
+def pipeline(overlay: str | None) -> Path:
+    return K8S / "overlays" / overlay if overlay else BASE
+
+
+def with_run(overlay: str | None) -> dict[tuple[str, str], dict]:
+    """A pipeline's objects and its training run's, as both applies leave them."""
+    return objects(pipeline(overlay)) | objects(RUNS[overlay])
 
 
 def validate(folder: Path, tmp_path: Path) -> subprocess.CompletedProcess:
@@ -87,11 +106,14 @@ def selects(selector: dict, labels: dict) -> bool:
     return True
 
 
-@pytest.mark.parametrize("overlay", [*OVERLAYS, "redis-cluster"])
-def test_overlay_renders_and_validates_strictly(overlay, tmp_path):
+@pytest.mark.parametrize(
+    "folder", ["overlays/cpu-demo", "overlays/gpu", "overlays/redis-cluster", "trainer",
+               "overlays/cpu-demo/trainer", "overlays/gpu/trainer"]
+)  # fmt: skip
+def test_overlay_renders_and_validates_strictly(folder, tmp_path):
     if not VALIDATE.exists():
         pytest.skip("kubernetes-validate is not installed")
-    result = validate(K8S / "overlays" / overlay, tmp_path)
+    result = validate(K8S / folder, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -100,14 +122,26 @@ def test_overlay_is_the_base_plus_patches(overlay):
     """Same objects as the base (none lost, none added): the base folder is its only resource."""
     mine = yaml.safe_load((K8S / "overlays" / overlay / "kustomization.yaml").read_text())
     assert mine["resources"] == ["../../base"]
-    assert "components" not in mine  # the base brings the policies
+    # The base brings the policies; an overlay's components only choose images.
+    images = {"../../components/gpu-images", "../../components/images"}
+    assert set(mine.get("components", [])) <= images
     assert objects(K8S / "overlays" / overlay).keys() == objects(BASE).keys()
 
 
 def test_only_clients_reach_the_route_cache_and_only_it_reaches_redis():
-    rendered = objects(BASE)
+    """Also: the rollout servers take calls from anywhere on their gRPC port only, and the
+    trainer's ranks only from each other (on any port: collectives pick theirs)."""
+    rendered = with_run(None)
     labels = pod_labels(rendered)
     policies = [obj for (kind, _), obj in rendered.items() if kind == "NetworkPolicy"]
+    (serving,) = [p for p in policies if selects(p["spec"]["podSelector"],
+                                                 labels["rollout-server"])]  # fmt: skip
+    assert serving["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 50052}]}]
+    (ranks,) = [p for p in policies if selects(p["spec"]["podSelector"], labels["trainer"])]
+    (rule,) = ranks["spec"]["ingress"]
+    assert "ports" not in rule
+    assert {app for app, pod in labels.items() for peer in rule["from"]
+            if selects(peer["podSelector"], pod)} == {"trainer"}  # fmt: skip
     for target, allowed, port in (
         ("route-cache", {"rollout-server", "trainer"}, 50051),
         ("redis", {"route-cache"}, 6379),
@@ -130,6 +164,9 @@ def test_only_clients_reach_the_route_cache_and_only_it_reaches_redis():
 
 @pytest.mark.parametrize("overlay", [None, *OVERLAYS, "redis-cluster"])
 def test_route_cache_scales_and_keeps_a_replica_through_drains(overlay):
+    """The autoscaler alone owns the route cache's replica count (a count in the Deployment
+    would reset it on every apply); the disruption budgets of the route cache and of the
+    rollout servers let drains evict one pod at a time."""
     rendered = objects(K8S / "overlays" / overlay if overlay else BASE)
     deployment = rendered[("Deployment", "route-cache")]
     hpa = rendered[("HorizontalPodAutoscaler", "route-cache")]
@@ -137,20 +174,25 @@ def test_route_cache_scales_and_keeps_a_replica_through_drains(overlay):
     target = hpa["spec"]["scaleTargetRef"]
     assert (target["kind"], target["name"]) == ("Deployment", "route-cache")
     spec = hpa["spec"]
-    assert 1 <= spec["minReplicas"] <= deployment["spec"]["replicas"] <= spec["maxReplicas"]
+    assert "replicas" not in deployment["spec"]
+    assert 1 <= spec["minReplicas"] <= spec["maxReplicas"]
     assert "cpu" in container(deployment)["resources"]["requests"]  # utilisation needs it
     assert selects(pdb["spec"]["selector"], deployment["spec"]["template"]["metadata"]["labels"])
-    # A budget that allows no eviction at the overlay's replica count would block drains.
-    replicas = deployment["spec"]["replicas"]
+    # A budget that allows no eviction at the fewest replicas would block drains.
+    replicas = spec["minReplicas"]
     allowed = pdb["spec"].get("maxUnavailable", replicas - pdb["spec"].get("minAvailable", 0))
     assert allowed >= 1
+    servers = rendered[("Deployment", "rollout-server")]
+    budget = rendered[("PodDisruptionBudget", "rollout-server")]
+    assert selects(budget["spec"]["selector"], servers["spec"]["template"]["metadata"]["labels"])
+    assert budget["spec"]["maxUnavailable"] == 1
 
 
 def test_cpu_demo_is_one_small_replica_each():
-    rendered = objects(K8S / "overlays" / "cpu-demo")
-    base = objects(BASE)
-    for name in ("route-cache", "rollout-server"):
-        assert rendered[("Deployment", name)]["spec"]["replicas"] == 1
+    rendered = with_run("cpu-demo")
+    base = with_run(None)
+    assert rendered[("Deployment", "rollout-server")]["spec"]["replicas"] == 1
+    assert rendered[("HorizontalPodAutoscaler", "route-cache")]["spec"]["minReplicas"] == 1
     for key, obj in rendered.items():
         if key[0] in ("Deployment", "Job"):
             image = container(obj)["image"]
@@ -161,7 +203,7 @@ def test_cpu_demo_is_one_small_replica_each():
 
 
 def test_gpu_overlay_gives_each_rollout_server_and_trainer_rank_a_gpu():
-    rendered = objects(K8S / "overlays" / "gpu")
+    rendered = with_run("gpu")
     for key in (("Deployment", "rollout-server"), ("Job", "trainer")):
         obj = rendered[key]
         c = container(obj)
@@ -257,13 +299,14 @@ def test_redis_cluster_component_goes_on_any_overlay(overlay, tmp_path):
         ("StatefulSet", "redis-cluster"),
         ("PodDisruptionBudget", "redis-cluster"),
         ("Job", "redis-cluster-create"),
+        ("NetworkPolicy", "redis-cluster-create"),
     }
     assert after.keys() == (before.keys() - gone) | added
-    assert ("Secret", "redis") in after
+    assert not [key for key in after if key[0] == "Secret"]  # the existing one is used
     # The overlay's own changes survive (replicas, images).
     for key in (("Deployment", "route-cache"), ("Deployment", "rollout-server")):
         assert container(after[key])["image"] == container(before[key])["image"]
-        assert after[key]["spec"]["replicas"] == before[key]["spec"]["replicas"]
+        assert after[key]["spec"].get("replicas") == before[key]["spec"].get("replicas")
 
 
 def test_route_cache_speaks_cluster_to_the_cluster_service():
@@ -521,9 +564,204 @@ def test_redis_cluster_nodes_and_job_make_a_cluster_the_route_cache_uses(tmp_pat
         with RouteCacheClient(target, security=security) as client:
             (got,) = client.read_batch([record.sample_id])
         assert_same(got, record)
+
+        # A replica that lost its volume (a new pod, an empty disk) comes back knowing only
+        # itself: the Job, run again, has the others forget its old identity and attaches it
+        # as a replica again; all six nodes are in the cluster, three a role.
+        i = next(i for i, c in enumerate(clients) if c.info("replication")["role"] == "slave")
+        started[i][0].kill()
+        started[i][0].wait()
+        shutil.rmtree(tmp_path / f"node-{i}" / "data")
+        started[i] = start_node(nodes, redis_conf, tmp_path / f"node-{i}", password)
+        clients[i] = redis.Redis(port=started[i][1], password=password, decode_responses=True)
+        assert int(clients[i].cluster("INFO")["cluster_known_nodes"]) == 1
+        reattach = run_create_job(job, [port for _, port in started], password_file)
+        assert reattach.returncode == 0, reattach.stdout + reattach.stderr
+        assert "attaching the empty node" in reattach.stdout
+        assert sorted(cluster_roles(clients).values()) == ["master"] * 3 + ["slave"] * 3
+        with RouteCacheClient(target, security=security) as client:
+            (got,) = client.read_batch([record.sample_id])
+        assert_same(got, record)
     finally:
         if cache is not None:
             stop_process(cache, 5)
         for proc, _ in started:
             proc.kill()
             proc.wait()
+
+
+def workloads(rendered: dict) -> list[dict]:
+    return [o for (kind, _), o in rendered.items() if kind in ("Deployment", "StatefulSet", "Job")]
+
+
+@pytest.mark.parametrize("overlay", PIPELINES)
+def test_an_apply_writes_no_secret_and_starts_no_training(overlay):
+    """``kubectl apply -k`` of a pipeline brings no Secret (it would reset the real ones) and
+    no trainer Job (it would start before prompts flow); the run's own kustomization has the
+    Job, and no Secret either. The pods name only the three Secrets the guide makes."""
+    rendered = objects(pipeline(overlay))
+    run = objects(RUNS[overlay])
+    assert [key for key in rendered if key[0] == "Secret"] == []
+    assert [key for key in run if key[0] == "Secret"] == []
+    assert [w for w in workloads(rendered) if w["metadata"]["name"] == "trainer"] == []
+    assert [w["metadata"]["name"] for w in workloads(run)] == ["trainer"]
+    named = {
+        volume["secret"]["secretName"]
+        for w in workloads(rendered | run)
+        for volume in pod_spec(w).get("volumes", [])
+        if "secret" in volume
+    }
+    guide = (ROOT / "docs" / "deployment.md").read_text()
+    assert named == {"redis", "route-cache-token", "rollout-server-token"}
+    for name in named:
+        assert f"kubectl create secret generic {name} " in guide, name
+
+
+def image_setting(k8s: Path = K8S) -> dict[str, str]:
+    """The image setting: each short name and the image it becomes."""
+    setting = yaml.safe_load((k8s / "components" / "images" / "kustomization.yaml").read_text())
+    return {e["name"]: f"{e['newName']}:{e['newTag']}" for e in setting["images"]}
+
+
+@pytest.mark.parametrize("overlay", PIPELINES)
+def test_every_image_comes_from_the_one_image_setting(overlay, tmp_path):
+    """Every container of a pipeline and of its run has an image the setting gives (the
+    manifests name short names only); a registry set there moves every one of them."""
+    setting = image_setting()
+    rendered = with_run(overlay)
+    images = [c["image"] for w in workloads(rendered) for c in pod_spec(w)["containers"]]
+    assert images and set(images) <= set(setting.values()), set(images) - set(setting.values())
+    copy = tmp_path / "k8s"
+    shutil.copytree(K8S, copy)
+    component = copy / "components" / "images" / "kustomization.yaml"
+    component.write_text(component.read_text().replace("registry.example.com", "reg.internal:5000"))
+    moved = objects(copy / pipeline(overlay).relative_to(K8S))
+    moved |= objects(copy / RUNS[overlay].relative_to(K8S))
+    ours = [c["image"] for w in workloads(moved) for c in pod_spec(w)["containers"]
+            if "router-replay/" in c["image"]]  # fmt: skip
+    assert ours and all(i.startswith("reg.internal:5000/router-replay/") for i in ours), ours
+
+
+@pytest.mark.parametrize("overlay", PIPELINES)
+def test_every_pod_meets_the_restricted_pod_security_level(overlay):
+    """Non-root with a high uid, the runtime's seccomp profile, no privilege escalation, no
+    capabilities, a read-only root filesystem; no service account token mounted."""
+    for w in workloads(with_run(overlay)):
+        name = w["metadata"]["name"]
+        pod = pod_spec(w)
+        security = pod["securityContext"]
+        assert security["runAsNonRoot"] is True, name
+        assert security["runAsUser"] >= 10000, name
+        assert security["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert pod["automountServiceAccountToken"] is False, name
+        for c in pod["containers"]:
+            assert c["securityContext"] == {
+                "allowPrivilegeEscalation": False,
+                "readOnlyRootFilesystem": True,
+                "capabilities": {"drop": ["ALL"]},
+            }, name
+
+
+def service_settings(rendered: dict, c: dict) -> dict[str, str]:
+    """A container's environment: its own values and its ConfigMaps', secret files left out
+    (they are not on this machine)."""
+    settings = {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
+    for source in c.get("envFrom", []):
+        settings |= rendered[("ConfigMap", source["configMapRef"]["name"])]["data"]
+    return {k: v for k, v in settings.items() if not k.endswith("_FILE")}
+
+
+def pre_stop_s(c: dict) -> float:
+    command = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep", command
+    return float(command[1])
+
+
+def budget_parsers():
+    from rollout_server.config import parse_config as rollout_config
+    from route_cache.config import parse_config as cache_config
+
+    return {"route-cache": (cache_config, "ROUTE_CACHE_GRACE_S"),
+            "rollout-server": (rollout_config, "ROLLOUT_SERVER_GRACE_S")}  # fmt: skip
+
+
+@pytest.mark.parametrize("overlay", PIPELINES)
+def test_termination_grace_exceeds_each_service_shutdown_budget(overlay):
+    """The kubelet kills a pod terminationGracePeriodSeconds after it starts stopping it: more
+    than the preStop pause plus the service's own shutdown budget, read from its configuration
+    with the manifest's settings, so the two cannot drift apart. A longer grace set in the
+    manifest alone would fail the check."""
+    rendered = objects(pipeline(overlay))
+    for name, (parse, grace_setting) in budget_parsers().items():
+        deployment = rendered[("Deployment", name)]
+        c = container(deployment)
+        settings = service_settings(rendered, c)
+        assert grace_setting in settings, name  # set where an operator sees it
+        budget = parse([], env=settings).shutdown_budget_s
+        grace = pod_spec(deployment)["terminationGracePeriodSeconds"]
+        assert grace > pre_stop_s(c) + budget, (name, grace, budget)
+        longer = parse([], env=settings | {grace_setting: str(grace)}).shutdown_budget_s
+        assert not grace > pre_stop_s(c) + longer, name
+
+
+def test_probes_ask_liveness_of_the_process_and_readiness_of_its_dependencies():
+    """Liveness asks the health name that stays SERVING while the process lives (a Redis
+    outage restarts no route cache); readiness asks the service's own name, which follows its
+    dependencies; the Redis nodes are probed on their port."""
+    from rollout_server.server import SERVICE_NAME as ROLLOUT
+    from route_cache.server import SERVICE_NAME as ROUTE_CACHE
+    from routereplay.grpc_server import LIVENESS
+
+    rendered = objects(BASE) | objects(CLUSTER)
+    for name, service in (("route-cache", ROUTE_CACHE), ("rollout-server", ROLLOUT)):
+        c = container(rendered[("Deployment", name)])
+        assert c["livenessProbe"]["grpc"]["service"] == LIVENESS, name
+        assert c["readinessProbe"]["grpc"]["service"] == service, name
+    for key in (("StatefulSet", "redis"), ("StatefulSet", "redis-cluster")):
+        assert container(rendered[key])["livenessProbe"]["tcpSocket"] == {"port": "redis"}
+
+
+@pytest.mark.parametrize("overlay", PIPELINES)
+def test_threads_follow_the_cpu_request(overlay):
+    """torch and vLLM would size their thread pools to the node's cores: OMP_NUM_THREADS comes
+    from the container's CPU request, and vLLM's own core binding is off on the servers."""
+    rendered = with_run(overlay)
+    for key in (("Deployment", "rollout-server"), ("Job", "trainer")):
+        c = container(rendered[key])
+        env = {e["name"]: e for e in c["env"]}
+        source = env["OMP_NUM_THREADS"]["valueFrom"]["resourceFieldRef"]
+        assert source == {"resource": "requests.cpu", "divisor": "1"}, key
+        assert "cpu" in c["resources"]["requests"], key
+    env = {
+        e["name"]: e.get("value")
+        for e in container(rendered[("Deployment", "rollout-server")])["env"]
+    }
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+
+
+def image_env(dockerfile: Path) -> dict[str, str]:
+    """The ENV settings of a Dockerfile's final stage."""
+    final = dockerfile.read_text().rsplit("\nFROM ", 1)[1].replace("\\\n", " ")
+    return {k: v for line in re.findall(r"^ENV (.+)$", final, re.M)
+            for k, v in re.findall(r"(\w+)=(\S+)", line)}  # fmt: skip
+
+
+@pytest.mark.parametrize("overlay", [None, "gpu"])
+def test_rollout_server_caches_are_on_a_writable_volume(overlay):
+    """The root filesystem is read-only: every folder the server's settings name (the image's
+    ENV and the manifest's env together: torch.compile, Triton, FlashInfer and vLLM caches,
+    vLLM's configuration, the tiny model) lies on a volume mounted from an emptyDir."""
+    rendered = objects(pipeline(overlay))
+    deployment = rendered[("Deployment", "rollout-server")]
+    c = container(deployment)
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    dockerfile = ROOT / "rollout_server" / ("Dockerfile.gpu" if overlay == "gpu" else "Dockerfile")
+    assert c["image"].endswith(":0.1.0") and ("-gpu" in c["image"]) == (overlay == "gpu")
+    env = image_env(dockerfile) | {e["name"]: e["value"] for e in c["env"] if "value" in e}
+    folders = {k: v for k, v in env.items() if k.endswith(("_HOME", "_DIR", "_ROOT", "_BASE"))}
+    assert {"XDG_CACHE_HOME", "TRITON_HOME", "TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT",
+            "ROLLOUT_SERVER_TINY_MODEL_DIR"} <= folders.keys()  # fmt: skip
+    scratch = {v["name"] for v in pod_spec(deployment)["volumes"] if "emptyDir" in v}
+    mounts = [Path(m["mountPath"]) for m in c["volumeMounts"] if m["name"] in scratch]
+    for key, folder in folders.items():
+        assert any(m == Path(folder) or m in Path(folder).parents for m in mounts), key
