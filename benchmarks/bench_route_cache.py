@@ -10,20 +10,27 @@ distribution (uniform, Zipf-like per layer), in the same run against the same Re
   streams them back in one batch call (``benchmarks/raw_grpc.py``): the transport's floor;
 - service: the records written one by one through the route cache (validated, checksummed,
   chunked over gRPC, committed by Lua) and read back in one ReadBatch stream (checksums
-  verified, decoded to numpy).
+  verified, decoded to numpy); and the same batch read with a layer selection of a quarter of
+  the MoE layers (what one stage of a 4-stage pipeline reads), in MiB/s of the bytes it reads.
+
+With ``--pin-service CPU`` both gRPC services (the route cache and the raw one) run on that
+core alone and this process on the others: the service's own cost without the client and
+Redis competing for its core.
 
 Prints and records median throughput over repeats, the service/redis-py ratio (target: at
 least 0.5 for write and batch read) and the service/raw gRPC ratio, and bytes per token of
 the routes as int32, int16, raw uint8 and this project's stored forms (target: at most raw
 uint8).
 
-Usage: python benchmarks/bench_route_cache.py [--quick] [--redis-url URL]
+Usage: python benchmarks/bench_route_cache.py [--quick] [--redis-url URL] [--pin-service CPU]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import subprocess
 import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -93,6 +100,8 @@ def bench_case(args, raw_client, grpc_client, cache, writers, geometry, tokens, 
     result["grpc_write_mibs"] = route_bytes / median_time(grpc_write, args.repeats) / MIB
     result["grpc_read_mibs"] = route_bytes / median_time(grpc_read, args.repeats) / MIB
 
+    stage = range(geometry.num_moe_layers // 4)  # one stage of a 4-stage pipeline
+    stage_bytes = route_bytes * len(stage) // geometry.num_moe_layers
     ids: list[str] = []
     for encoding in (Encoding.RAW, Encoding.ZSTD):
         cache.encoding = encoding
@@ -107,9 +116,16 @@ def bench_case(args, raw_client, grpc_client, cache, writers, geometry, tokens, 
             got = list(cache.read_batch(ids))
             assert sum(r.routes.nbytes for r in got) == route_bytes
 
+        def service_stage_read():
+            got = list(cache.read_batch(ids, layers=stage))
+            assert sum(r.routes.nbytes for r in got) == stage_bytes
+
         tag = f"service_{encoding.value}"
         result[f"{tag}_write_mibs"] = route_bytes / median_time(service_write, args.repeats) / MIB
         result[f"{tag}_read_mibs"] = route_bytes / median_time(service_read, args.repeats) / MIB
+        result[f"{tag}_stage_read_mibs"] = (
+            stage_bytes / median_time(service_stage_read, args.repeats) / MIB
+        )
         stat = cache.stat(ids[0])
         result[f"{tag}_record_bytes_per_token"] = stat.stored_bytes / stat.num_tokens
         encoded = encode_routes(records[0].routes, encoding)
@@ -123,25 +139,32 @@ def bench_case(args, raw_client, grpc_client, cache, writers, geometry, tokens, 
     result["read_ratio"] = result["service_raw_read_mibs"] / result["redis_read_mibs"]
     result["write_ratio_grpc"] = result["service_raw_write_mibs"] / result["grpc_write_mibs"]
     result["read_ratio_grpc"] = result["service_raw_read_mibs"] / result["grpc_read_mibs"]
+    result["stage_read_ratio_grpc"] = (
+        result["service_raw_stage_read_mibs"] / result["grpc_read_mibs"]
+    )
     return result
 
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| geometry | tokens | routes | redis-py write / read | raw gRPC write / read "
-        "| service write / read | **service / redis-py** | **service / raw gRPC** "
-        "| service zstd write / read |",
-        "|---" * 9 + "|",
+        "| geometry | tokens | routes | **service / raw gRPC write / read** "
+        "| **stage read / raw gRPC read** | service / redis-py write / read "
+        "| raw gRPC write / read | service write / read / stage read | redis-py write / read "
+        "| service zstd write / read / stage read |",
+        "|---" * 10 + "|",
     ]
     for r in results:
         lines.append(
             f"| {r['geometry']} | {r['tokens']} | {r['dist']} "
-            f"| {r['redis_write_mibs']:.0f} / {r['redis_read_mibs']:.0f} "
-            f"| {r['grpc_write_mibs']:.0f} / {r['grpc_read_mibs']:.0f} "
-            f"| {r['service_raw_write_mibs']:.0f} / {r['service_raw_read_mibs']:.0f} "
-            f"| **{r['write_ratio']:.2f} / {r['read_ratio']:.2f}** "
             f"| **{r['write_ratio_grpc']:.2f} / {r['read_ratio_grpc']:.2f}** "
-            f"| {r['service_zstd_write_mibs']:.0f} / {r['service_zstd_read_mibs']:.0f} |"
+            f"| **{r['stage_read_ratio_grpc']:.2f}** "
+            f"| {r['write_ratio']:.2f} / {r['read_ratio']:.2f} "
+            f"| {r['grpc_write_mibs']:.0f} / {r['grpc_read_mibs']:.0f} "
+            f"| {r['service_raw_write_mibs']:.0f} / {r['service_raw_read_mibs']:.0f} / "
+            f"{r['service_raw_stage_read_mibs']:.0f} "
+            f"| {r['redis_write_mibs']:.0f} / {r['redis_read_mibs']:.0f} "
+            f"| {r['service_zstd_write_mibs']:.0f} / {r['service_zstd_read_mibs']:.0f} / "
+            f"{r['service_zstd_stage_read_mibs']:.0f} |"
         )
     lines += [
         "",
@@ -161,12 +184,42 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def pin(cpu: int, pids: list[int | None]) -> None:
+    """Every thread of the service processes on ``cpu``; this process and Redis elsewhere."""
+    service_pids = [p for p in pids[:2] if p is not None]
+    for pid in service_pids:
+        subprocess.run(["taskset", "-a", "-p", "-c", str(cpu), str(pid)], check=True,
+                       stdout=subprocess.DEVNULL)  # fmt: skip
+    others = set(range(os.cpu_count() or 1)) - {cpu}
+    if not others:
+        raise SystemExit("--pin-service needs at least 2 cores")
+    os.sched_setaffinity(0, others)
+    if pids[2] is not None:
+        subprocess.run(["taskset", "-a", "-p", "-c", ",".join(map(str, sorted(others))),
+                        str(pids[2])], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+
+
+def embedded_pid(embedded) -> int | None:
+    """The embedded Redis server's process id, where it has one we can name."""
+    process = getattr(embedded, "process", None) or getattr(embedded, "_process", None)
+    return getattr(process, "pid", None)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--redis-url", default="", help="default: an embedded server")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--writers", type=int, default=4, help="concurrent write streams")
     parser.add_argument("--quick", action="store_true", help="4K tokens only, 2 repeats")
+    parser.add_argument(
+        "--pin-service",
+        type=int,
+        default=None,
+        metavar="CPU",
+        help="run both gRPC services on this core alone, the rest elsewhere",
+    )
+    parser.add_argument("--section", default="route_cache",
+                        help="the docs/benchmarks.md section to write")  # fmt: skip
     args = parser.parse_args()
     if args.quick:
         args.repeats = 2
@@ -181,6 +234,8 @@ def main() -> int:
             "route_cache", "--redis-url", url, "--ttl-s", "600", quiet=True
         )
         raw_server, raw_target = start_service("benchmarks.raw_grpc", quiet=True)
+        if args.pin_service is not None:
+            pin(args.pin_service, [server.pid, raw_server.pid, embedded_pid(embedded)])
         grpc_client = RawClient(raw_target)
         raw_client = redis.Redis.from_url(url)
         redis_version = raw_client.info("server").get("redis_version")
@@ -207,11 +262,19 @@ def main() -> int:
                 stop_process(proc)
         if embedded is not None:
             embedded.stop()
+    pinned = (
+        f" **Pinned**: both gRPC services on core {args.pin_service} alone (`taskset -a`), "
+        "the benchmark client and Redis on the other cores."
+        if args.pin_service is not None
+        else " Client, services and Redis share the machine's cores."
+    )
     markdown = (
-        f"## Route cache against raw redis-py and raw gRPC\n\n"
+        f"## Route cache against raw redis-py and raw gRPC"
+        f"{' (service pinned to its own core)' if args.pin_service is not None else ''}\n\n"
         f"`make bench` (`python benchmarks/bench_route_cache.py{' --quick' if args.quick else ''}"
         f"`), {args.repeats} repeats, medians. Machine: {machine()}; Redis-compatible server "
-        f"{redis_version}. Throughput in MiB/s of route bytes; bytes per token of routes.\n"
+        f"{redis_version}. Throughput in MiB/s of route bytes; bytes per token of routes."
+        f"{pinned}\n"
         f"Write: the batch written through the service as {args.writers} concurrent streams "
         "(validated, checksummed, 1 MiB chunks over gRPC, staged and committed in Redis) "
         "against one redis-py pipeline of SETs of the same bytes, and against the same bytes "
@@ -219,9 +282,12 @@ def main() -> int:
         "gRPC service on the same server plumbing and channel options, which keeps them in "
         "memory (`benchmarks/raw_grpc.py`). Read: one ReadBatch stream (checksums verified, "
         "decoded to numpy) against one pipeline of GETs and one raw gRPC stream of the stored "
-        "chunks. Targets: service / redis-py >= 0.5; stored <= uint8.\n\n" + table(results)
+        "chunks. Stage read: the same ReadBatch with a layer selection of the first quarter "
+        "of the MoE layers (one stage of 4), in MiB/s of the bytes it reads, over the raw gRPC "
+        "read's MiB/s. Targets: service / raw gRPC >= 0.8; batch read / redis-py >= 0.5 at "
+        "32K tokens; stored <= uint8.\n\n" + table(results)
     )
-    write_section("route_cache", markdown, {"machine": machine(), "results": results})
+    write_section(args.section, markdown, {"machine": machine(), "results": results})
     print(markdown)
     return 0
 

@@ -6,15 +6,22 @@ results JSON; the defaults below where it has not run) and the fleet's parameter
 figure is arithmetic on those, nothing is measured here:
 
 - route bytes/s = rollout GPUs x tokens/s per GPU x bytes per token (uint8: MoE layers x top-k);
-- the trainer reads what the fleet writes, once per rank that fetches a record: every rank of a
-  data-parallel group fetches the group's records (TP x PP x CP ranks), as the trainer does;
+- the trainer reads what the fleet writes, in one of two layouts, each with its read fan-out
+  (route bytes read per route byte written):
+  - stage reads (the design): one rank per (data-parallel rank, pipeline stage) reads its
+    stage's MoE layers (a layer-selected ReadBatch) and shares them with its tensor- and
+    context-parallel group over the process group. Fan-out: the stages' layers add up to
+    the record, so 1x in bytes, in PP calls per record;
+  - whole reads by every rank (before layer selection): every rank of a data-parallel group
+    fetches the group's whole records. Fan-out: TP x PP x CP;
 - route cache replicas = headroom x (write bytes/s / measured write throughput of one process
-  + read bytes/s / measured batch-read throughput of one process), rounded up;
+  + read bytes/s / measured batch-read throughput of one process), rounded up; stage reads
+  count at the measured throughput of the benchmark's layer-selected read;
 - Redis shards = the same with raw redis-py throughput against one server as one shard's
   capacity (an upper bound: one client, loopback, no replication);
-- a trainer rank holds its data-parallel share of a step's records as fetched (uint8, every
-  MoE layer), then its local rows (its CP chunk and SP share, its stage's layers) as int16 and
-  megatron's per-router int64 tensors.
+- a fetching trainer rank holds its data-parallel share of a step's records as fetched (uint8,
+  its stage's MoE layers), then its local rows (its CP chunk and SP share, its stage's layers)
+  as int16 and megatron's per-router int64 tensors.
 
 Usage: python benchmarks/scaling_model.py [--tokens-per-s N] [--rollout-gpus 64] [...]
 """
@@ -79,6 +86,12 @@ class Measured:
     redis_write: float
     redis_read: float
     source: str
+    cache_stage_read: float = 0.0  # a layer-selected read, MiB/s of the bytes it reads (0: as
+    # cache_read, for results of before the benchmark measured it)
+
+    @property
+    def stage_read(self) -> float:
+        return self.cache_stage_read or self.cache_read
 
 
 # The route cache benchmark's medians at 32K tokens on the development machine: used only
@@ -97,12 +110,14 @@ def load_measured(results: Path) -> Measured:
     def med(key: str) -> float:
         return statistics.median(r[key] for r in rows)
 
+    stage = "service_raw_stage_read_mibs"
     return Measured(
         med("service_raw_write_mibs"),
         med("service_raw_read_mibs"),
         med("redis_write_mibs"),
         med("redis_read_mibs"),
         f"{path.name}, median of {len(rows)} rows of {rows[0]['tokens']} tokens",
+        med(stage) if all(stage in r for r in rows) else 0.0,
     )
 
 
@@ -112,40 +127,49 @@ def scale(model: Model, fleet: Fleet, measured: Measured) -> dict:
     bytes_per_token = g.row_bytes
     tokens_s = fleet.rollout_gpus * model.tokens_per_s
     write_bps = tokens_s * bytes_per_token
-    fanout = fleet.tp * fleet.pp * fleet.cp  # ranks that fetch the same records
+    model_parallel = fleet.tp * fleet.pp * fleet.cp  # ranks of one data-parallel group
+    # Stage reads: stage s reads its layers once per DP rank; the stages' layers partition the
+    # MoE layers (megatron's uneven split too), so the bytes read add up to the record.
+    stage_layers = math.ceil(g.num_moe_layers / fleet.pp)  # the largest stage's
+    fanout = 1.0
     read_bps = write_bps * fanout
+    fanout_whole = model_parallel  # whole records by every rank
+    read_bps_whole = write_bps * fanout_whole
     record_bytes = fleet.sample_tokens * bytes_per_token
-    dp = fleet.trainer_gpus // fanout
+    dp = fleet.trainer_gpus // model_parallel
     rank_samples = math.ceil(fleet.global_batch / dp)
     local_tokens = rank_samples * fleet.sample_tokens / fleet.cp / fleet.tp
-    local_routes = local_tokens * math.ceil(g.num_moe_layers / fleet.pp) * g.topk
+    local_routes = local_tokens * stage_layers * g.topk
 
     def replicas(write: float, read: float, reads: float) -> int:
         """Processes of ``write``/``read`` MiB/s for the writes and ``reads`` bytes/s read."""
         return math.ceil(fleet.headroom * (write_bps / (write * MIB) + reads / (read * MIB)))
 
-    fetched = rank_samples * record_bytes
+    fetched = rank_samples * fleet.sample_tokens * stage_layers * g.topk * g.dtype.itemsize
     return {
         "model": g.model_id,
         "bytes_per_token": bytes_per_token,
         "fleet_tokens_per_s": tokens_s,
         "write_bytes_per_s": write_bps,
         "fetch_fanout": fanout,
+        "fetch_calls_per_record": fleet.pp,
         "read_bytes_per_s": read_bps,
+        "fetch_fanout_whole": fanout_whole,
+        "read_bytes_per_s_whole": read_bps_whole,
         "record_bytes": record_bytes,
         "samples_per_s": tokens_s / fleet.sample_tokens,
         "step_s": fleet.global_batch * fleet.sample_tokens / tokens_s,
-        "cache_replicas": replicas(measured.cache_write, measured.cache_read, read_bps),
+        "cache_replicas": replicas(measured.cache_write, measured.stage_read, read_bps),
         "redis_shards": replicas(measured.redis_write, measured.redis_read, read_bps),
-        # Each record read once per data-parallel group (one rank fetches and broadcasts):
-        "cache_replicas_read_once": replicas(measured.cache_write, measured.cache_read, write_bps),
-        "redis_shards_read_once": replicas(measured.redis_write, measured.redis_read, write_bps),
+        "cache_replicas_whole": replicas(measured.cache_write, measured.cache_read, read_bps_whole),
+        "redis_shards_whole": replicas(measured.redis_write, measured.redis_read, read_bps_whole),
         "dp": dp,
         "rank_samples": rank_samples,
+        "stage_layers": stage_layers,
         "rank_fetched_bytes": fetched,
         "rank_int16_bytes": 2 * local_routes,
         "rank_int64_bytes": 8 * local_routes,
-        "rank_fetch_s": fetched / (measured.cache_read * MIB),
+        "rank_fetch_s": fetched / (measured.stage_read * MIB),
     }
 
 
@@ -155,14 +179,17 @@ def markdown(rows: list[dict], fleet: Fleet, measured: Measured, models) -> str:
         "## Scaling model: from these figures to a fleet",
         "",
         "`python benchmarks/scaling_model.py` (arithmetic, nothing measured): the measured "
-        f"throughput of one process ({m.source}): route cache write {m.cache_write:.0f} and "
-        f"batch read {m.cache_read:.0f} MiB/s, raw redis-py SET {m.redis_write:.0f} and GET "
+        f"throughput of one process ({m.source}): route cache write {m.cache_write:.0f}, "
+        f"batch read {m.cache_read:.0f} and layer-selected batch read {m.stage_read:.0f} "
+        f"MiB/s, raw redis-py SET {m.redis_write:.0f} and GET "
         f"{m.redis_read:.0f} MiB/s (one shard's capacity, an upper bound). Fleet: "
         f"{fleet.rollout_gpus} rollout GPUs, {fleet.trainer_gpus} trainer GPUs (TP"
         f"{fleet.tp}+SP, PP{fleet.pp}, CP{fleet.cp}), samples of {fleet.sample_tokens} tokens, "
         f"{fleet.global_batch} samples per step, capacity planned at {fleet.headroom:g}x the "
-        "steady load. Every rank of a data-parallel group fetches the group's records, so "
-        "reads are TP x PP x CP times the writes.",
+        "steady load. Read fan-out (bytes read per byte written) by layout: **stage reads** "
+        "(one rank per (DP rank, PP stage) reads its stage's layers and shares them over its "
+        "TP/CP group): 1x, in PP calls per record; **whole reads by every rank** (before "
+        "layer selection): TP x PP x CP.",
         "",
         "Assumed tokens/s per rollout GPU (**assumptions**, not measured here):",
         "",
@@ -176,28 +203,34 @@ def markdown(rows: list[dict], fleet: Fleet, measured: Measured, models) -> str:
         ("one record of a sample", lambda r: f"{r['record_bytes'] / MIB:.1f} MiB"),
         ("fleet tokens/s", lambda r: f"{r['fleet_tokens_per_s']:,.0f}"),
         ("**route bytes/s written**", lambda r: f"**{r['write_bytes_per_s'] / MIB:,.0f} MiB/s**"),
-        ("route bytes/s read (x fan-out)",
-         lambda r: f"{r['read_bytes_per_s'] / MIB:,.0f} MiB/s (x{r['fetch_fanout']})"),
+        ("route bytes/s read, stage reads (x fan-out; calls per record)",
+         lambda r: f"{r['read_bytes_per_s'] / MIB:,.0f} MiB/s (x{r['fetch_fanout']:g}; "
+                   f"{r['fetch_calls_per_record']})"),
+        ("route bytes/s read, whole reads by every rank (x fan-out)",
+         lambda r: f"{r['read_bytes_per_s_whole'] / MIB:,.0f} MiB/s (x{r['fetch_fanout_whole']})"),
         ("samples/s; seconds per step", lambda r: f"{r['samples_per_s']:.1f}; {r['step_s']:.0f} s"),
-        ("**route cache replicas**", lambda r: f"**{r['cache_replicas']}**"),
-        ("**Redis Cluster shards**", lambda r: f"**{r['redis_shards']}**"),
-        ("replicas; shards if each record were read once per DP group",
-         lambda r: f"{r['cache_replicas_read_once']}; {r['redis_shards_read_once']}"),
+        ("**route cache replicas** (stage reads)", lambda r: f"**{r['cache_replicas']}**"),
+        ("**Redis Cluster shards** (stage reads)", lambda r: f"**{r['redis_shards']}**"),
+        ("replicas; shards with whole reads by every rank",
+         lambda r: f"{r['cache_replicas_whole']}; {r['redis_shards_whole']}"),
         ("trainer: DP ranks; samples per DP rank and step",
          lambda r: f"{r['dp']}; {r['rank_samples']}"),
-        ("**a rank's records as fetched (uint8)**",
-         lambda r: f"**{r['rank_fetched_bytes'] / GIB:.2f} GiB**"),
+        ("**a fetching rank's records as fetched (uint8, its stage's layers)**",
+         lambda r: f"**{r['rank_fetched_bytes'] / GIB:.2f} GiB** ({r['stage_layers']} layers)"),
         ("its local routes as int16; as int64 router tensors",
          lambda r: f"{r['rank_int16_bytes'] / GIB:.2f}; {r['rank_int64_bytes'] / GIB:.2f} GiB"),
-        ("fetching them at one process's read rate", lambda r: f"{r['rank_fetch_s']:.1f} s"),
+        ("fetching them at one process's layer-selected read rate",
+         lambda r: f"{r['rank_fetch_s']:.1f} s"),
     ]  # fmt: skip
     lines += [f"| {name} | " + " | ".join(cell(r) for r in rows) + " |" for name, cell in table]
     lines += [
         "",
-        f"Reads are {rows[0]['fetch_fanout']}x the writes because every model-parallel rank "
-        "fetches whole records: one rank per data-parallel group fetching and broadcasting (or "
-        "each pipeline stage fetching only its layers) cuts the route cache replicas from "
-        + " and ".join(f"{r['cache_replicas']} to {r['cache_replicas_read_once']}" for r in rows)
+        f"With whole reads by every rank, reads are {rows[0]['fetch_fanout_whole']}x the "
+        "writes; stage reads (each stage's layers once per data-parallel rank) bring them to "
+        "1x and the route cache replicas from "
+        + " and ".join(f"{r['cache_replicas_whole']} to {r['cache_replicas']}" for r in rows)
+        + ", the Redis shards from "
+        + " and ".join(f"{r['redis_shards_whole']} to {r['redis_shards']}" for r in rows)
         + ".",
     ]
     return "\n".join(lines)

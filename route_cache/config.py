@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from routereplay.grpc_server import MIB, ServerLimits
+from routereplay.metrics import MetricsConfig
 from routereplay.security import ENV_ONLY, ServerSecurity, read_secret
 from routereplay.service_config import parse_service_config
 
@@ -75,6 +76,8 @@ class Config:
         holds a handler thread; keep it below the Redis client's socket timeout).
     redis: the Redis password and TLS (``RedisSecurity``).
     security: TLS and the bearer token of this server (``routereplay.security``).
+    metrics: the Prometheus endpoint (``--metrics``, ``--metrics-port``, default 9464; off
+        by default, see ``routereplay.metrics``).
     """
 
     host: str = "0.0.0.0"
@@ -94,6 +97,7 @@ class Config:
     limits: ServerLimits = field(default_factory=ServerLimits)
     redis: RedisSecurity = field(default_factory=RedisSecurity, metadata={"flag_prefix": "redis_"})
     security: ServerSecurity = field(default_factory=ServerSecurity)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self):
         if (self.redis.tls_ca_file or self.redis.tls_cert_file) and not self.redis_url.startswith(
@@ -108,6 +112,12 @@ class Config:
             raise ValueError(
                 f"ready_max_block_ms must be in [0, {MAX_BLOCK_MS}], got {self.ready_max_block_ms}"
             )
+
+    @property
+    def shutdown_budget_s(self) -> float:
+        """The longest a graceful stop takes: in-flight calls finish for up to ``grace_s``. A
+        deployment's termination grace must exceed it (plus any preStop pause)."""
+        return self.grace_s
 
     @property
     def max_record_bytes(self) -> int:

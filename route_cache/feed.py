@@ -134,6 +134,16 @@ class ReadyFeed:
             entries, lost = self._parse(group, found)
         return ReadyPage(entries, "", claim_cursor, lost)
 
+    def backlog(self) -> list[tuple[str, int, int]]:
+        """(consumer group, entries not yet delivered to it, entries delivered and not
+        acknowledged) for each consumer group; the first count is None where Redis cannot
+        tell (an entry was deleted or trimmed inside the group's unread range)."""
+        try:
+            groups = self.client.xinfo_groups(self.stream)
+        except redis.exceptions.ResponseError:  # no stream yet
+            return []
+        return [(_text(g["name"]), g.get("lag"), int(g["pending"])) for g in groups]
+
     def ack(self, group: str, entry_ids: Sequence[str]) -> int:
         """Acknowledge entries of ``group``. Returns how many were pending."""
         with unavailable_on_connection_errors():

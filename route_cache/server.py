@@ -6,10 +6,13 @@ import logging
 import threading
 from collections.abc import Iterator
 
+from prometheus_client import Counter
+from prometheus_client.core import GaugeMetricFamily
+
 from route_cache.config import Config
 from route_cache.feed import ReadyFeed, check_entry_id
 from route_cache.store import RouteStore, StoredBlock, StoredRecord
-from routereplay.codec import decode_routes
+from routereplay.codec import LayerParts, decode_routes, join_layers
 from routereplay.errors import (
     DataLoss,
     FailedPrecondition,
@@ -18,8 +21,15 @@ from routereplay.errors import (
     ResourceExhausted,
 )
 from routereplay.grpc_server import make_server, set_serving, wait_for_termination
+from routereplay.metrics import ServiceMetrics
 from routereplay.ready import ReadyEntry
-from routereplay.record import check_routes, check_sample_id, check_token_ids, check_turns
+from routereplay.record import (
+    check_layer_selection,
+    check_routes,
+    check_sample_id,
+    check_token_ids,
+    check_turns,
+)
 from routereplay.security import add_port
 from routereplay.v1 import route_cache_pb2, route_cache_pb2_grpc
 from routereplay.wire import (
@@ -27,10 +37,11 @@ from routereplay.wire import (
     ChunkCollector,
     block_to_pb,
     check_block,
-    chunks_to_pb,
     encoded_from_pb,
     geometry_from_pb,
     geometry_to_pb,
+    layer_selection_to_pb,
+    part_chunks_to_pb,
     ready_page_to_pb,
     tokens_from_pb,
     turn_from_pb,
@@ -39,18 +50,100 @@ from routereplay.wire import (
 
 log = logging.getLogger(__name__)
 
+NAMESPACE = "route_cache"
 SERVICE_NAME = route_cache_pb2.DESCRIPTOR.services_by_name["RouteCache"].full_name
 
 
-class RouteCacheServicer(route_cache_pb2_grpc.RouteCacheServicer):
-    """Args: the store; the configuration; the ready feed, or None when it is disabled."""
+class RouteCacheMetrics:
+    """The route cache's own metrics, beside the per-call ones of ``ServiceMetrics``.
 
-    def __init__(self, store: RouteStore, config: Config, feed: ReadyFeed | None = None):
+    ``route_bytes_served`` counts the route bytes of read responses as sent (encoded, the
+    selected layers only): what a trainer's reads cost the route cache, to hold against the
+    stored bytes of the records read.
+    """
+
+    def __init__(self, metrics: ServiceMetrics, feed: ReadyFeed | None):
+        registry = metrics.registry
+        self.route_bytes_served = Counter(
+            "route_bytes_served", "Encoded route bytes sent in read responses",
+            namespace=NAMESPACE, registry=registry,
+        )  # fmt: skip
+        self.route_bytes_received = Counter(
+            "route_bytes_received", "Encoded route bytes received in writes and appends",
+            namespace=NAMESPACE, registry=registry,
+        )  # fmt: skip
+        self.committed = Counter(
+            "records_committed", "Writes and appends committed (duplicate: a retry, unchanged)",
+            ["call", "duplicate"], namespace=NAMESPACE, registry=registry,
+        )  # fmt: skip
+        self.refused = Counter(
+            "records_refused", "Writes and appends refused, by status code",
+            ["call", "code"], namespace=NAMESPACE, registry=registry,
+        )  # fmt: skip
+        if feed is not None:
+            registry.register(_BacklogCollector(feed))
+
+
+class _BacklogCollector:
+    """The ready feed's backlog per consumer group, asked of Redis at each scrape."""
+
+    def __init__(self, feed: ReadyFeed):
+        self.feed = feed
+
+    def collect(self):
+        lag = GaugeMetricFamily(
+            f"{NAMESPACE}_ready_backlog", "Ready entries not yet delivered to the consumer group",
+            labels=["consumer_group"],
+        )  # fmt: skip
+        pending = GaugeMetricFamily(
+            f"{NAMESPACE}_ready_pending", "Ready entries delivered and not acknowledged",
+            labels=["consumer_group"],
+        )  # fmt: skip
+        try:
+            groups = self.feed.backlog()
+        except Exception:  # noqa: BLE001 - a scrape must not fail while Redis is away
+            log.warning("ready feed backlog unavailable", exc_info=True)
+            groups = []
+        for group, unread, unacked in groups:
+            if unread is not None:
+                lag.add_metric([group], unread)
+            pending.add_metric([group], unacked)
+        yield lag
+        yield pending
+
+
+class RouteCacheServicer(route_cache_pb2_grpc.RouteCacheServicer):
+    """Args: the store; the configuration; the ready feed, or None when it is disabled; the
+    metrics (a private registry when None)."""
+
+    def __init__(
+        self,
+        store: RouteStore,
+        config: Config,
+        feed: ReadyFeed | None = None,
+        metrics: ServiceMetrics | None = None,
+    ):
         self.store = store
         self.config = config
         self.feed = feed
+        self.metrics = RouteCacheMetrics(metrics or ServiceMetrics(NAMESPACE), feed)
 
     def WriteRecord(self, request_iterator, context):
+        return self._counted("write", self._write, request_iterator)
+
+    def AppendTurn(self, request_iterator, context):
+        return self._counted("append", self._append, request_iterator)
+
+    def _counted(self, call: str, handler, request_iterator):
+        try:
+            response = handler(request_iterator)
+        except Exception as exc:
+            self.metrics.refused.labels(call, getattr(exc, "status", "INTERNAL")).inc()
+            raise
+        self.metrics.committed.labels(call, str(response.duplicate).lower()).inc()
+        return response
+
+    def _write(self, request_iterator):
         header = _first_part(request_iterator, "header").header
         check_sample_id(header.sample_id)
         if header.group_id:
@@ -69,7 +162,7 @@ class RouteCacheServicer(route_cache_pb2_grpc.RouteCacheServicer):
             sample_id=header.sample_id, num_tokens=rows + 1, num_rows=rows, duplicate=duplicate
         )
 
-    def AppendTurn(self, request_iterator, context):
+    def _append(self, request_iterator):
         header = _first_part(request_iterator, "header").header
         check_sample_id(header.sample_id)
         offset = header.row_offset
@@ -118,6 +211,7 @@ class RouteCacheServicer(route_cache_pb2_grpc.RouteCacheServicer):
                     "server's limit (max_write_chunks): send larger chunks; nothing was stored"
                 )
             data = collector.add(_next_part(request_iterator, "chunk").chunk)
+        self.metrics.route_bytes_received.inc(len(data))
         encoded = encoded_from_pb(header.block, data)
         try:
             routes = decode_routes(encoded, geometry)
@@ -128,13 +222,16 @@ class RouteCacheServicer(route_cache_pb2_grpc.RouteCacheServicer):
 
     def ReadRecord(self, request, context):
         check_sample_id(request.sample_id)
-        yield from _record_responses(self.store.read(request.sample_id))
+        layers = _selection(request)
+        record = self.store.read(request.sample_id, layers)
+        yield from _record_responses(record, layers, request.layer_parts, self.metrics)
 
     def ReadBatch(self, request, context):
         ids = self._ids(request.sample_ids, "sample_ids", check_sample_id)
-        for sample_id, record in zip(ids, self.store.read_many(ids), strict=True):
+        layers = _selection(request)
+        for sample_id, record in zip(ids, self.store.read_many(ids, layers), strict=True):
             if record is not None:
-                yield from _record_responses(record)
+                yield from _record_responses(record, layers, request.layer_parts, self.metrics)
             elif request.skip_missing:
                 yield route_cache_pb2.ReadResponse(missing_sample_id=sample_id)
             else:
@@ -216,20 +313,44 @@ class RouteCacheServicer(route_cache_pb2_grpc.RouteCacheServicer):
         return self.feed
 
 
-def _record_responses(record: StoredRecord) -> Iterator[route_cache_pb2.ReadResponse]:
-    """A record's header, then each block's encoded bytes as 1 MiB chunks, sent as stored:
-    the client verifies the checksums and decodes."""
+def _selection(request) -> tuple[int, ...] | None:
+    """The request's MoE layer selection, checked for order here and against each record's
+    geometry when it is read; None when absent (every layer)."""
+    if not request.HasField("layers"):
+        return None
+    return check_layer_selection(request.layers.indices, name="layers.indices")
+
+
+def _record_responses(
+    record: StoredRecord,
+    layers: tuple[int, ...] | None,
+    layer_parts: bool,
+    metrics: RouteCacheMetrics,
+) -> Iterator[route_cache_pb2.ReadResponse]:
+    """A record's header, then each block's encoded bytes as 1 MiB chunks: the client
+    verifies the checksums and decodes. Layer parts go as stored (the selected ones, back to
+    back); a reader that did not ask for parts gets each block reassembled whole."""
+    routes = [b.routes for b in record.blocks]
+    if not (layer_parts or layers is not None):
+        routes = [join_layers(r, record.geometry) if isinstance(r, LayerParts) else r
+                  for r in routes]  # fmt: skip
     info = route_cache_pb2.RecordInfo(
         sample_id=record.sample_id,
         group_id=record.group_id,
         geometry=geometry_to_pb(record.geometry),
         token_ids=record.token_ids.astype("<i4", copy=False).tobytes(),
         turns=[turn_to_pb(t) for t in record.turns],
-        blocks=[block_to_pb(b.routes, b.row_start, record.geometry) for b in record.blocks],
+        blocks=[
+            block_to_pb(r, b.row_start, record.geometry)
+            for r, b in zip(routes, record.blocks, strict=True)
+        ],  # fmt: skip
+        layers=layer_selection_to_pb(layers),
     )
     yield route_cache_pb2.ReadResponse(record=info)
-    for index, block in enumerate(record.blocks):
-        for chunk in chunks_to_pb(block.routes.data, index, DEFAULT_CHUNK_BYTES):
+    for index, encoded in enumerate(routes):
+        parts = encoded.parts if isinstance(encoded, LayerParts) else (encoded.data,)
+        metrics.route_bytes_served.inc(sum(len(p) for p in parts))
+        for chunk in part_chunks_to_pb(parts, index, DEFAULT_CHUNK_BYTES):
             yield route_cache_pb2.ReadResponse(chunk=chunk)
 
 
@@ -272,16 +393,22 @@ class RouteCacheServer:
             if config.ready_stream
             else None
         )
-        self.grpc_server, self.health = make_server(config.limits, [SERVICE_NAME], config.security)
-        route_cache_pb2_grpc.add_RouteCacheServicer_to_server(
-            RouteCacheServicer(store, config, self.feed), self.grpc_server
+        self.metrics = ServiceMetrics(NAMESPACE)
+        self.grpc_server, self.health = make_server(
+            config.limits, [SERVICE_NAME], config.security, self.metrics
         )
+        self.servicer = RouteCacheServicer(store, config, self.feed, self.metrics)
+        route_cache_pb2_grpc.add_RouteCacheServicer_to_server(self.servicer, self.grpc_server)
         self.port = add_port(self.grpc_server, f"{config.host}:{config.port}", config.security)
         self._stop_watch = threading.Event()
 
     def start(self) -> RouteCacheServer:
         set_serving(self.health, [SERVICE_NAME], self.store.ping())
         self.grpc_server.start()
+        self.metrics.serve(self.config.metrics)
+        if self.metrics.port:
+            log.info("metrics at http://%s:%d/metrics", self.config.metrics.metrics_host,
+                     self.metrics.port)  # fmt: skip
         threading.Thread(
             target=_watch_redis,
             args=(self.store, self.health, self.config.health_interval_s, self._stop_watch),
@@ -294,7 +421,9 @@ class RouteCacheServer:
         self._stop_watch.set()
         set_serving(self.health, [SERVICE_NAME], False)
         self.grpc_server.stop(self.config.grace_s if grace_s is None else grace_s).wait()
+        self.metrics.stop()
 
     def wait(self) -> None:
         """Serve until SIGTERM/SIGINT, then stop gracefully."""
         wait_for_termination(self.grpc_server, self.config.grace_s, on_stop=self._stop_watch.set)
+        self.metrics.stop()

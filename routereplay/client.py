@@ -22,7 +22,7 @@ from routereplay.codec import Encoding, encode_routes
 from routereplay.errors import BY_STATUS, RouteReplayError
 from routereplay.grpc_server import channel_options
 from routereplay.ready import ReadyPage
-from routereplay.record import Geometry, Record, Turn, TurnAppend
+from routereplay.record import Geometry, Record, Turn, TurnAppend, check_layer_selection
 from routereplay.security import PLAINTEXT, ClientSecurity, secure_aio_channel, secure_channel
 from routereplay.v1 import route_cache_pb2, route_cache_pb2_grpc
 from routereplay.wire import (
@@ -31,6 +31,7 @@ from routereplay.wire import (
     RecordAssembler,
     append_requests,
     geometry_from_pb,
+    layer_selection_to_pb,
     read_records,
     ready_page_from_pb,
     turn_from_pb,
@@ -76,6 +77,13 @@ def domain_error(exc: grpc.RpcError) -> RouteReplayError:
     code = exc.code()
     cls = BY_STATUS.get(code.name if code else "", RouteReplayError)
     return cls(exc.details() or str(code))
+
+
+def _selection_pb(layers: Sequence[int] | None):
+    """A checked layer selection for a read request (None: every layer)."""
+    if layers is None:
+        return None
+    return layer_selection_to_pb(check_layer_selection(layers, name="layers"))
 
 
 def _retryable(exc: grpc.RpcError) -> bool:
@@ -205,25 +213,36 @@ class RouteCacheClient(_Base):
             )
         )
 
-    def read(self, sample_id: str) -> Record:
+    def read(self, sample_id: str, layers: Sequence[int] | None = None) -> Record:
+        """One record; with ``layers`` (a range or ascending list of MoE layer indices, i.e.
+        positions in ``geometry.moe_layers``) only those route columns, fetched and sent
+        without the others: ``record.routes`` is ``[T - 1, len(layers), k]`` and
+        ``record.layers`` names them (None for a whole record)."""
+        request = route_cache_pb2.ReadRecordRequest(
+            sample_id=sample_id, layers=_selection_pb(layers), layer_parts=True
+        )
+
         def once():
-            stream = self.stub.ReadRecord(
-                route_cache_pb2.ReadRecordRequest(sample_id=sample_id), timeout=self.timeout_s
-            )
-            return next(read_records(stream))
+            return next(read_records(self.stub.ReadRecord(request, timeout=self.timeout_s)))
 
         return self._call(once)
 
     def read_batch(
-        self, sample_ids: Sequence[str], skip_missing: bool = False
+        self,
+        sample_ids: Sequence[str],
+        skip_missing: bool = False,
+        layers: Sequence[int] | None = None,
     ) -> Iterator[Record | Missing]:
         """Records in the order asked, streamed; unknown ids raise NotFound, or come back as
-        ``Missing`` with ``skip_missing``. After UNAVAILABLE, resumes after the last one."""
+        ``Missing`` with ``skip_missing``. ``layers``: as in ``read``, for every record.
+        After UNAVAILABLE, resumes after the last one."""
+        selection = _selection_pb(layers)
         done = 0
         for attempt in range(self.retry.attempts):
             request = route_cache_pb2.ReadBatchRequest(
-                sample_ids=sample_ids[done:], skip_missing=skip_missing
-            )
+                sample_ids=sample_ids[done:], skip_missing=skip_missing, layers=selection,
+                layer_parts=True,
+            )  # fmt: skip
             try:
                 for item in read_records(self.stub.ReadBatch(request, timeout=self.timeout_s)):
                     done += 1
@@ -327,18 +346,23 @@ class AsyncRouteCacheClient(_Base):
         )
         return _write_result(response)
 
-    async def read(self, sample_id: str) -> Record:
-        records = [r async for r in self.read_batch([sample_id])]
+    async def read(self, sample_id: str, layers: Sequence[int] | None = None) -> Record:
+        records = [r async for r in self.read_batch([sample_id], layers=layers)]
         return records[0]
 
     async def read_batch(
-        self, sample_ids: Sequence[str], skip_missing: bool = False
+        self,
+        sample_ids: Sequence[str],
+        skip_missing: bool = False,
+        layers: Sequence[int] | None = None,
     ) -> AsyncIterator[Record | Missing]:
+        selection = _selection_pb(layers)
         done = 0
         for attempt in range(self.retry.attempts):
             request = route_cache_pb2.ReadBatchRequest(
-                sample_ids=sample_ids[done:], skip_missing=skip_missing
-            )
+                sample_ids=sample_ids[done:], skip_missing=skip_missing, layers=selection,
+                layer_parts=True,
+            )  # fmt: skip
             try:
                 assembler = RecordAssembler()
                 async for response in self.stub.ReadBatch(request, timeout=self.timeout_s):

@@ -8,9 +8,11 @@ rollout server's engine)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import threading
+import time
 from collections.abc import Iterable
 from concurrent import futures
 from dataclasses import dataclass
@@ -20,11 +22,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from routereplay.errors import InvalidArgument, RouteReplayError
+from routereplay.metrics import ServiceMetrics
 from routereplay.security import AioTokenInterceptor, ServerSecurity, TokenInterceptor
 
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
+
+# A health service name that is SERVING from the server's start until the process ends,
+# whatever its dependencies do: the target of liveness probes. The overall status ("") and the
+# services' own names follow the dependencies (Redis, the engine) and drive readiness; a
+# liveness probe on them would restart every replica during a Redis outage.
+LIVENESS = "routereplay.v1.Liveness"
 
 # HTTP/2 settings for clients and servers alike. Measured with 1 MiB chunks on loopback: the
 # defaults stream about 630 MiB/s; a larger write buffer and frame size about 1,200 MiB/s.
@@ -51,17 +60,71 @@ class ServerLimits:
         max_concurrent_rpcs: in-flight calls; beyond it new calls get RESOURCE_EXHAUSTED.
         max_concurrent_streams: HTTP/2 streams per connection.
         workers: handler threads.
+        max_connection_age_s: the server asks a client to reconnect (HTTP/2 GOAWAY) after a
+            connection has lived this long (gRPC adds +-10% jitter), so long-lived channels
+            reach replicas added since they connected; 0: never.
+        max_connection_age_grace_s: calls still running on such a connection may finish for
+            this long before they are cancelled.
     """
 
     max_message_bytes: int = 8 * MIB
     max_concurrent_rpcs: int = 64
     max_concurrent_streams: int = 32
     workers: int = 16
+    max_connection_age_s: float = 300.0
+    max_connection_age_grace_s: float = 60.0
+
+    def __post_init__(self):
+        for name in ("max_connection_age_s", "max_connection_age_grace_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 NO_SECURITY = ServerSecurity()
 
 INTERNAL_MESSAGE = "internal error (details are in the server log)"
+
+
+def _status_code(exc: BaseException) -> grpc.StatusCode:
+    """The status a call that raised ``exc`` ends with, for the metrics."""
+    if isinstance(exc, RouteReplayError):
+        return grpc.StatusCode[exc.status]
+    if isinstance(exc, GeneratorExit | asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.INTERNAL
+
+
+class _Meter:
+    """One call's metrics: request bytes as they are parsed, response bytes as they leave,
+    and its status and latency when it ends. A no-op without metrics."""
+
+    def __init__(self, metrics: ServiceMetrics | None, method: str):
+        self.metrics, self.method = metrics, method
+        self.started = time.perf_counter()
+        self.code = grpc.StatusCode.OK
+
+    def parsed(self, parse):
+        if self.metrics is None:
+            return parse
+
+        def counted(raw: bytes):
+            self.metrics.received(self.method, len(raw))
+            return parse(raw)
+
+        return counted
+
+    def sent(self, response) -> None:
+        if self.metrics is not None and response is not None:
+            self.metrics.sent(self.method, response.ByteSize())
+
+    def failed(self, exc: BaseException, context=None) -> None:
+        self.code = _status_code(exc)
+        if isinstance(exc, grpc.aio.AbortError) and context is not None:
+            self.code = context.code() or grpc.StatusCode.UNKNOWN  # the handler's own abort
+
+    def done(self) -> None:
+        if self.metrics is not None:
+            self.metrics.observe(self.method, self.code, self.started)
 
 
 def _domain_status(exc: Exception) -> tuple[grpc.StatusCode, str] | None:
@@ -116,7 +179,10 @@ def _request_parser(deserializer):
 class ErrorInterceptor(grpc.ServerInterceptor):
     """Parses requests (see ``_request_parser``) and maps domain errors to their status with
     their message; anything else is logged in full and answered with a generic INTERNAL, so
-    internals never leak to clients."""
+    internals never leak to clients. With ``metrics``, counts every call (see ``_Meter``)."""
+
+    def __init__(self, metrics: ServiceMetrics | None = None):
+        self.metrics = metrics
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -124,36 +190,59 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             return None
         method = handler_call_details.method
         parse = _request_parser(handler.request_deserializer)
-
-        def parse_stream(request_iterator):
-            return map(parse, request_iterator)
+        metrics = self.metrics
 
         def unary(behavior, convert):
             def wrapped(request, context):
+                meter = _Meter(metrics, method)
                 try:
-                    return behavior(convert(request), context)
+                    response = behavior(convert(request, meter), context)
+                    meter.sent(response)
+                    return response
                 except Exception as exc:  # noqa: BLE001 - mapped to a status
+                    meter.failed(exc)
                     _abort(context, exc, method)
+                finally:
+                    meter.done()
 
             return wrapped
 
         def streaming(behavior, convert):
             def wrapped(request, context):
+                meter = _Meter(metrics, method)
                 try:
-                    yield from behavior(convert(request), context)
+                    for response in behavior(convert(request, meter), context):
+                        meter.sent(response)
+                        yield response
+                except GeneratorExit as exc:  # the client went away mid-stream
+                    meter.failed(exc)
+                    raise
                 except Exception as exc:  # noqa: BLE001 - mapped to a status
+                    meter.failed(exc)
                     _abort(context, exc, method)
+                finally:
+                    meter.done()
 
             return wrapped
 
-        return _wrap(handler, unary, streaming, parse, parse_stream)
+        def parse_one(raw, meter):
+            return meter.parsed(parse)(raw)
+
+        def parse_stream(request_iterator, meter):
+            return map(meter.parsed(parse), request_iterator)
+
+        return _wrap(handler, unary, streaming, parse_one, parse_stream)
 
 
 class AioErrorInterceptor(grpc.aio.ServerInterceptor):
-    """``ErrorInterceptor`` for asyncio servers: the same parsing and mapping of errors.
+    """``ErrorInterceptor`` for asyncio servers: the same parsing, mapping of errors and
+    metrics.
 
     Cancellation (a client that went away) is not an ``Exception`` and passes through.
     """
+
+    def __init__(self, metrics: ServiceMetrics | None = None):
+        self.metrics = metrics
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -161,31 +250,53 @@ class AioErrorInterceptor(grpc.aio.ServerInterceptor):
             return None
         method = handler_call_details.method
         parse = _request_parser(handler.request_deserializer)
+        metrics = self.metrics
 
-        async def parse_stream(request_iterator):
+        def parse_one(raw, meter):
+            return meter.parsed(parse)(raw)
+
+        async def parse_stream(request_iterator, meter):
+            counted = meter.parsed(parse)
             async for raw in request_iterator:
-                yield parse(raw)
+                yield counted(raw)
 
         def unary(behavior, convert):
             async def wrapped(request, context):
+                meter = _Meter(metrics, method)
                 try:
-                    return await behavior(convert(request), context)
+                    response = await behavior(convert(request, meter), context)
+                    meter.sent(response)
+                    return response
+                except asyncio.CancelledError as exc:
+                    meter.failed(exc)
+                    raise
                 except Exception as exc:  # noqa: BLE001 - mapped to a status
+                    meter.failed(exc, context)
                     await _abort_aio(context, exc, method)
+                finally:
+                    meter.done()
 
             return wrapped
 
         def streaming(behavior, convert):
             async def wrapped(request, context):
+                meter = _Meter(metrics, method)
                 try:
-                    async for response in behavior(convert(request), context):
+                    async for response in behavior(convert(request, meter), context):
+                        meter.sent(response)
                         yield response
+                except (asyncio.CancelledError, GeneratorExit) as exc:
+                    meter.failed(exc)
+                    raise
                 except Exception as exc:  # noqa: BLE001 - mapped to a status
+                    meter.failed(exc, context)
                     await _abort_aio(context, exc, method)
+                finally:
+                    meter.done()
 
             return wrapped
 
-        return _wrap(handler, unary, streaming, parse, parse_stream)
+        return _wrap(handler, unary, streaming, parse_one, parse_stream)
 
 
 def _wrap(handler, unary, streaming, parse, parse_stream):
@@ -204,10 +315,16 @@ def _wrap(handler, unary, streaming, parse, parse_stream):
 
 
 def _options(limits: ServerLimits) -> list[tuple[str, int]]:
-    return [
+    options = [
         *channel_options(limits.max_message_bytes),
         ("grpc.max_concurrent_streams", limits.max_concurrent_streams),
     ]
+    if limits.max_connection_age_s > 0:
+        options += [
+            ("grpc.max_connection_age_ms", round(limits.max_connection_age_s * 1000)),
+            ("grpc.max_connection_age_grace_ms", round(limits.max_connection_age_grace_s * 1000)),
+        ]
+    return options
 
 
 def _add_health_and_reflection(server, health_servicer, service_names: Iterable[str]):
@@ -220,10 +337,14 @@ def _add_health_and_reflection(server, health_servicer, service_names: Iterable[
 
 
 def make_server(
-    limits: ServerLimits, service_names: Iterable[str], security: ServerSecurity = NO_SECURITY
+    limits: ServerLimits,
+    service_names: Iterable[str],
+    security: ServerSecurity = NO_SECURITY,
+    metrics: ServiceMetrics | None = None,
 ) -> tuple[grpc.Server, health.HealthServicer]:
-    """A server with the interceptors (the token check when ``security`` has a token), the
-    limits, health (NOT_SERVING until told otherwise) and reflection. Add the servicers, then
+    """A server with the interceptors (the token check when ``security`` has a token; the
+    call metrics into ``metrics`` when given), the limits, health (NOT_SERVING until told
+    otherwise; ``LIVENESS`` SERVING) and reflection. Add the servicers, then
     ``routereplay.security.add_port`` (TLS when ``security`` has a certificate) and ``start``.
 
     Raises:
@@ -231,7 +352,7 @@ def make_server(
     token = security.token()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=limits.workers),
-        interceptors=[*([TokenInterceptor(token)] if token else []), ErrorInterceptor()],
+        interceptors=[*([TokenInterceptor(token)] if token else []), ErrorInterceptor(metrics)],
         options=_options(limits),
         maximum_concurrent_rpcs=limits.max_concurrent_rpcs,
     )
@@ -239,24 +360,32 @@ def make_server(
     names = _add_health_and_reflection(server, health_servicer, service_names)
     for name in ["", *names]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer
 
 
 async def make_aio_server(
-    limits: ServerLimits, service_names: Iterable[str], security: ServerSecurity = NO_SECURITY
+    limits: ServerLimits,
+    service_names: Iterable[str],
+    security: ServerSecurity = NO_SECURITY,
+    metrics: ServiceMetrics | None = None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """``make_server`` for asyncio: the same interceptors, limits, health (NOT_SERVING until
     told otherwise, see ``set_serving_aio``) and reflection. Call it on the event loop the
     server will run on; ``limits.workers`` does not apply (handlers are coroutines)."""
     token = security.token()
     server = grpc.aio.server(
-        interceptors=[*([AioTokenInterceptor(token)] if token else []), AioErrorInterceptor()],
+        interceptors=[
+            *([AioTokenInterceptor(token)] if token else []),
+            AioErrorInterceptor(metrics),
+        ],
         options=_options(limits),
         maximum_concurrent_rpcs=limits.max_concurrent_rpcs,
     )
     health_servicer = health.aio.HealthServicer()
     names = _add_health_and_reflection(server, health_servicer, service_names)
     await set_serving_aio(health_servicer, names, False)
+    await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer
 
 

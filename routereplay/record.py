@@ -8,6 +8,7 @@ when token i was the model's input; the last token has no row yet.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -203,9 +204,44 @@ def _repeated_in_topk(routes: np.ndarray) -> int | None:
     return None
 
 
+def check_layer_selection(
+    layers: Sequence[int], num_layers: int | None = None, name: str = "layers"
+) -> tuple[int, ...]:
+    """A MoE-layer selection: positions in ``geometry.moe_layers`` (route columns), at least
+    one, strictly ascending, each below ``num_layers`` when given. Returns it as a tuple.
+
+    Raises:
+        InvalidArgument: naming ``name``.
+    """
+    selected = tuple(int(i) for i in layers)
+    if not selected:
+        raise InvalidArgument(f"{name} is empty: select at least one MoE layer")
+    for i, (a, b) in enumerate(zip(selected, selected[1:], strict=False)):
+        if b <= a:
+            kind = "repeats" if a == b else "is not in ascending order"
+            raise InvalidArgument(
+                f"{name} {kind} at [{i + 1}] ({b} after {a}): give MoE layer indices "
+                "strictly ascending"
+            )
+    if selected[0] < 0:
+        raise InvalidArgument(f"{name}[0] is {selected[0]}; MoE layer indices start at 0")
+    if num_layers is not None and selected[-1] >= num_layers:
+        raise InvalidArgument(
+            f"{name}[{len(selected) - 1}] is {selected[-1]}; the geometry has {num_layers} "
+            f"MoE layers (indices 0 to {num_layers - 1})"
+        )
+    return selected
+
+
 @dataclass
 class Record:
-    """One sample's tokens, routes and turns. See the module docstring for shapes."""
+    """One sample's tokens, routes and turns. See the module docstring for shapes.
+
+    ``layers``: None for a whole record. A read with a layer selection sets it to the
+    selected positions in ``geometry.moe_layers``; ``routes`` is then
+    ``[T - 1, len(layers), k]``, column i being MoE layer ``geometry.moe_layers[layers[i]]``.
+    Such a record cannot be written back.
+    """
 
     sample_id: str
     geometry: Geometry
@@ -213,6 +249,14 @@ class Record:
     routes: np.ndarray
     turns: list[Turn]
     group_id: str = ""
+    layers: tuple[int, ...] | None = None
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Global layer numbers of the route columns held."""
+        if self.layers is None:
+            return self.geometry.moe_layers
+        return tuple(self.geometry.moe_layers[i] for i in self.layers)
 
     @property
     def num_tokens(self) -> int:
@@ -223,6 +267,11 @@ class Record:
         return int(self.routes.shape[0])
 
     def validate(self, check_ids: bool = True) -> None:
+        if self.layers is not None:
+            raise InvalidArgument(
+                f"record {self.sample_id!r} holds a layer selection {list(self.layers)}, not "
+                "the whole record: only whole records can be written"
+            )
         check_sample_id(self.sample_id)
         if self.group_id:
             check_sample_id(self.group_id, "group_id")

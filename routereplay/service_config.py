@@ -18,6 +18,7 @@ from dataclasses import fields, is_dataclass
 from typing import TypeVar
 
 from routereplay.grpc_server import ServerLimits
+from routereplay.metrics import METRICS_HELP, MetricsConfig
 from routereplay.security import ClientSecurity, ServerSecurity
 
 LIMITS_HELP = {
@@ -25,6 +26,8 @@ LIMITS_HELP = {
     "max_concurrent_rpcs": "in-flight calls before RESOURCE_EXHAUSTED",
     "max_concurrent_streams": "HTTP/2 streams per connection",
     "workers": "handler threads",
+    "max_connection_age_s": "seconds before a client is asked to reconnect (0: never)",
+    "max_connection_age_grace_s": "seconds calls may finish on a connection past its age",
 }
 SERVER_SECURITY_HELP = {
     "tls_cert_file": "PEM certificate chain of this server; with tls_key_file: TLS only",
@@ -43,6 +46,7 @@ _NESTED_HELP = {
     ServerLimits: LIMITS_HELP,
     ServerSecurity: SERVER_SECURITY_HELP,
     ClientSecurity: CLIENT_SECURITY_HELP,
+    MetricsConfig: METRICS_HELP,
 }
 
 C = TypeVar("C")

@@ -11,7 +11,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from routereplay.codec import EncodedRoutes, Encoding, decode_routes
+from routereplay.codec import (
+    EncodedRoutes,
+    Encoding,
+    LayerParts,
+    decode_layer_parts,
+    decode_routes,
+)
 from routereplay.errors import InvalidArgument
 from routereplay.ready import ReadyEntry, ReadyPage
 from routereplay.record import Geometry, Record, Turn, TurnAppend
@@ -73,15 +79,49 @@ def tokens_from_pb(data: bytes, name: str = "token_ids") -> np.ndarray:
 
 
 def block_to_pb(
-    encoded: EncodedRoutes, row_start: int, geometry: Geometry
+    encoded: EncodedRoutes | LayerParts, row_start: int, geometry: Geometry
 ) -> record_pb2.RouteBlock:
-    return record_pb2.RouteBlock(
+    """A block header: one checksum for a whole block, or one per part for layer parts."""
+    block = record_pb2.RouteBlock(
         row_start=row_start,
         num_rows=encoded.num_rows,
         dtype=_DTYPES[geometry.dtype.itemsize],
         encoding=_ENCODINGS[encoded.encoding],
-        encoded_size=len(encoded.data),
-        checksum=encoded.checksum,
+    )
+    if isinstance(encoded, LayerParts):
+        block.layer_parts.extend(
+            record_pb2.LayerPart(size=size, checksum=checksum)
+            for size, checksum in zip(encoded.sizes, encoded.checksums, strict=True)
+        )
+        block.encoded_size = sum(encoded.sizes)
+    else:
+        block.encoded_size = len(encoded.data)
+        block.checksum = encoded.checksum
+    return block
+
+
+def layer_selection_to_pb(layers) -> record_pb2.LayerSelection | None:
+    return None if layers is None else record_pb2.LayerSelection(indices=list(layers))
+
+
+def parts_from_pb(block: record_pb2.RouteBlock, data: bytes, layers: tuple[int, ...]) -> LayerParts:
+    """The layer parts of a block received as ``data``, the parts back to back."""
+    if len(block.layer_parts) != len(layers):
+        raise InvalidArgument(
+            f"block has {len(block.layer_parts)} layer parts for {len(layers)} selected layers"
+        )
+    view, offset, parts = memoryview(data), 0, []
+    for part in block.layer_parts:
+        parts.append(view[offset : offset + part.size])
+        offset += part.size
+    if offset != len(data):
+        raise InvalidArgument(f"layer parts hold {offset} bytes; the block has {len(data)}")
+    return LayerParts(
+        _ENCODINGS_BACK[block.encoding],
+        block.num_rows,
+        layers,
+        tuple(parts),
+        tuple(p.checksum for p in block.layer_parts),
     )
 
 
@@ -127,6 +167,33 @@ def chunks_to_pb(data: bytes, block: int, chunk_bytes: int) -> Iterator[record_p
             data=bytes(view[offset : offset + chunk_bytes]),
             last=offset + chunk_bytes >= len(data),
         )
+
+
+def part_chunks_to_pb(parts, block: int, chunk_bytes: int) -> Iterator[record_pb2.RouteChunk]:
+    """``chunks_to_pb`` of ``parts`` back to back, without joining them first: each chunk's
+    bytes are copied once, from the parts they span."""
+    total = sum(len(p) for p in parts)
+    views = iter(memoryview(p) for p in parts)
+    current, offset = memoryview(b""), 0
+    while True:
+        pieces, size = [], 0
+        while size < chunk_bytes:
+            if not current:
+                current = next(views, None)
+                if current is None:
+                    break
+                continue
+            piece = current[: chunk_bytes - size]
+            pieces.append(piece)
+            size += len(piece)
+            current = current[len(piece) :]
+        data = bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
+        yield record_pb2.RouteChunk(
+            block=block, offset=offset, data=data, last=offset + size >= total
+        )
+        offset += size
+        if offset >= total:
+            return
 
 
 class ChunkCollector:
@@ -233,8 +300,7 @@ class RecordAssembler:
             if data is None:
                 return None
             index = self._collector.block_index
-            encoded = encoded_from_pb(self._info.blocks[index], data)
-            self._blocks.append(decode_routes(encoded, geometry_from_pb(self._info.geometry)))
+            self._blocks.append(_decode_block(self._info, index, data))
             self._collector = _next_collector(self._info, index + 1)
         else:
             raise InvalidArgument(f"unexpected read response part {part!r}")
@@ -252,6 +318,21 @@ def read_records(responses: Iterable[route_cache_pb2.ReadResponse]) -> Iterator[
             yield item
 
 
+def _selected_layers(info: route_cache_pb2.RecordInfo) -> tuple[int, ...] | None:
+    return tuple(info.layers.indices) if info.HasField("layers") else None
+
+
+def _decode_block(info: route_cache_pb2.RecordInfo, index: int, data: bytes) -> np.ndarray:
+    """Block ``index`` of a read record, checksums verified: ``[rows, layers, k]``."""
+    block, geometry = info.blocks[index], geometry_from_pb(info.geometry)
+    if block.layer_parts:
+        layers = _selected_layers(info) or tuple(range(geometry.num_moe_layers))
+        return decode_layer_parts(parts_from_pb(block, data, layers), geometry, data)
+    if info.HasField("layers"):
+        raise InvalidArgument("a layer-selected read must send layer parts")
+    return decode_routes(encoded_from_pb(block, data), geometry)
+
+
 def _next_collector(info: route_cache_pb2.RecordInfo, index: int) -> ChunkCollector | None:
     if index >= len(info.blocks):
         return None
@@ -260,12 +341,14 @@ def _next_collector(info: route_cache_pb2.RecordInfo, index: int) -> ChunkCollec
 
 def _record_from_info(info: route_cache_pb2.RecordInfo, blocks: list[np.ndarray]) -> Record:
     geometry = geometry_from_pb(info.geometry)
+    layers = _selected_layers(info)
     if len(blocks) == 1:
         routes = blocks[0]
     elif blocks:
         routes = np.concatenate(blocks)
     else:
-        routes = np.zeros((0, geometry.num_moe_layers, geometry.topk), geometry.dtype)
+        width = geometry.num_moe_layers if layers is None else len(layers)
+        routes = np.zeros((0, width, geometry.topk), geometry.dtype)
     return Record(
         sample_id=info.sample_id,
         geometry=geometry,
@@ -273,6 +356,7 @@ def _record_from_info(info: route_cache_pb2.RecordInfo, blocks: list[np.ndarray]
         routes=routes,
         turns=[turn_from_pb(t, i) for i, t in enumerate(info.turns)],
         group_id=info.group_id,
+        layers=layers,
     )
 
 

@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -13,15 +14,21 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from route_cache.server import SERVICE_NAME
 from route_cache.store import STAGING_TTL_MS
 from routereplay.client import RetryPolicy, RouteCacheClient
 from routereplay.codec import encode_routes
 from routereplay.errors import Unavailable
-from routereplay.launch import free_port, start_service
+from routereplay.grpc_server import LIVENESS
+from routereplay.launch import free_port, start_service, stop_process
 from routereplay.synthetic import synthetic_record
 from routereplay.v1 import route_cache_pb2_grpc
 from routereplay.wire import write_requests
+from tests.conftest import RedisProcess
 from tests.route_cache.conftest import SMALL, raw_keys
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class CacheProcess:
@@ -171,3 +178,57 @@ def test_wait_replicas_reaches_the_store_of_the_process(redis_node, sid):
         finally:
             proc.kill()
             proc.wait()
+
+
+def probe_services() -> tuple[str, str]:
+    """The health service names the route cache's liveness and readiness probes ask for, read
+    from its Kubernetes manifest."""
+    yaml = pytest.importorskip("yaml")
+    manifest = Path(__file__).resolve().parents[2] / "k8s" / "base" / "route-cache.yaml"
+    (deployment,) = [d for d in yaml.safe_load_all(manifest.read_text())
+                     if d["kind"] == "Deployment"]  # fmt: skip
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container["livenessProbe"]["grpc"]["service"], container["readinessProbe"]["grpc"][
+        "service"
+    ]
+
+
+def health_until(stub, service: str, want: int, deadline_s: float = 30) -> int:
+    """Ask ``service``'s status until it is ``want`` (or the deadline passes); the last answer."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        status = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+        if status == want or time.monotonic() > deadline:
+            return status
+        time.sleep(0.1)
+
+
+def test_liveness_stays_serving_through_a_redis_outage():
+    """Redis stopped under a running route cache process: the name its liveness probe asks for
+    stays SERVING (the pod is not restarted), the readiness name and the overall status turn
+    NOT_SERVING (no calls are routed to it); when Redis is back, both serve again."""
+    liveness, readiness = probe_services()
+    assert liveness == LIVENESS and readiness == SERVICE_NAME
+    store = RedisProcess().start()
+    cache = None
+    try:
+        env = {**os.environ, "ROUTE_CACHE_REDIS_URL": store.url,
+               "ROUTE_CACHE_HEALTH_INTERVAL_S": "0.1"}  # fmt: skip
+        cache, target = start_service("route_cache", env=env, timeout_s=30)
+        with grpc.insecure_channel(target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            for service in (liveness, readiness, ""):
+                assert health_until(stub, service, SERVING) == SERVING, service
+            store.stop()
+            assert health_until(stub, readiness, NOT_SERVING) == NOT_SERVING
+            assert health_until(stub, "", NOT_SERVING) == NOT_SERVING
+            # Asked after the watcher has seen the outage.
+            assert health_until(stub, liveness, NOT_SERVING, deadline_s=0) == SERVING
+            assert cache.poll() is None
+            store.start()
+            for service in (readiness, "", liveness):
+                assert health_until(stub, service, SERVING) == SERVING, service
+    finally:
+        if cache is not None:
+            stop_process(cache, 5)
+        store.kill()

@@ -1,0 +1,135 @@
+"""Prometheus metrics shared by the gRPC services: calls and errors by method and status, bytes
+in and out, latency histograms (recorded by the interceptors of ``routereplay.grpc_server``),
+plus whatever a service adds to the same registry. One registry per server object, so several
+servers in one process (tests, the embedded route cache) keep separate counts.
+
+The HTTP endpoint (``/metrics``, Prometheus text format) is off unless the service's
+``--metrics`` flag turns it on: it has no TLS or token of its own, so it belongs on a port
+that only the cluster's scraper reaches.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from dataclasses import dataclass
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.parser import text_string_to_metric_families
+
+# Calls of a route cache span 0.1 ms (a stat) to seconds (a 1024-record batch read).
+LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+)
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Attributes:
+    metrics: serve ``/metrics`` over HTTP (off by default: the endpoint has no TLS or token).
+    metrics_host, metrics_port: where (port 0 picks a free one).
+    """
+
+    metrics: bool = False
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = 9464
+
+
+METRICS_HELP = {
+    "metrics": "serve Prometheus metrics over HTTP at /metrics (no TLS or token: keep it internal)",
+    "metrics_host": "address of the metrics endpoint",
+    "metrics_port": "port of the metrics endpoint (0: any free port)",
+}
+
+
+class ServiceMetrics:
+    """The registry of one server and the per-call metrics every service has.
+
+    Attributes:
+        registry: add a service's own metrics here (``registry=metrics.registry``).
+    """
+
+    def __init__(self, namespace: str):
+        self.namespace = namespace
+        self.registry = CollectorRegistry()
+        self.calls = Counter(
+            "rpc_calls", "Finished calls by method and status code (errors: code != OK)",
+            ["method", "code"], namespace=namespace, registry=self.registry,
+        )  # fmt: skip
+        self.latency = Histogram(
+            "rpc_latency_seconds", "Call duration, first request message to last response",
+            ["method"], namespace=namespace, registry=self.registry, buckets=LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.bytes_in = Counter(
+            "rpc_received_bytes", "Serialized request bytes received, by method",
+            ["method"], namespace=namespace, registry=self.registry,
+        )  # fmt: skip
+        self.bytes_out = Counter(
+            "rpc_sent_bytes", "Serialized response bytes sent, by method",
+            ["method"], namespace=namespace, registry=self.registry,
+        )  # fmt: skip
+        self._http = None
+        self.port = 0
+
+    def observe(self, method: str, code: grpc.StatusCode, started: float) -> None:
+        name = _short(method)
+        self.calls.labels(name, code.name).inc()
+        self.latency.labels(name).observe(time.perf_counter() - started)
+
+    def received(self, method: str, size: int) -> None:
+        self.bytes_in.labels(_short(method)).inc(size)
+
+    def sent(self, method: str, size: int) -> None:
+        self.bytes_out.labels(_short(method)).inc(size)
+
+    def serve(self, config: MetricsConfig) -> ServiceMetrics:
+        """Start the HTTP endpoint when ``config.metrics`` is on; ``self.port`` is its port."""
+        if config.metrics and self._http is None:
+            self._http, _ = start_http_server(
+                config.metrics_port, config.metrics_host, registry=self.registry
+            )
+            self.port = self._http.server_port
+        return self
+
+    def stop(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+def _short(method: str) -> str:
+    """``/routereplay.v1.RouteCache/ReadBatch`` -> ``ReadBatch``."""
+    return method.rsplit("/", 1)[-1]
+
+
+def scrape(
+    url: str, timeout_s: float = 10.0
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Fetch a ``/metrics`` page: ``{(sample name, sorted label pairs): value}``.
+
+    For tests and tools: e.g. the route bytes a route cache served,
+    ``scrape(url)[("route_cache_route_bytes_served_total", ())]``.
+    """
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
