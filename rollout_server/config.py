@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from routereplay.grpc_server import MIB, ServerLimits
+from routereplay.metrics import MetricsConfig
 from routereplay.security import ClientSecurity, ServerSecurity
 from routereplay.service_config import parse_service_config
 
@@ -66,11 +67,25 @@ class Config:
     write_retry_s: float = 600.0
     cache_timeout_s: float = 30.0
     grace_s: float = 30.0
-    limits: ServerLimits = field(default_factory=lambda: ServerLimits(max_message_bytes=64 * MIB))
+    # A connection past its age gets 10 minutes more: a group's generation can run minutes.
+    limits: ServerLimits = field(
+        default_factory=lambda: ServerLimits(
+            max_message_bytes=64 * MIB, max_connection_age_grace_s=600.0
+        )
+    )
     security: ServerSecurity = field(default_factory=ServerSecurity)
     route_cache_security: ClientSecurity = field(
         default_factory=ClientSecurity, metadata={"flag_prefix": "route_cache_"}
     )
+    # The Prometheus endpoint: --metrics, --metrics-port (off by default; routereplay.metrics).
+    metrics: MetricsConfig = field(default_factory=lambda: MetricsConfig(metrics_port=9465))
+
+    @property
+    def shutdown_budget_s(self) -> float:
+        """The longest a graceful stop takes: in-flight calls finish (up to ``grace_s``), then
+        the pending record writes (up to ``grace_s`` again). A deployment's termination grace
+        must exceed it, or the writes still queued are killed."""
+        return 2 * self.grace_s
 
     def engine_args(self) -> dict:
         """The vLLM engine arguments these settings ask for (zeros left to vLLM)."""

@@ -334,6 +334,7 @@ class Rollout:
         if done is None:
             raise Unavailable("the engine ended the request without a result")
         generated = int(done.token_ids.size)
+        self.counters["tokens_generated"] += generated
         prompt_len = len(turn.prompt)
         start = history.num_tokens if history is not None else 0
         end = start + prompt_len + generated

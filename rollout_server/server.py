@@ -6,6 +6,8 @@ import asyncio
 import logging
 import signal
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from rollout_server.config import Config
 from rollout_server.convert import event_to_pb, prompt_from_pb, sampling_from_pb
 from rollout_server.engine import Engine
@@ -14,12 +16,14 @@ from rollout_server.samples import SampleRequest
 from rollout_server.writer import RecordWriter
 from routereplay.client import AsyncRouteCacheClient
 from routereplay.grpc_server import make_aio_server, set_serving_aio
+from routereplay.metrics import ServiceMetrics
 from routereplay.security import add_port
 from routereplay.v1 import rollout_pb2, rollout_pb2_grpc
 from routereplay.wire import geometry_to_pb
 
 log = logging.getLogger(__name__)
 
+NAMESPACE = "rollout_server"
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name
 
 
@@ -89,6 +93,40 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         )
 
 
+class _RolloutCollector:
+    """The rollout's counters (``GetStatus``'s, tokens generated and capture failures among
+    them), its write buffer and policy version, read at each scrape."""
+
+    def __init__(self, rollout: Rollout):
+        self.rollout = rollout
+
+    def collect(self):
+        rollout = self.rollout
+        counters = CounterMetricFamily(
+            f"{NAMESPACE}_events", "Rollout events by kind (tokens_generated: generated "
+            "tokens, whose rate is tokens/s; capture_failures; samples_stored; ...)",
+            labels=["event"],
+        )  # fmt: skip
+        for name, count in sorted({**rollout.counters, **rollout.writer.counters}.items()):
+            counters.add_metric([name], count)
+        yield counters
+        yield GaugeMetricFamily(
+            f"{NAMESPACE}_pending_writes", "Record writes waiting or retrying (write buffer)",
+            value=rollout.writer.num_pending,
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            f"{NAMESPACE}_max_pending_writes", "The write buffer's bound",
+            value=rollout.writer.max_pending,
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            f"{NAMESPACE}_policy_version", "Version of the weights being served",
+            value=rollout.policy_version,
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            f"{NAMESPACE}_running_samples", "Samples generating now", value=rollout.num_running
+        )
+
+
 class RolloutServer:
     """The rollout server: ``await start()``, then ``await stop(grace)`` or ``await wait()``.
 
@@ -108,6 +146,7 @@ class RolloutServer:
         self.port = 0
         self._server = None
         self._health = None
+        self.metrics: ServiceMetrics | None = None
 
     async def start(self) -> RolloutServer:
         config = self.config
@@ -123,14 +162,17 @@ class RolloutServer:
             config.max_n, config.max_prompts, config.store_wait_s, config.capture_routes
         )
         self.rollout = Rollout(self.engine, self.cache, writer, limits, config.policy_version)
+        self.metrics = ServiceMetrics(NAMESPACE)
+        self.metrics.registry.register(_RolloutCollector(self.rollout))
         self._server, self._health = await make_aio_server(
-            config.limits, [SERVICE_NAME], config.security
+            config.limits, [SERVICE_NAME], config.security, self.metrics
         )
         rollout_pb2_grpc.add_RolloutServicer_to_server(RolloutServicer(self.rollout), self._server)
         self.port = add_port(self._server, f"{config.host}:{config.port}", config.security)
         writer.start()
         await self._server.start()
         await set_serving_aio(self._health, [SERVICE_NAME], True)
+        self.metrics.serve(config.metrics)
         log.info("rollout server listening on %s:%d", config.host, self.port)
         return self
 
@@ -143,6 +185,7 @@ class RolloutServer:
         await self._server.stop(grace)
         await self.rollout.writer.stop(grace)
         await self.cache.close()
+        self.metrics.stop()
         self._server = None
 
     async def wait(self) -> None:

@@ -67,8 +67,9 @@ def _mixtral(config: dict[str, Any]) -> tuple[list[int], int]:
 
 
 def _deepseek_v3(config: dict[str, Any]) -> tuple[list[int], int]:
-    # DeepSeek-V2/V3: the first first_k_dense_replace layers are dense, then
-    # every moe_layer_freq-th layer is MoE (vLLM's rule; freq is 1 in V3).
+    # DeepSeek-V2/V3 and GLM-4.5 (glm4_moe): the first first_k_dense_replace layers
+    # are dense, then every moe_layer_freq-th layer is MoE (vLLM's rule; freq is 1
+    # in V3 and absent from GLM-4.5).
     # MTP layers (num_nextn_predict_layers) come after num_hidden_layers.
     num_experts = int(_get(config, "n_routed_experts", "num_local_experts"))
     first_dense = int(_get(config, "first_k_dense_replace", default=0) or 0)
@@ -82,7 +83,9 @@ _FAMILIES: dict[str, Callable[[dict[str, Any]], tuple[list[int], int]]] = {
     "qwen2_moe": _qwen_moe,
     "qwen3_moe": _qwen_moe,
     "mixtral": _mixtral,
+    "deepseek_v2": _deepseek_v3,
     "deepseek_v3": _deepseek_v3,
+    "glm4_moe": _deepseek_v3,
 }
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(_FAMILIES))

@@ -1,13 +1,26 @@
-"""A tiny Qwen3-MoE checkpoint with its own tokenizer, built offline.
+"""A tiny MoE checkpoint with its own tokenizer, built offline.
 
-For tests and local runs without a model download: 4 decoder layers (layer 0
-dense, layers 1-3 MoE with 8 experts, top-2), hidden size 128, vocabulary 512,
-float32, random weights, and a byte-level BPE tokenizer trained on a small
-built-in corpus. The same seed gives byte-identical files.
+For tests and local runs without a model download: 4 decoder layers, hidden
+size 128, vocabulary 512, float32, random weights, and a byte-level BPE
+tokenizer trained on a small built-in corpus. The same seed gives byte-identical
+files. One family per ``model_type`` (``FAMILIES``):
+
+- ``qwen3_moe`` (default): layer 0 dense, layers 1-3 MoE with 8 experts, top-2,
+  qk-norm, ``norm_topk_prob``.
+- ``qwen2_moe``: as above plus a shared expert with its sigmoid gate, qkv bias,
+  ``norm_topk_prob`` false, no qk-norm.
+- ``mixtral``: every layer MoE (8 experts, top-2), softmax over the top-k logits.
+- ``glm4_moe`` (GLM-4.5): DeepSeek-V3's router (sigmoid scores, a random
+  ``e_score_correction_bias`` used for selection only, 16 experts in 4 groups of
+  which 2 are kept, top-4, ``routed_scaling_factor`` 2.5), a shared expert,
+  ``first_k_dense_replace`` 1, partial rotary (half the head), qk-norm, qkv bias.
+
+``--realistic-margins`` narrows the routers' top-k margins to a trained model's
+(``REALISTIC_ROUTER_SPREAD``); by default they are wide, so float32 engines agree exactly.
 
 Usage::
 
-    python -m routereplay.tiny_model OUT_DIR [--seed N]
+    python -m routereplay.tiny_model OUT_DIR [--seed N] [--family qwen3_moe] [--realistic-margins]
 """
 
 from __future__ import annotations
@@ -24,6 +37,17 @@ PAD_TOKEN = "<|pad|>"
 # router logits then spread by several units, so top-k choices are far from
 # ties and float32 engines agree exactly.
 ROUTER_STD = 0.5
+# REALISTIC_ROUTER_SPREAD: routers whose top-k margins are as narrow as a trained model's.
+# Target: a bf16 forward and a float32 forward choose different experts on about 10% of
+# tokens per MoE layer, as the R3 work reports for Qwen3-30B-A3B (trained routers put the k-th
+# and (k+1)-th experts close). Measured with transformers on the tiny Qwen3-MoE (8 x 64
+# random tokens): spread 0.03 gives 88-90% agreement per layer, the k-th minus (k+1)-th
+# router probability a median of 0.008 (10th percentile 0.001, 90th 0.022); independent rows
+# (the default) give 99% and a median of 0.038 (90th percentile 0.31).
+REALISTIC_ROUTER_SPREAD = 0.03
+# The selection-only expert bias of sigmoid routers (GLM-4.5, DeepSeek-V3): sigmoid scores
+# lie in (0, 1), so a bias of this spread changes some of the top-k choices.
+EXPERT_BIAS_STD = 0.1
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A mixture of experts model routes
@@ -66,6 +90,8 @@ class MoESize:
 
 
 TINY_SIZE = MoESize()
+# GLM-4.5's group-limited routing needs more experts than 8: 4 groups of 4, top-4.
+_GLM_TINY_SIZE = MoESize(num_experts=16, num_experts_per_tok=4)
 BENCH_SIZE = MoESize(
     hidden_size=1024,
     intermediate_size=1024,
@@ -103,39 +129,138 @@ def build_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0, size: MoESize = TINY_SIZE) -> Path:
-    """Write a random-init Qwen3-MoE model and its tokenizer to ``out_dir``.
+def _narrow_margins(weight, spread: float) -> None:
+    """Router ``weight`` ``[experts, hidden]`` -> shared row + ``spread`` x its own deviation.
+
+    The shared part adds the same amount to every expert's logit, so it leaves the choice
+    alone but sets the logits' magnitude, hence their rounding error in bf16; the experts'
+    differences, hence the top-k margins, shrink by ``spread`` relative to it. (Scaling all
+    rows alike would not do: the margins and the rounding error scale together.)
+    """
+    mean = weight.mean(0, keepdim=True)
+    shared = mean * weight.shape[0] ** 0.5  # the mean of E normal rows, rescaled to one row's std
+    weight.sub_(mean).mul_(spread).add_(shared)
+
+
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
+DEFAULT_FAMILY = "qwen3_moe"
+
+
+def family_config(family: str, size: MoESize | None, token_ids: dict[str, int]):
+    """The transformers config of a tiny ``family`` model.
+
+    Args:
+        family: One of ``FAMILIES`` (a Hugging Face ``model_type``).
+        size: The sizes; None for the family's tiny test size.
+        token_ids: ``bos_token_id``, ``eos_token_id`` and ``pad_token_id``.
+
+    Returns:
+        A ``transformers.PretrainedConfig`` of that family.
+    """
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; choose one of {FAMILIES}")
+    if size is None:
+        size = _GLM_TINY_SIZE if family == "glm4_moe" else TINY_SIZE
+    common = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=size.hidden_size,
+        num_hidden_layers=size.num_hidden_layers,
+        num_attention_heads=size.num_attention_heads,
+        num_key_value_heads=size.num_key_value_heads,
+        head_dim=size.head_dim,
+        num_experts_per_tok=size.num_experts_per_tok,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        dtype="float32",
+        **token_ids,
+    )
+    if family == "qwen3_moe":
+        # Field order as before families existed, so the default files stay byte-identical.
+        return transformers.Qwen3MoeConfig(
+            vocab_size=VOCAB_SIZE,
+            **asdict(size),
+            mlp_only_layers=[0],
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+            max_position_embeddings=2048,
+            tie_word_embeddings=False,
+            dtype="float32",
+            **token_ids,
+        )
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(
+            **common,
+            intermediate_size=size.intermediate_size,
+            moe_intermediate_size=size.moe_intermediate_size,
+            shared_expert_intermediate_size=2 * size.moe_intermediate_size,
+            num_experts=size.num_experts,
+            mlp_only_layers=[0],
+            decoder_sparse_step=1,
+            norm_topk_prob=False,
+            qkv_bias=True,
+        )
+    if family == "mixtral":
+        # Mixtral's experts use intermediate_size; it has no dense layer.
+        return transformers.MixtralConfig(
+            **common,
+            intermediate_size=size.moe_intermediate_size,
+            num_local_experts=size.num_experts,
+        )
+    return transformers.Glm4MoeConfig(
+        **common,
+        intermediate_size=size.intermediate_size,
+        moe_intermediate_size=size.moe_intermediate_size,
+        n_routed_experts=size.num_experts,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        first_k_dense_replace=1,
+        partial_rotary_factor=0.5,
+        use_qk_norm=True,
+        attention_bias=True,
+        num_nextn_predict_layers=0,
+    )
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    seed: int = 0,
+    size: MoESize | None = None,
+    family: str = DEFAULT_FAMILY,
+    router_std: float = ROUTER_STD,
+    router_spread: float | None = None,
+) -> Path:
+    """Write a random-init MoE model of ``family`` and its tokenizer to ``out_dir``.
 
     Args:
         out_dir: Folder to create or overwrite.
         seed: Seed of the random weights; the same seed gives identical files.
-        size: The model's sizes; the tiny test model by default.
+        size: The model's sizes; the family's tiny test model when None.
+        family: The Hugging Face ``model_type``, one of ``FAMILIES``.
+        router_std: Standard deviation of the router weights: ``ROUTER_STD`` (wide margins,
+            engines agree exactly).
+        router_spread: None keeps the routers' rows independent (wide margins). A value in
+            (0, 1] gives every expert's row a shared part plus ``router_spread`` times its own
+            (``REALISTIC_ROUTER_SPREAD``: margins as narrow as a trained model's, see
+            docs/trainer.md).
 
     Returns:
         ``out_dir`` as a ``Path``, ready for ``from_pretrained`` or vLLM.
     """
     import torch
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
-
-    config = Qwen3MoeConfig(
-        vocab_size=VOCAB_SIZE,
-        **asdict(size),
-        mlp_only_layers=[0],
-        decoder_sparse_step=1,
-        norm_topk_prob=True,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        bos_token_id=eos_id,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        dtype="float32",
-    )
+    token_ids = {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
+    config = family_config(family, size, token_ids)
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
@@ -143,7 +268,14 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, size: MoESize = TINY_SI
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith("mlp.gate.weight"):
-                    param.normal_(0.0, ROUTER_STD)
+                    param.normal_(0.0, router_std)
+                    if router_spread is not None:
+                        _narrow_margins(param, router_spread)
+            for name, buffer in model.named_buffers():
+                # Zero by default; a random bias makes biased selection differ from the
+                # unbiased scores, so replay that mixes them up fails the tests.
+                if name.endswith("e_score_correction_bias"):
+                    buffer.normal_(0.0, EXPERT_BIAS_STD)
     finally:
         torch.random.set_rng_state(generator_state)
     model.save_pretrained(out)
@@ -155,8 +287,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--family", choices=FAMILIES, default=DEFAULT_FAMILY)
+    parser.add_argument(
+        "--realistic-margins",
+        action="store_true",
+        help=f"narrow router margins (router spread {REALISTIC_ROUTER_SPREAD})",
+    )
     args = parser.parse_args(argv)
-    print(build_tiny_model(args.out_dir, seed=args.seed))
+    spread = REALISTIC_ROUTER_SPREAD if args.realistic_margins else None
+    print(build_tiny_model(args.out_dir, args.seed, family=args.family, router_spread=spread))
 
 
 if __name__ == "__main__":

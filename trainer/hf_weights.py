@@ -1,19 +1,27 @@
-"""Qwen3-MoE weights between the Hugging Face layout and megatron-core's local layer spec.
+"""MoE weights between the Hugging Face layout and megatron-core's local layer spec, per family.
 
-A small explicit mapping, one name table read both ways. (mbridge, the maintained converter,
-cannot run on the CPU: it hard-codes TransformerEngine specs and parameter names and calls
-``.cuda()``.)
+A small explicit mapping, one name table per family read both ways. (mbridge, the maintained
+converter, cannot run on the CPU: it hard-codes TransformerEngine specs and parameter names and
+calls ``.cuda()``.)
 
 Names per decoder layer ``L`` (megatron left, Hugging Face right, ``model.layers.L.`` omitted):
 
 - ``input_layernorm`` = ``input_layernorm``; ``pre_mlp_layernorm`` = ``post_attention_layernorm``
 - ``self_attention.linear_qkv`` = q/k/v projections interleaved by query group: for each group
-  in turn, its query heads, then its key head, then its value head
-- ``self_attention.q_layernorm`` / ``k_layernorm`` = ``self_attn.q_norm`` / ``k_norm``
+  in turn, its query heads, then its key head, then its value head (the bias the same way, where
+  the family has one: Qwen2-MoE ``qkv_bias``, GLM-4.5 ``attention_bias``)
+- ``self_attention.q_layernorm`` / ``k_layernorm`` = ``self_attn.q_norm`` / ``k_norm`` (Qwen3-MoE;
+  GLM-4.5 with ``use_qk_norm``)
 - ``self_attention.linear_proj`` = ``self_attn.o_proj``
 - dense layer: ``mlp.linear_fc1`` = gate rows then up rows; ``mlp.linear_fc2`` = ``down_proj``
-- MoE layer: ``mlp.router`` = ``mlp.gate``; ``mlp.experts.local_experts.E.linear_fc1/fc2`` as
-  the dense MLP, from ``mlp.experts.E.*`` (checkpoints store experts one by one on disk)
+- MoE layer, under the family's MoE block (``mlp.``; Mixtral ``block_sparse_moe.``):
+  ``mlp.router`` = ``gate``; ``mlp.experts.local_experts.E.linear_fc1/fc2`` as the dense MLP
+  from ``experts.E.*`` (``gate_proj``/``up_proj``/``down_proj``; Mixtral ``w1``/``w3``/``w2``;
+  checkpoints store experts one by one on disk)
+- shared expert: ``mlp.shared_experts.linear_fc1/fc2`` as the dense MLP from
+  ``mlp.shared_expert.*`` (Qwen2-MoE) or ``mlp.shared_experts.*`` (GLM-4.5);
+  ``mlp.shared_experts.gate_weight`` = ``mlp.shared_expert_gate.weight`` (Qwen2-MoE)
+- expert bias (GLM-4.5): ``mlp.router.expert_bias`` = ``mlp.gate.e_score_correction_bias``
 
 Outside the layers: ``embedding.word_embeddings`` = ``model.embed_tokens``,
 ``decoder.final_layernorm`` = ``model.norm``, ``output_layer`` = ``lm_head`` (absent when tied).
@@ -23,12 +31,34 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from trainer.hf_config import moe_layer_pattern, num_experts
+from trainer.hf_config import family_fields, moe_layer_pattern, num_experts
+
+
+@dataclass(frozen=True)
+class _FamilyNames:
+    """Hugging Face names of a family's MoE tensors, relative to ``model.layers.L.``."""
+
+    moe: str  # the MoE block
+    expert_proj: tuple[str, str, str]  # an expert's gate, up and down projections
+    shared: str | None = None  # the shared expert MLP
+    shared_gate: str | None = None  # its sigmoid gate
+
+
+_DENSE_PROJ = ("gate_proj", "up_proj", "down_proj")
+_NAMES = {
+    "qwen3_moe": _FamilyNames("mlp.", _DENSE_PROJ),
+    "qwen2_moe": _FamilyNames(
+        "mlp.", _DENSE_PROJ, shared="mlp.shared_expert.", shared_gate="mlp.shared_expert_gate."
+    ),
+    "mixtral": _FamilyNames("block_sparse_moe.", ("w1", "w3", "w2")),
+    "glm4_moe": _FamilyNames("mlp.", _DENSE_PROJ, shared="mlp.shared_experts."),
+}
 
 
 def load_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
@@ -55,7 +85,10 @@ def _heads(config: dict[str, Any]) -> tuple[int, int, int]:
 
 
 def _qkv_to_megatron(q, k, v, config) -> torch.Tensor:
-    """``[heads*d, H]``, ``[groups*d, H]`` x2 -> ``[(heads + 2*groups)*d, H]`` grouped rows."""
+    """``[heads*d, H]``, ``[groups*d, H]`` x2 -> ``[(heads + 2*groups)*d, H]`` grouped rows
+    (biases: the same without the ``H`` dimension)."""
+    if q.dim() == 1:
+        return _qkv_to_megatron(q[:, None], k[:, None], v[:, None], config)[:, 0]
     heads, groups, d = _heads(config)
     hidden = q.shape[1]
     q = q.view(groups, heads // groups * d, hidden)
@@ -65,6 +98,9 @@ def _qkv_to_megatron(q, k, v, config) -> torch.Tensor:
 
 
 def _qkv_to_hf(qkv, config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if qkv.dim() == 1:
+        q, k, v = _qkv_to_hf(qkv[:, None], config)
+        return q[:, 0], k[:, 0], v[:, 0]
     heads, groups, d = _heads(config)
     per_group = heads // groups * d
     grouped = qkv.view(groups, per_group + 2 * d, qkv.shape[1])
@@ -74,6 +110,7 @@ def _qkv_to_hf(qkv, config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def _renamed(config: dict[str, Any]) -> list[tuple[str, str]]:
     """(megatron name, Hugging Face name) of every tensor that maps one to one."""
+    fields, names = family_fields(config), _NAMES[config["model_type"]]
     pairs = [
         ("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
         ("decoder.final_layernorm.weight", "model.norm.weight"),
@@ -85,27 +122,44 @@ def _renamed(config: dict[str, Any]) -> list[tuple[str, str]]:
         pairs += [
             (mg + "input_layernorm.weight", hf + "input_layernorm.weight"),
             (mg + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight"),
-            (mg + "self_attention.q_layernorm.weight", hf + "self_attn.q_norm.weight"),
-            (mg + "self_attention.k_layernorm.weight", hf + "self_attn.k_norm.weight"),
             (mg + "self_attention.linear_proj.weight", hf + "self_attn.o_proj.weight"),
         ]
+        if fields["qk_layernorm"]:
+            pairs += [
+                (mg + "self_attention.q_layernorm.weight", hf + "self_attn.q_norm.weight"),
+                (mg + "self_attention.k_layernorm.weight", hf + "self_attn.k_norm.weight"),
+            ]
         if is_moe:
-            pairs.append((mg + "mlp.router.weight", hf + "mlp.gate.weight"))
-    pairs += [(mg + "linear_fc2.weight", hf + "down_proj.weight") for mg, hf in _mlps(config)]
+            pairs.append((mg + "mlp.router.weight", hf + names.moe + "gate.weight"))
+            if fields.get("moe_router_enable_expert_bias"):
+                pairs.append(
+                    (mg + "mlp.router.expert_bias", hf + names.moe + "gate.e_score_correction_bias")
+                )
+            if names.shared_gate is not None:
+                pairs.append(
+                    (mg + "mlp.shared_experts.gate_weight", hf + names.shared_gate + "weight")
+                )
+    for mg, hf, (_, _, down) in _mlps(config):
+        pairs.append((mg + "linear_fc2.weight", f"{hf}{down}.weight"))
     return pairs
 
 
-def _mlps(config: dict[str, Any]) -> list[tuple[str, str]]:
-    """(megatron prefix, Hugging Face prefix) of every MLP: the dense ones and each expert."""
+def _mlps(config: dict[str, Any]) -> list[tuple[str, str, tuple[str, str, str]]]:
+    """(megatron prefix, Hugging Face prefix, HF gate/up/down names) of every MLP: the dense
+    ones, each expert and the shared expert."""
+    names = _NAMES[config["model_type"]]
+    shared = "moe_shared_expert_intermediate_size" in family_fields(config)
     prefixes = []
     for layer, is_moe in enumerate(moe_layer_pattern(config)):
-        mg, hf = f"decoder.layers.{layer}.mlp.", f"model.layers.{layer}.mlp."
+        mg, hf = f"decoder.layers.{layer}.mlp.", f"model.layers.{layer}."
         if is_moe:
             # Checkpoints store experts one by one on disk.
-            prefixes += [(f"{mg}experts.local_experts.{e}.", f"{hf}experts.{e}.")
-                         for e in range(num_experts(config))]  # fmt: skip
+            prefixes += [(f"{mg}experts.local_experts.{e}.", f"{hf}{names.moe}experts.{e}.",
+                          names.expert_proj) for e in range(num_experts(config))]  # fmt: skip
+            if shared:
+                prefixes.append((f"{mg}shared_experts.", hf + names.shared, _DENSE_PROJ))
         else:
-            prefixes.append((mg, hf))
+            prefixes.append((mg, hf + "mlp.", _DENSE_PROJ))
     return prefixes
 
 
@@ -117,7 +171,7 @@ def _layers(config: dict[str, Any]) -> list[tuple[str, str]]:
 def hf_to_megatron(
     hf: Mapping[str, torch.Tensor], config: dict[str, Any]
 ) -> dict[str, torch.Tensor]:
-    """Map a Hugging Face Qwen3-MoE state dict to megatron ``GPTModel`` parameter names.
+    """Map a Hugging Face MoE state dict to megatron ``GPTModel`` parameter names.
 
     Args:
         hf: Hugging Face tensors by name (as ``load_hf_state_dict`` returns them).
@@ -130,16 +184,21 @@ def hf_to_megatron(
     out = {mg: hf[name] for mg, name in _renamed(config)}
     for mg, name in _layers(config):
         attn = name + "self_attn."
-        out[mg + "self_attention.linear_qkv.weight"] = _qkv_to_megatron(
-            hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"],
-            config,
-        )  # fmt: skip
-    for mg, name in _mlps(config):
+        for kind in _qkv_kinds(config):
+            out[f"{mg}self_attention.linear_qkv.{kind}"] = _qkv_to_megatron(
+                hf[f"{attn}q_proj.{kind}"], hf[f"{attn}k_proj.{kind}"], hf[f"{attn}v_proj.{kind}"],
+                config,
+            )  # fmt: skip
+    for mg, name, (gate, up, _) in _mlps(config):
         # Megatron's gated linear unit splits fc1's rows as [gate; up].
         out[mg + "linear_fc1.weight"] = torch.cat(
-            [hf[name + "gate_proj.weight"], hf[name + "up_proj.weight"]], dim=0
+            [hf[f"{name}{gate}.weight"], hf[f"{name}{up}.weight"]], dim=0
         )
     return out
+
+
+def _qkv_kinds(config: dict[str, Any]) -> tuple[str, ...]:
+    return ("weight", "bias") if family_fields(config)["add_qkv_bias"] else ("weight",)
 
 
 def megatron_to_hf(
@@ -157,11 +216,12 @@ def megatron_to_hf(
     """
     out = {hf: mg[name] for name, hf in _renamed(config)}
     for name, hf in _layers(config):
-        q, k, v = _qkv_to_hf(mg[name + "self_attention.linear_qkv.weight"], config)
         attn = hf + "self_attn."
-        out[attn + "q_proj.weight"], out[attn + "k_proj.weight"] = q, k
-        out[attn + "v_proj.weight"] = v
-    for name, hf in _mlps(config):
+        for kind in _qkv_kinds(config):
+            q, k, v = _qkv_to_hf(mg[f"{name}self_attention.linear_qkv.{kind}"], config)
+            out[f"{attn}q_proj.{kind}"], out[f"{attn}k_proj.{kind}"] = q, k
+            out[f"{attn}v_proj.{kind}"] = v
+    for name, hf, (gate_name, up_name, _) in _mlps(config):
         gate, up = mg[name + "linear_fc1.weight"].chunk(2, dim=0)
-        out[hf + "gate_proj.weight"], out[hf + "up_proj.weight"] = gate, up
+        out[f"{hf}{gate_name}.weight"], out[f"{hf}{up_name}.weight"] = gate, up
     return {name: t.detach().contiguous() for name, t in out.items()}

@@ -4,6 +4,13 @@ Megatron's own optimizer and gradient clipping create CUDA tensors (docs/trainer
 trainer uses torch's AdamW. With bf16 parameters, an lr-sized update is below bf16's
 resolution for most weights and would round away; as in megatron's mixed precision, AdamW then
 steps float32 copies and the model's bf16 parameters are refreshed from them after each step.
+
+Routers with a selection-only expert bias (aux-loss-free load balancing: GLM-4.5, DeepSeek-V3)
+get their bias moved after each step, as megatron's ``finalize_model_grads`` does
+(``_update_router_expert_bias``): every router counts the tokens its routing map sent to each
+expert in training forwards (``local_tokens_per_expert``; under replay, the replayed routes),
+and the bias of an expert above the mean count drops by ``moe_router_bias_update_rate``, below
+it rises. See docs/trainer.md ("Expert bias under replay").
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ class AdamW:
             for p in self.params
         ]
         self.inner = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay)
+        self.biased_routers = [
+            m for m in model.modules() if getattr(m, "expert_bias", None) is not None
+        ]
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -41,6 +51,26 @@ class AdamW:
             for p, m in zip(self.params, self.masters, strict=True):
                 if m is not p:
                     p.copy_(m)
+        self._update_expert_bias()
+
+    def _update_expert_bias(self) -> None:
+        """Megatron's bias update from the step's token counts (summed over the tensor and
+        data parallel ranks by ``get_updated_expert_bias``), then the counts restart."""
+        if not self.biased_routers:
+            return
+        from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
+
+        routers = self.biased_routers
+        with torch.no_grad():
+            # One collective for all routers, as megatron stacks them.
+            updated = get_updated_expert_bias(
+                torch.stack([r.local_tokens_per_expert for r in routers]),
+                torch.stack([r.expert_bias for r in routers]),
+                routers[0].config.moe_router_bias_update_rate,
+            )
+            for router, bias in zip(routers, updated, strict=True):
+                router.expert_bias.copy_(bias)
+                router.local_tokens_per_expert.zero_()
 
     def state_dict(self) -> dict:
         """AdamW's state and the float32 masters (a bf16 model's parameters cannot restore

@@ -1,8 +1,8 @@
 """The routing oracle, independent of vLLM: teacher-force tokens through transformers.
 
-``prompt + generated[:-1]`` through the Hugging Face model (float32,
-``output_router_logits=True``); the top-k experts of every MoE layer are what the engine must
-have routed, compared as sets.
+``prompt + generated[:-1]`` through the Hugging Face model (float32); the experts each MoE
+layer's router chose (its own top-k: softmax, or GLM-4.5's biased, group-limited sigmoid
+choice), by global layer number, are what the engine must have routed, compared as sets.
 """
 
 from __future__ import annotations
@@ -27,14 +27,23 @@ def oracle(hf_model, geometry, token_ids):
     """
     import torch
 
-    with torch.no_grad():
-        out = hf_model(torch.tensor([list(token_ids)]), output_router_logits=True)
-    # transformers returns router logits for the MoE layers only, in order.
-    assert len(out.router_logits) == geometry.num_moe_layers
-    top = [
-        lg.reshape(len(token_ids), -1).topk(geometry.topk, dim=-1).indices
-        for lg in out.router_logits
+    chosen: dict[int, torch.Tensor] = {}
+    handles = [
+        # Every family's router returns (logits, weights, expert ids) of its own choice.
+        layer.mlp.gate.register_forward_hook(
+            lambda m, i, o, n=n: chosen.__setitem__(n, o[2].detach().clone())
+        )
+        for n, layer in enumerate(hf_model.model.layers)
+        if hasattr(layer.mlp, "gate")
     ]
+    try:
+        with torch.no_grad():
+            out = hf_model(torch.tensor([list(token_ids)]))
+    finally:
+        for h in handles:
+            h.remove()
+    assert sorted(chosen) == list(geometry.moe_layers)
+    top = [chosen[layer].reshape(len(token_ids), geometry.topk) for layer in geometry.moe_layers]
     logprobs = out.logits[0].log_softmax(-1)
     return torch.stack(top, dim=1).numpy(), logprobs.numpy()
 

@@ -392,3 +392,44 @@ def test_a_multi_turn_sample_is_announced_on_the_feed_once_complete(rollout, rou
     version = str(last.turn.policy_version)
     assert announced() == [(last.sample_id, str(last.num_tokens), ",".join([version] * 3))]
     assert last.num_tokens > middle.num_tokens > done[last.sample_id].num_tokens
+
+
+def test_metrics_endpoint(vllm_engine, route_cache, loop):
+    """A real HTTP scrape of a rollout server with metrics on: the calls, the tokens generated
+    and the stored samples move with a generation; the policy version is exported."""
+    from rollout_server.server import RolloutServer
+    from routereplay.metrics import MetricsConfig, scrape
+
+    metrics = MetricsConfig(True, "127.0.0.1", 0)  # a free port
+    config = rollout_config(route_cache.target, metrics=metrics, policy_version=7)
+
+    def value(samples, name, **labels):
+        return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    async def run():
+        server = await RolloutServer(config, vllm_engine).start()
+        client = RolloutClient(f"127.0.0.1:{server.port}")
+        url = f"http://127.0.0.1:{server.metrics.port}/metrics"
+        try:
+            before = await asyncio.to_thread(scrape, url)
+            _, done = split(await events_of(client.generate("hello", GREEDY)))
+            await client.status()
+            return before, await asyncio.to_thread(scrape, url), done
+        finally:
+            await client.close()
+            await server.stop(1)
+
+    before, after, done = loop.run_until_complete(run())
+    ((_, final),) = done.items()
+    assert final.stored
+
+    def moved(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    events = "rollout_server_events_total"
+    assert moved(events, event="tokens_generated") == final.generated_tokens > 0
+    assert moved(events, event="samples_stored") == 1
+    assert moved("rollout_server_rpc_calls_total", method="GetStatus", code="OK") == 1
+    assert moved("rollout_server_rpc_latency_seconds_count", method="GetStatus") == 1
+    assert value(after, "rollout_server_policy_version") == 7
+    assert value(after, "rollout_server_pending_writes") == 0

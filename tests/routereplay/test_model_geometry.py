@@ -82,6 +82,43 @@ def deepseek_v3(**kw):
     return transformers.DeepseekV3Config(**{**args, **kw})
 
 
+def glm4_moe(**kw):
+    args = dict(
+        SMALL,
+        num_hidden_layers=4,
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+    )
+    return transformers.Glm4MoeConfig(**{**args, **kw})
+
+
+def deepseek_v2(**kw):
+    args = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        first_k_dense_replace=1,
+    )
+    return transformers.DeepseekV2Config(**{**args, **kw})
+
+
 CASES = {
     "qwen3_moe": qwen3_moe(),
     "qwen3_moe_dense0": qwen3_moe(mlp_only_layers=[0, 3]),
@@ -93,6 +130,9 @@ CASES = {
     "mixtral": mixtral(),
     "deepseek_v3": deepseek_v3(),
     "deepseek_v3_k0": deepseek_v3(first_k_dense_replace=0),
+    "deepseek_v2": deepseek_v2(),
+    "glm4_moe": glm4_moe(),
+    "glm4_moe_k2": glm4_moe(first_k_dense_replace=2),
 }
 
 
@@ -197,3 +237,23 @@ def test_tiny_model_geometry_and_determinism(tiny_model_dir, tmp_path):
     other = _hashes(tmp_path / "other")
     assert other["model.safetensors"] != files["model.safetensors"]
     assert other["tokenizer.json"] == files["tokenizer.json"]
+
+
+@pytest.mark.parametrize(
+    ("family", "moe_layers", "topk", "num_experts"),
+    [
+        ("qwen2_moe", (1, 2, 3), 2, 8),
+        ("mixtral", (0, 1, 2, 3), 2, 8),
+        ("glm4_moe", (1, 2, 3), 4, 16),
+    ],
+)
+def test_tiny_model_families(family, moe_layers, topk, num_experts, tmp_path):
+    from routereplay.tiny_model import main
+
+    main([str(tmp_path / "a"), "--family", family])
+    geom = load_geometry(tmp_path / "a")
+    assert geom.record.moe_layers == moe_layers
+    assert (geom.record.topk, geom.record.num_experts) == (topk, num_experts)
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["model_type"] == family
+    main([str(tmp_path / "b"), "--family", family])
+    assert _hashes(tmp_path / "a") == _hashes(tmp_path / "b")
