@@ -51,11 +51,10 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
 
     from routereplay.tiny_model import MoESize, build_tiny_model
-    from tests.trainer.helpers import make_record, random_batch
+    from tests.trainer.helpers import make_record, random_batch, record_natural_routes
     from trainer import distributed
     from trainer.align import align_routes
     from trainer.model import build_model
-    from trainer.r2 import record_pass
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(f"{tmp}/model", seed=0, size=MoESize(**SIZE_KW))
@@ -65,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
             replay = build_model(model_dir, routing_replay=True, pg_collection=groups)
             lengths = [256, 200, 160, 256]
             batch = random_batch(0, lengths, "right", vocab=512)
-            _, recorded = record_pass(replay, [batch], step_loss)
+            _, recorded = record_natural_routes(replay, [batch], step_loss)
             records = [
                 make_record(r.sample_id, r.token_ids, r.routes, replay.geometry) for r in recorded
             ]

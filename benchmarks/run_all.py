@@ -9,6 +9,7 @@ Each benchmark compares against a baseline measured in the same run, on the same
 - ``rollout``: generation with routed-expert capture and record writes against the same server
   with capture off (same model, prompts and greedy tokens; target: at most 3% fewer tokens/s),
   and the delay from a sample's last token to its record being readable.
+- ``layouts``: the RL step in each trainer layout against one rank, R3 against ``disabled``.
 - ``trainer``: a training step with R3 replay against ``disabled`` on the same batches and
   weights (target: at most 2%), alignment on its own, and fetch + align against step time from
   a real route cache with prefetch on and off.
@@ -64,6 +65,10 @@ BENCHMARKS = (
     Benchmark(
         "trainer", "bench_trainer.py", ("--repeats", "3", "--batches", "2"),
         "training step with R3 replay vs disabled; fetch + align vs step",
+    ),
+    Benchmark(
+        "layouts", "bench_layouts.py", ("--quick",),
+        "the RL step per trainer layout (PP, TP, DP, packing) vs one rank; replay overhead in each",
     ),
     Benchmark(
         "reshard", "bench_reshard.py", ("--tokens", "4096", "--samples", "2", "--repeats", "2"),

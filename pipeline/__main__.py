@@ -38,6 +38,12 @@ from rollout_server.samples import SampleDelta, SampleDone, SampleFailed
 from routereplay.client import RouteCacheClient
 from routereplay.launch import start_service, stop_process
 from routereplay.record import check_routes
+from routereplay.tiny_model import (
+    DEFAULT_FAMILY,
+    FAMILIES,
+    REALISTIC_ROUTER_SPREAD,
+    build_tiny_model,
+)
 
 PROMPTS = [
     "The router picks two experts for every token because",
@@ -84,20 +90,31 @@ async def rollout(target: str, n: int, max_tokens: int) -> tuple[list[SampleDone
     return done, streamed
 
 
+# The trainer layouts the main job offers: (processes, the trainer's layout overrides).
+TRAINER_LAYOUTS = {
+    "single": (1, []),
+    "dp2": (2, ["parallel.dp=2"]),
+    "pp2": (2, ["parallel.pp=2"]),
+    "tp2": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+}
+
+
 def start_trainer(mode: str, cache: str, rollouts: list[str], model_dir: str, args, procs):
     """The trainer in ``mode`` on the feed, pushing its weights to ``rollouts`` after each
     step; returns its process and the path of its report."""
     report = args.out / f"trainer-{mode}.json"
     batch = args.groups * args.n
-    micro = batch // 2 if batch % (2 * args.trainer_ranks) == 0 else batch
+    ranks, layout = TRAINER_LAYOUTS[args.layout]
+    dp = ranks if args.layout.startswith("dp") else 1
+    micro = batch // 2 if batch % (2 * dp) == 0 else batch
     consumer_group = f"pipeline-{mode}"
     # Created before any of this run's samples exist, so the trainer takes exactly these.
     with RouteCacheClient(cache) as client:
         client.read_ready(consumer_group, "trainer", max_entries=1, start_from_latest=True)
-    # Two data-parallel ranks on gloo, as trainer pods would run them.
+    # The layout's ranks on gloo, as trainer pods would run them.
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={args.trainer_ranks}", "-m", "trainer",
-               f"parallel.dp={args.trainer_ranks}", f"router_replay.mode={mode}",
+               f"--nproc-per-node={ranks}", "-m", "trainer", *layout,
+               f"router_replay.mode={mode}",
                f"model.path={model_dir}", f"route_cache.target={cache}",
                f"train.dtype={args.trainer_dtype}", f"train.batch_size={batch}",
                f"train.micro_batch_size={micro}", "data.source=feed",
@@ -185,6 +202,16 @@ def port_taken(port: int) -> bool:
 
 def preflight(args) -> None:
     """Refuse, before any process starts, what would otherwise fail later and less clearly."""
+    if args.model and args.model_family != DEFAULT_FAMILY:
+        raise SystemExit(
+            f"[pipeline] --model-family {args.model_family} picks an embedded tiny model; with "
+            "--model the checkpoint's config.json says its family: give one or the other"
+        )
+    if args.model and args.realistic_margins:
+        raise SystemExit(
+            "[pipeline] --realistic-margins shapes the embedded tiny model's routers; it does "
+            "not apply to --model"
+        )
     if args.model and not (Path(args.model) / "config.json").is_file():
         raise SystemExit(
             f"[pipeline] --model {args.model}: no Hugging Face checkpoint there (no "
@@ -217,9 +244,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=4, help="samples per prompt (GRPO group size)")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per sample")
     parser.add_argument("--model", default="", help="a local HF MoE checkpoint (default: tiny)")
+    parser.add_argument("--model-family", default=DEFAULT_FAMILY, choices=FAMILIES,
+                        help="family of the embedded tiny model")  # fmt: skip
+    parser.add_argument("--realistic-margins", action="store_true", help="embedded tiny model "
+                        "with a trained model's narrow router margins")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("results"), help="report folder")
     parser.add_argument("--trainer-dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--trainer-ranks", type=int, default=2, help="data-parallel ranks")
+    parser.add_argument(
+        "--layout",
+        default="dp2",
+        choices=sorted(TRAINER_LAYOUTS),
+        help="the trainer's parallel layout (2 processes; 1 for 'single')",
+    )
     parser.add_argument("--steps", type=int, default=3, help="RL steps per mode")
     parser.add_argument("--groups", type=int, default=2, help="GRPO groups (prompts) per step")
     parser.add_argument("--redis-url", default="", help="Redis for the route cache (default: "
@@ -239,6 +275,12 @@ def main(argv: list[str] | None = None) -> int:
         cache = start("route_cache", redis_args, f"the route cache ({where})", procs,
                       args.cache_port)  # fmt: skip
         tiny = Path(tempfile.gettempdir()) / "router-replay-tiny-moe"
+        if not args.model and (args.model_family != DEFAULT_FAMILY or args.realistic_margins):
+            margins = "-realistic" if args.realistic_margins else ""
+            tiny = tiny.with_name(f"{tiny.name}-{args.model_family}{margins}")
+            if not (tiny / "config.json").is_file():
+                spread = REALISTIC_ROUTER_SPREAD if args.realistic_margins else None
+                build_tiny_model(tiny, family=args.model_family, router_spread=spread)
         model = ["--model", args.model] if args.model else ["--tiny-model-dir", str(tiny)]
         rollout_target = start("rollout_server", ["--route-cache", cache, *model],
                                "the rollout server (vLLM on the CPU)", procs,
@@ -277,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, mode in enumerate(MODES):
             t0 = time.perf_counter()
             version = asyncio.run(reset_weights(rollouts, model_dir)) if i else 0
-            log(f"RL loop in mode {mode} ({args.trainer_dtype}, {args.trainer_ranks} ranks, "
+            log(f"RL loop in mode {mode} ({args.trainer_dtype}, {args.layout}, "
                 f"{args.steps} steps) from the initial weights, policy {version}")  # fmt: skip
             reports[mode] = run_mode(mode, cache, rollouts, model_dir, args, procs)
             stages[f"RL loop {mode}"] = time.perf_counter() - t0

@@ -172,3 +172,26 @@ def tiny_model_dir(tmp_path_factory):
     from routereplay.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-moe"), seed=0)
+
+
+# The other families of routereplay.tiny_model (qwen3_moe is tiny_model_dir).
+OTHER_FAMILIES = ("qwen2_moe", "mixtral", "glm4_moe")
+
+
+@pytest.fixture(scope="session")
+def family_model_dir(tmp_path_factory):
+    """``family_model_dir(family)``: the embedded tiny model of that family, built once per
+    session on first use (``qwen3_moe`` is ``tiny_model_dir``'s model)."""
+    pytest.importorskip("transformers")
+    from routereplay.tiny_model import build_tiny_model
+
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            built[family] = build_tiny_model(
+                tmp_path_factory.mktemp(f"tiny-{family}"), seed=0, family=family
+            )
+        return built[family]
+
+    return get

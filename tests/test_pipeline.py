@@ -34,11 +34,13 @@ def session_processes(sid: int) -> list[int]:
     return pids
 
 
-def test_main_job_reports_every_mode(tmp_path):
+@pytest.mark.parametrize("layout", ["dp2", "pp2"])
+def test_main_job_reports_every_mode(tmp_path, layout):
+    """The trainer as 2 data-parallel ranks (the default) or 2 pipeline stages."""
     out = tmp_path / "results"
     result = subprocess.run(
         [sys.executable, "-m", "pipeline", "--n", "2", "--max-tokens", "16", "--steps", "2",
-         "--out", str(out)],
+         "--out", str(out), "--layout", layout],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -104,11 +106,20 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path):
     ("flags", "message"),
     [
         (["--model", "/no/such/checkpoint"], "--model /no/such/checkpoint: no Hugging Face"),
+        (["--model", "/m", "--model-family", "mixtral"], "--model-family mixtral picks"),
+        (["--model", "/m", "--realistic-margins"], "--realistic-margins shapes"),
         (["--redis-url", "redis://:secret@127.0.0.1:{taken}/0"], "cannot reach Redis"),
         (["--cache-port", "{taken}"], "--cache-port {taken}: the port is taken"),
         (["--rollout-port", "{taken}"], "--rollout-port {taken}: the port is taken"),
     ],
-    ids=["missing-model", "unreachable-redis", "cache-port-taken", "rollout-port-taken"],
+    ids=[
+        "missing-model",
+        "family-and-model",
+        "margins-and-model",
+        "unreachable-redis",
+        "cache-port-taken",
+        "rollout-port-taken",
+    ],
 )
 def test_bad_input_is_refused_before_anything_starts(tmp_path, flags, message):
     with socket.socket() as taken:  # a port something else holds (and Redis is not on)

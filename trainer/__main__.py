@@ -96,12 +96,6 @@ def _main_torchrun(config, plans) -> int:
             f"parallel.dp={config.parallel.dp} but world size {world_size} leaves {dp_size} "
             f"data-parallel ranks"
         )
-    if layout.cp * layout.pp > 1 or layout.vp is not None:
-        raise LayoutError(
-            "python -m trainer runs data, tensor and expert parallel layouts (parallel.dp, tp, "
-            "ep, etp); pipeline and context parallel (parallel.pp, vp, cp) are not wired into "
-            "the RL step yet (their replay is exercised by tests/trainer/test_multirank.py)"
-        )
     if int(os.environ.get("RANK", "0")) != 0:
         logging.getLogger().setLevel(logging.WARNING)
     world = parallel.init_world(layout, seed=config.train.seed)

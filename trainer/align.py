@@ -32,9 +32,9 @@ class AlignedRoutes:
     """One batch's replay ids for this rank's routers.
 
     Attributes:
-        indices: One int64 ``[seq * batch, k]`` tensor per router (in the order of
+        indices: One int64 ``[seq * rows, k]`` tensor per router (in the order of
             ``layers``), megatron's token order; ``MASKED`` rows route natively.
-        replayed: bool ``[seq, batch]``: True where a recorded route is replayed.
+        replayed: bool ``[seq, rows]``: True where a recorded route is replayed.
         layers: Global layer number of each entry of ``indices``.
         missing: Sample ids that had no record (routed natively under ``missing="native"``).
     """
@@ -115,9 +115,9 @@ def align_routes(
     if unknown or not layers:
         raise ValueError(f"router layers {list(layers)} must be MoE layers of the model")
     columns = [geometry.moe_layers.index(layer) for layer in layers]
-    seq, bsz, k = batch.seq_len, batch.batch_size, geometry.topk
-    # [seq, batch, routers, k]: megatron's token order before flattening.
-    out = np.full((seq, bsz, len(columns), k), MASKED, dtype=np.int64)
+    seq, nrows, k = batch.seq_len, batch.num_rows, geometry.topk
+    # [seq, rows, routers, k]: megatron's token order before flattening.
+    out = np.full((seq, nrows, len(columns), k), MASKED, dtype=np.int64)
     absent: list[str] = []
     for b, record in enumerate(records):
         sample_id = batch.sample_ids[b]
@@ -132,12 +132,12 @@ def align_routes(
         check_tokens(record, batch.sample_tokens(b).numpy().astype(np.int32))
         start, rows = int(batch.starts[b]), record.num_rows
         # Row i belongs to token i (its input); the final token has no row and stays MASKED.
-        out[start : start + rows, b] = record.routes[:, columns]
+        out[start : start + rows, int(batch.rows[b])] = record.routes[:, columns]
     if absent:
         log.warning("%d samples have no record; they route natively: %s", len(absent), absent)
     # Every column is masked on the same rows, so the first tells which rows replay.
     replayed = torch.from_numpy(out[:, :, 0, 0] != MASKED)
-    flat = torch.from_numpy(out).reshape(seq * bsz, len(columns), k)
+    flat = torch.from_numpy(out).reshape(seq * nrows, len(columns), k)
     indices = [flat[:, j].contiguous() for j in range(len(columns))]
     return AlignedRoutes(indices, replayed, tuple(layers), absent)
 
@@ -165,10 +165,10 @@ def routes_from_recorded(
         raise ValueError(
             f"{len(recorded)} recorded tensors for {geometry.num_moe_layers} MoE layers"
         )
-    seq, bsz, k = batch.seq_len, batch.batch_size, geometry.topk
-    stacked = torch.stack([r.reshape(seq, bsz, k) for r in recorded], dim=2).cpu().numpy()
+    seq, nrows, k = batch.seq_len, batch.num_rows, geometry.topk
+    stacked = torch.stack([r.reshape(seq, nrows, k) for r in recorded], dim=2).cpu().numpy()
     out = []
-    for b in range(bsz):
-        start, rows = int(batch.starts[b]), int(batch.lengths[b]) - 1
-        out.append(np.ascontiguousarray(stacked[start : start + rows, b]).astype(geometry.dtype))
+    for b in range(batch.batch_size):
+        start, rows, row = int(batch.starts[b]), int(batch.lengths[b]) - 1, int(batch.rows[b])
+        out.append(np.ascontiguousarray(stacked[start : start + rows, row]).astype(geometry.dtype))
     return out

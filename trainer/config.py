@@ -61,6 +61,9 @@ class ModelConfig:
     """``model.*``: the Hugging Face checkpoint folder that the rollout server serves."""
 
     path: str = ""
+    # The model id the records must carry (the rollout server's ``model_id``); empty: the
+    # checkpoint folder's name, the rollout server's default.
+    model_id: str = ""
     recompute: bool = False  # full activation recompute, one layer per checkpoint
     # > 0: megatron's load-balancing aux loss (``aux_loss``) with this coefficient; it is
     # computed from the routers' natural top-k even under replay.
@@ -103,8 +106,15 @@ class TrainConfig:
     Attributes:
         steps: Steps to run (one batch each).
         batch_size: Samples per step (keep whole GRPO groups in a batch).
-        micro_batch_size: Samples per micro-batch; each update micro-batch ends with an
-            optimizer step.
+        micro_batch_size: Samples per micro-batch (one forward of megatron's schedule).
+        mini_batch_size: Samples per optimizer step: each update pass runs the schedule over a
+            mini-batch's micro-batches, accumulating gradients, then steps. None: one
+            micro-batch per optimizer step.
+        max_tokens_per_micro_batch: Dynamic batching: each mini-batch's micro-batches are
+            filled up to this many tokens (padded to the layout's multiple) instead of
+            ``micro_batch_size`` samples, balanced, the same count on every DP rank.
+        packing: Remove padding: each micro-batch's sequences packed back to back in one row
+            (THD), each padded to the layout's multiple, attention block-diagonal.
         ppo_epochs: Update passes over each batch.
         clip_eps: PPO clip range.
         dtype: ``float32`` or ``bfloat16`` (parameters and activations; AdamW keeps float32
@@ -128,6 +138,9 @@ class TrainConfig:
     steps: int = 1
     batch_size: int = 8
     micro_batch_size: int = 4
+    mini_batch_size: int | None = None
+    max_tokens_per_micro_batch: int | None = None
+    packing: bool = False
     ppo_epochs: int = 2
     clip_eps: float = 0.2
     lr: float = 1e-4
@@ -141,6 +154,11 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 1
     resume: bool = True
+
+    @property
+    def mini_batch_size_or_micro(self) -> int:
+        """Samples per optimizer step."""
+        return self.mini_batch_size or self.micro_batch_size
 
     def push_security(self):
         """How to reach the rollout servers, a ``routereplay.security.ClientSecurity``."""
@@ -201,8 +219,10 @@ class ParallelConfig:
 
     The data-parallel size is what the world leaves: world size / (tp x cp x pp). ``dp``, when
     set, must equal it (a check against launching the wrong number of processes).
-    ``python -m trainer`` runs data parallel only today; the other sizes are validated and
-    refused with a clear error (their replay is covered by ``tests/trainer/test_multirank.py``).
+    Every layout runs the RL step but context parallel, which needs TransformerEngine's
+    attention (refused without it, naming it). ``first_stage_layers`` / ``last_stage_layers``
+    give the first and last pipeline stages that many decoder layers (megatron's uneven split,
+    ``num_layers_in_first_pipeline_stage`` / ``..._last_...``); the rest divide evenly.
     """
 
     dp: int | None = None
@@ -213,6 +233,8 @@ class ParallelConfig:
     ep: int = 1
     etp: int | None = None
     sequence_parallel: bool = False
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     def layout(self):
         from trainer.reshard import Layout
@@ -261,9 +283,35 @@ class TrainerConfig:
             raise ConfigError(
                 f"train.padding_side={self.train.padding_side!r}; expected 'right' or 'left'"
             )
-        if self.train.micro_batch_size < 1:
-            raise ConfigError("train.micro_batch_size must be >= 1")
+        self._validate_batches()
         self._validate_feed()
+
+    def _validate_batches(self) -> None:
+        train, par = self.train, self.parallel
+        if train.micro_batch_size < 1:
+            raise ConfigError("train.micro_batch_size must be >= 1")
+        mini = train.mini_batch_size_or_micro
+        if mini < 1:
+            raise ConfigError(f"train.mini_batch_size={mini} must be >= 1")
+        budget = train.max_tokens_per_micro_batch
+        if budget is not None and budget < 1:
+            raise ConfigError("train.max_tokens_per_micro_batch must be >= 1")
+        if budget is None and mini % train.micro_batch_size:
+            raise ConfigError(
+                f"train.micro_batch_size={train.micro_batch_size} must divide "
+                f"train.mini_batch_size={mini}"
+            )
+        if par.vp is not None and par.pp < 2:
+            raise ConfigError(f"parallel.vp={par.vp} needs pipeline stages (parallel.pp > 1)")
+        if par.vp is not None and budget is None:
+            per_step = mini // train.micro_batch_size
+            if per_step % par.pp:
+                # megatron's interleaved schedule runs micro-batches in groups of pp per chunk.
+                raise ConfigError(
+                    f"parallel.vp={par.vp}: megatron's interleaved schedule needs the "
+                    f"micro-batches of an optimizer step to be a multiple of parallel.pp="
+                    f"{par.pp}; train.mini_batch_size / train.micro_batch_size = {per_step}"
+                )
 
     def _validate_feed(self) -> None:
         data = self.data

@@ -12,13 +12,14 @@ sum is the single-rank token-mean gradient (up to float summation order). One fl
 backward (one collective). Chosen over megatron's ``DistributedDataParallel`` because the model
 is built as a plain module and the optimizer is our own AdamW on the CPU; nothing overlaps here.
 
-Model parallel (``ModelParallel``: tensor and expert parallelism, no pipeline): the ranks of a
-TP group share a DP rank, hence its samples. Gradients are summed the way megatron's
-``finalize_model_grads`` and ``DistributedDataParallel`` would: over the TP group for the
-parameters each TP rank sees only part of the tokens or heads of (``sequence_parallel``
-norms and routers, q/k norms), over the DP group for the rest, except expert parameters under
-expert parallelism (``allreduce`` False), summed over the expert data-parallel group instead:
-an expert already received every DP rank's tokens through the dispatcher.
+Model parallel (``ModelParallel``: tensor, pipeline and expert parallelism): the ranks of a
+TP group and the stages of a pipeline share a DP rank, hence its samples. Gradients are summed
+the way megatron's ``finalize_model_grads`` and ``DistributedDataParallel`` would: over the TP
+group for the parameters each TP rank sees only part of the tokens or heads of
+(``sequence_parallel`` norms and routers, q/k norms), over the DP group (a stage's own) for the
+rest, except expert parameters under expert parallelism (``allreduce`` False), summed over the
+expert data-parallel group instead: an expert already received every DP rank's tokens through
+the dispatcher. Stages hold disjoint parameters: nothing is summed across them.
 
 With one rank of each kind every method is the identity (no collective runs).
 """
@@ -37,15 +38,17 @@ from trainer.reshard import Layout, LayoutError, RankCoords, dp_shard
 
 @dataclass(frozen=True)
 class ModelParallel:
-    """This rank's tensor- and expert-parallel place, for the step's collectives.
+    """This rank's tensor-, pipeline- and expert-parallel place, for the step's collectives.
 
     Attributes:
-        layout: The parallel layout (``reshard.Layout``; pipeline and context parallel 1).
-        coords: This rank's coordinates (its TP rank shards the replayed routes).
-        tp_group: The TP group: logits and natural routes are gathered over it.
+        layout: The parallel layout (``reshard.Layout``; context parallel 1).
+        coords: This rank's coordinates (its TP rank shards the replayed routes, its pipeline
+            rank owns a stage's layers).
+        tp_group: The TP group: logits are gathered over it.
         expert_dp_group: Expert parameters' gradients are summed over it (with ``ep`` > 1).
-        shard: This rank's name among the checkpoint's per-rank files (its TP, EP and DP
-            ranks: ``tp0-ep1-dp0``).
+        shard: This rank's name among the checkpoint's per-rank files (its PP, TP, EP and DP
+            ranks: ``pp0-tp0-ep1-dp0``).
+        pp_group: The pipeline group: the last stage's log-probs are broadcast over it.
     """
 
     layout: Layout
@@ -53,6 +56,7 @@ class ModelParallel:
     tp_group: object
     expert_dp_group: object
     shard: str = ""
+    pp_group: object = None
 
     @property
     def tp(self) -> int:
@@ -81,37 +85,43 @@ class DataParallel:
 
     @property
     def lead(self) -> bool:
-        """The one rank that logs and writes files (DP rank 0, TP rank 0)."""
-        return self.rank == 0 and (self.model is None or self.model.coords.tp_rank == 0)
+        """The one rank that logs and writes files (DP rank 0, TP rank 0, the first stage)."""
+        if self.model is None:
+            return self.rank == 0
+        coords = self.model.coords
+        return self.rank == 0 and coords.tp_rank == 0 and coords.pp_rank == 0
 
     # -- samples ------------------------------------------------------------------------------
 
-    def check(self, batch_size: int, micro_batch_size: int) -> None:
+    def check(self, batch_size: int, micro_batch_size: int, mini_batch_size: int) -> None:
         """Refuse a batch that does not divide over the DP ranks (raised on every rank alike,
         from the configuration alone, before any collective)."""
         if not self.enabled:
             return
-        for name, n in (("batch_size", batch_size), ("micro_batch_size", micro_batch_size)):
+        sizes = (("batch_size", batch_size), ("micro_batch_size", micro_batch_size),
+                 ("mini_batch_size", mini_batch_size))  # fmt: skip
+        for name, n in sizes:
             if n % self.size:
                 raise LayoutError(
                     f"train.{name}={n} does not divide over {self.size} data-parallel ranks"
                 )
 
-    def indices(self, num_samples: int, micro_batch_size: int) -> list[int]:
-        """Batch positions of this rank's samples, in training order."""
+    def indices(self, num_samples: int, mini_batch_size: int) -> list[int]:
+        """Batch positions of this rank's samples, in training order: its share of every
+        mini-batch (the samples of one optimizer step)."""
         if not self.enabled:
             return list(range(num_samples))
         out: list[int] = []
-        for lo in range(0, num_samples, micro_batch_size):
-            n = min(micro_batch_size, num_samples - lo)
+        for lo in range(0, num_samples, mini_batch_size):
+            n = min(mini_batch_size, num_samples - lo)
             out.extend(lo + i for i in dp_shard(n, self.size, self.rank))
         return out
 
-    def shard_plan(self, plan: BatchPlan, micro_batch_size: int) -> BatchPlan:
+    def shard_plan(self, plan: BatchPlan, mini_batch_size: int) -> BatchPlan:
         """The part of ``plan`` this rank fetches and trains on."""
         if not self.enabled:
             return plan
-        mine = self.indices(len(plan.sample_ids), micro_batch_size)
+        mine = self.indices(len(plan.sample_ids), mini_batch_size)
         samples = None if plan.samples is None else [plan.samples[i] for i in mine]
         return BatchPlan([plan.sample_ids[i] for i in mine], samples)
 
@@ -217,14 +227,18 @@ def from_world(world) -> DataParallel:
 
     layout = world.layout
     model = None
-    if layout.tp > 1 or layout.ep > 1:
+    if layout.tp > 1 or layout.ep > 1 or layout.pp > 1:
         ep_rank = parallel_state.get_expert_model_parallel_rank()
+        coords = world.coords
+        # Names without a pipeline stage keep the files of layouts without one readable.
+        stage = f"pp{coords.pp_rank}-" if layout.pp > 1 else ""
         model = ModelParallel(
             layout,
-            world.coords,
+            coords,
             parallel_state.get_tensor_model_parallel_group(),
             parallel_state.get_expert_data_parallel_group(),
-            f"tp{world.coords.tp_rank}-ep{ep_rank}-dp{world.dp_rank}",
+            f"{stage}tp{coords.tp_rank}-ep{ep_rank}-dp{world.dp_rank}",
+            parallel_state.get_pipeline_model_parallel_group(),
         )
     if world.dp_size == 1:
         return DataParallel(model=model)

@@ -85,13 +85,44 @@ def agreement_from_counts(counts: np.ndarray, k: int) -> dict[str, list[float] |
     }
 
 
+def natural_choice(router, logits: torch.Tensor) -> torch.Tensor:
+    """The experts megatron's ``router`` chooses for ``logits`` without replay.
+
+    Args:
+        router: A megatron ``TopKRouter`` (its config and expert bias are used).
+        logits: ``[tokens, experts]`` gating logits.
+
+    Returns:
+        int64 ``[tokens, k]``, ascending expert ids per token.
+    """
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    config = router.config
+    with torch.no_grad():
+        _, routing_map = topk_routing_with_score_function(
+            logits,
+            config.moe_router_topk,
+            use_pre_softmax=config.moe_router_pre_softmax,
+            num_groups=config.moe_router_num_groups,
+            group_topk=config.moe_router_group_topk,
+            scaling_factor=config.moe_router_topk_scaling_factor,
+            score_function=config.moe_router_score_function,
+            expert_bias=router.expert_bias,
+        )
+    # The map's True entries, k per row, as ascending ids (stable sort keeps id order).
+    order = torch.argsort(routing_map.to(torch.int8), dim=-1, descending=True, stable=True)
+    return order[:, : config.moe_router_topk].sort(-1).values
+
+
 class NaturalTopk:
     """Capture, per router and forward, the top-k of the router's current logits: what it
     would choose without replay (its natural routing), whatever it actually used.
 
     ``calls[j]`` lists int64 ``[tokens, k]`` tensors of router j (in ``routers`` order), one per
     call inside ``capture()``; recomputation in backward runs outside it and is not captured.
-    Top-k of the logits equals top-k of the softmax scores (softmax is monotonic).
+    The choice is megatron's own routing function on the logits (``natural_choice``), not their
+    plain top-k: a sigmoid router with an expert bias and group-limited routing (GLM-4.5,
+    DeepSeek-V3) chooses differently from its logits' top-k.
     """
 
     def __init__(self, routers, topk: int):
@@ -109,7 +140,7 @@ class NaturalTopk:
             def hooked(x, j=j, gating=gating):
                 logits = gating(x)
                 flat = logits.detach().reshape(-1, logits.shape[-1])
-                self.calls[j].append(flat.float().topk(self.topk, dim=-1).indices)
+                self.calls[j].append(natural_choice(self.routers[j].router, flat))
                 return logits
 
             r.router.gating = hooked

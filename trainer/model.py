@@ -18,7 +18,7 @@ from trainer.hf_config import (
     transformer_config,
 )
 from trainer.hf_weights import hf_to_megatron, load_hf_state_dict
-from trainer.reshard import PipelineSplit, stage_moe_layers
+from trainer.reshard import PipelineSplit, check_stage_routers, stage_moe_layers
 from trainer.shard_weights import local_weights
 
 
@@ -43,19 +43,33 @@ class TrainerModel:
     """A built model and what the trainer needs beside it.
 
     Attributes:
-        model: The megatron ``GPTModel`` (parameters on the CPU without CUDA).
+        chunks: This rank's megatron ``GPTModel`` chunks, one per virtual pipeline stage (one
+            without virtual stages), in virtual-stage order: the ``model`` list megatron's
+            schedules take. Parameters on the CPU without CUDA.
         hf_config: The checkpoint's parsed ``config.json`` (for exporting weights back).
         geometry: The routing geometry of the whole model, in the record's terms.
-        routers: This model's routers (this pipeline stage's only) in ascending global layer
-            order.
+        routers: This rank's routers (its pipeline stage's, every chunk's) in ascending global
+            layer order.
         replay: Replay control of those routers; None when replay is off.
+        controls: Per chunk, the replay control of its routers (what a forward step of that
+            chunk replays); None when replay is off.
     """
 
-    model: torch.nn.Module
+    chunks: list[torch.nn.Module]
     hf_config: dict[str, Any]
     geometry: Geometry
     routers: list[replay.ReplayRouter]
     replay: replay.RouterReplayControl | None
+    controls: list[replay.RouterReplayControl] | None = None
+
+    def __post_init__(self):
+        # One module for the optimizer, gradient sums and checkpoints: the chunk itself, or
+        # the chunks as a ModuleList under virtual stages.
+        self.model = self.chunks[0] if len(self.chunks) == 1 else torch.nn.ModuleList(self.chunks)
+
+    def vp_stage(self, chunk: torch.nn.Module) -> int:
+        """The virtual stage of a chunk the schedule handed over."""
+        return next(v for v, m in enumerate(self.chunks) if m is chunk)
 
 
 def check_replay_config(config) -> None:
@@ -106,13 +120,26 @@ def megatron_config(
     model_dir: str | Path, routing_replay: bool, load_weights: bool, overrides: dict[str, Any]
 ) -> tuple[dict[str, Any], Any]:
     """The checkpoint's ``config.json`` and the ``TransformerConfig`` built from it (with the
-    CPU patches applied first, and a replay configuration checked)."""
+    CPU patches applied first, the pipeline split and a replay configuration checked).
+
+    Raises:
+        LayoutError: A pipeline split that does not place the model's layers.
+        UnsupportedConfig: A setting replay cannot run with.
+    """
     cpu_compat.apply()
     hf_config = read_hf_config(model_dir)
     settings: dict[str, Any] = {"use_cpu_initialization": not torch.cuda.is_available()}
     if load_weights:
         settings["perform_initialization"] = False  # every parameter is loaded afterwards
     settings.update(overrides)
+    # Megatron asserts on a split it cannot build; this names the split in the layout's terms.
+    PipelineSplit(
+        num_layers=int(hf_config["num_hidden_layers"]),
+        pp=settings.get("pipeline_model_parallel_size", 1),
+        vp=settings.get("virtual_pipeline_model_parallel_size"),
+        first=settings.get("num_layers_in_first_pipeline_stage"),
+        last=settings.get("num_layers_in_last_pipeline_stage"),
+    ).chunk_sizes()
     config = transformer_config(hf_config, routing_replay=routing_replay, **settings)
     if routing_replay:
         check_replay_config(config)
@@ -142,7 +169,8 @@ def build_model(
     model_id: str | None = None,
     **config_overrides: Any,
 ) -> TrainerModel:
-    """Build a megatron ``GPTModel`` from a local Hugging Face Qwen3-MoE checkpoint folder.
+    """Build this rank's megatron ``GPTModel`` chunks from a local Hugging Face Qwen3-MoE
+    checkpoint folder: its pipeline stage, one chunk per virtual stage.
 
     Args:
         model_dir: Folder with ``config.json`` and safetensors weights.
@@ -151,12 +179,18 @@ def build_model(
         pg_collection: megatron ``ProcessGroupCollection`` (``distributed.init_single_process``
             returns one); megatron's global groups when None.
         load_weights: Load the checkpoint's weights, this rank's share of them in a parallel
-            layout (else uninitialised parameters).
+            layout (else initialised from the seed, the same on every rank).
         model_id: Identifier stored in ``geometry`` (default: the folder's name).
-        **config_overrides: Extra ``TransformerConfig`` fields.
+        **config_overrides: Extra ``TransformerConfig`` fields
+            (``parallel.model_overrides`` gives a layout's, virtual stages among them).
 
     Returns:
         The ``TrainerModel``.
+
+    Raises:
+        UnsupportedConfig: A setting replay cannot run with.
+        LayoutError: A chunk's routers differ from its share of the MoE layers
+            (``reshard.stage_moe_layers``).
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -165,34 +199,41 @@ def build_model(
     hf_config, config = megatron_config(model_dir, routing_replay, load_weights, config_overrides)
     # The registry is class-level: without a reset, a second build would double-register.
     RouterReplay.clear_global_router_replay_instances()
-    if config.virtual_pipeline_model_parallel_size is not None:
-        raise UnsupportedConfig(
-            "virtual pipeline stages: build_model builds one model chunk per rank; "
-            "interleaved (virtual) stages are not wired in yet"
-        )
     pp_rank, pp_size = _pipeline_rank(pg_collection)
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    model = GPTModel(
-        config,
-        spec,
-        pg_collection=pg_collection,
-        pre_process=pp_rank == 0,
-        post_process=pp_rank == pp_size - 1,
-        **gpt_model_args(hf_config).as_kwargs(),
-    )
-    if load_weights:
-        load_checkpoint(model, hf_to_megatron(load_hf_state_dict(model_dir), hf_config))
-    routers = moe_routers(model)
-    control = replay.install(routers) if routing_replay else None
+    vp = config.virtual_pipeline_model_parallel_size
     geometry = model_geometry(hf_config, model_id or Path(model_dir).name)
-    # Each pipeline stage owns the routers of its own layers only (megatron's layer split).
-    expected = stage_moe_layers(
-        PipelineSplit.from_config(config), geometry.moe_layers, pp_rank, vp_stage=None
-    )
-    if tuple(r.layer for r in routers) != expected:
-        raise UnsupportedConfig(
-            f"megatron built routers on layers {[r.layer for r in routers]}; the checkpoint's "
-            f"MoE layers are {list(geometry.moe_layers)}, of which pipeline stage {pp_rank} "
-            f"of {pp_size} owns {list(expected)}"
+    split = PipelineSplit.from_config(config)
+    full = hf_to_megatron(load_hf_state_dict(model_dir), hf_config) if load_weights else None
+    chunks, chunk_routers = [], []
+    for v in range(vp or 1):
+        stage = {} if vp is None else {"vp_stage": v}
+        spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=False, normalization="RMSNorm", **stage
         )
-    return TrainerModel(model, hf_config, geometry, routers, control)
+        model = GPTModel(
+            config,
+            spec,
+            pg_collection=pg_collection,
+            pre_process=pp_rank == 0 and v == 0,
+            post_process=pp_rank == pp_size - 1 and v == (vp or 1) - 1,
+            **stage,
+            **gpt_model_args(hf_config).as_kwargs(),
+        )
+        if full is not None:
+            load_checkpoint(model, full)
+        routers = moe_routers(model)
+        # Each stage (and chunk) owns the routers of its own layers only (megatron's split).
+        expected = stage_moe_layers(
+            split, geometry.moe_layers, pp_rank, vp_stage=stage.get("vp_stage")
+        )
+        where = f"pipeline stage {pp_rank} of {pp_size}" + (f", virtual stage {v}" if vp else "")
+        check_stage_routers(expected, [r.layer for r in routers], f"{where}: ")
+        chunks.append(model)
+        chunk_routers.append(routers)
+    routers = [r for rs in chunk_routers for r in rs]
+    if not routing_replay:
+        return TrainerModel(chunks, hf_config, geometry, routers, None)
+    # One install for every chunk: it resets megatron's class-level registry each time.
+    control = replay.install(routers)
+    controls = [replay.RouterReplayControl(rs) for rs in chunk_routers]
+    return TrainerModel(chunks, hf_config, geometry, routers, control, controls)

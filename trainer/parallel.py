@@ -167,7 +167,9 @@ def model_overrides(layout: Layout) -> dict:
         out["virtual_pipeline_model_parallel_size"] = layout.vp
     if layout.pp > 1:
         # The schedules' p2p buffers need a dtype: the activations' (transformer_config's
-        # params_dtype default).
+        # params_dtype default; the trainer sets bf16 with its dtype). Every micro-batch of a
+        # step has one shape (RLStep pads them): megatron's interleaved schedule with
+        # variable_seq_lengths deadlocked here (unmatched shape exchanges on gloo).
         out["pipeline_dtype"] = torch.float32
         if not torch.cuda.is_available():
             # pipeline_parallel/p2p_communication.py: with batch_p2p_comm and batch_p2p_sync

@@ -52,6 +52,10 @@ class MaskedRouterReplay(RouterReplay):
     ``MASKED``.
     """
 
+    observer = None
+    """When set, a callable given each call's natural top-k (megatron's own selection on the
+    current scores, whatever was used): int64 ``[tokens, topk]``."""
+
     def get_replay_topk(
         self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None
     ):
@@ -74,9 +78,12 @@ class MaskedRouterReplay(RouterReplay):
         elif self.router_replay_action == RouterReplayAction.REPLAY_BACKWARD:
             target = self.replay_backward_list.pop(0)
         else:
-            return super().get_replay_topk(
+            values, natural = super().get_replay_topk(
                 scores, topk, num_groups, group_topk, default_compute_topk
             )
+            if self.observer is not None:
+                self.observer(natural)
+            return values, natural
         if target is None:
             raise RuntimeError("replay is on but no indices were set for this router")
         target = target.to(scores.device)
@@ -86,10 +93,12 @@ class MaskedRouterReplay(RouterReplay):
                 f"{scores.shape[0]} tokens and top-{topk}"
             )
         masked = target[:, :1] == MASKED
-        if bool(masked.any()):
+        if bool(masked.any()) or self.observer is not None:
             _, natural = default_compute_topk(
                 scores, topk, num_groups=num_groups, group_topk=group_topk
             )
+            if self.observer is not None:
+                self.observer(natural)
             target = torch.where(masked, natural, target)
         return scores.gather(1, target), target
 
@@ -165,6 +174,29 @@ class RouterReplayControl:
         finally:
             self._set_action(None)
         into.append([r.replay.get_recorded_indices() for r in self.routers])
+
+    @contextlib.contextmanager
+    def observe(self, into: dict[int, dict[str, torch.Tensor]]) -> Iterator[None]:
+        """Run one forward and keep, per router (by global layer), what it did on this rank's
+        tokens: ``into[layer]["natural"]``, megatron's own top-k on the current scores (its
+        natural routing, whatever was used), and ``into[layer]["used"]``, the experts its
+        routing map (the router's output, after replay) sent each token to; both int64
+        ``[tokens, topk]``. Calls outside the block (a recompute in backward) are not kept."""
+        handles = []
+        for r in self.routers:
+            slot = into.setdefault(r.layer, {})
+            r.replay.observer = lambda natural, slot=slot: slot.__setitem__("natural", natural)
+
+            def used(module, args, output, slot=slot, k=r.router.topk):
+                slot["used"] = output[1].detach().float().topk(k, dim=-1).indices
+
+            handles.append(r.router.register_forward_hook(used))
+        try:
+            yield
+        finally:
+            for r, handle in zip(self.routers, handles, strict=True):
+                r.replay.observer = None
+                handle.remove()
 
     def clear(self) -> None:
         """Drop every queued and recorded index and the action (call at the end of a step:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from routereplay.record import Record
-from trainer.batch import PaddedBatch
+from trainer.batch import PACKED, PaddedBatch
 from trainer.data import Sample
 from trainer.reshard import padded_length
 
@@ -66,6 +66,13 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tenso
     return torch.nn.functional.pad(picked, (1, 0))
 
 
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """float32 ``[batch, seq]``: column c holds the entropy of the policy's distribution of
+    token c (column 0 is 0), in nats."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
+
+
 def target_mass(logits: torch.Tensor) -> torch.Tensor:
     """float32 ``[batch, seq]``: column c holds the policy's probability that token c is in
     the target class (the expected reward of one token drawn there)."""
@@ -86,14 +93,14 @@ def ppo_loss(
     Args:
         logp: float32 ``[batch, seq]`` with gradients.
         old_logp: float32 ``[batch, seq]``, the old-logprob pass.
-        advantages: float32 ``[batch]``.
+        advantages: float32 ``[batch, seq]`` (each token its sample's advantage).
         mask: bool ``[batch, seq]``, the generated tokens.
         clip_eps: The clip range.
         tokens: Divide by this many tokens instead of ``mask.sum()`` (data parallel: the
             micro-batch's generated tokens over every DP rank, so the ranks' sum is the mean).
     """
     ratio = torch.exp(logp - old_logp)
-    adv = advantages[:, None]
+    adv = advantages
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
     per_token = -torch.minimum(unclipped, clipped)
@@ -105,22 +112,28 @@ def ppo_loss(
 
 @dataclass
 class MicroBatch:
-    """One micro-batch, padded, with what the step needs per token.
+    """One micro-batch, padded or packed, with what the step needs per token.
 
     Attributes:
-        samples / records: in batch order (records None where missing).
-        batch: The padded token layout.
-        generated: bool ``[b, seq]``, generated tokens (the loss and gap positions).
-        rollout_logp: float32 ``[b, seq]``, the rollout's log-probs (NaN where none).
-        advantages: float32 ``[b]``.
+        samples / records: in micro-batch order (records None where missing).
+        index: Each sample's position in the step's batch (results go back there).
+        batch: The token layout (``[rows, seq]``: a sample per row, or packed in one row).
+        generated: bool ``[rows, seq]``, generated tokens (the loss and gap positions).
+        rollout_logp: float32 ``[rows, seq]``, the rollout's log-probs (NaN where none).
+        advantages: float32 ``[rows, seq]``, each token its sample's advantage.
     """
 
     samples: list[Sample]
     records: list[Record | None]
+    index: tuple[int, ...]
     batch: PaddedBatch
     generated: torch.Tensor
     rollout_logp: torch.Tensor
     advantages: torch.Tensor
+
+    def per_sample(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """A ``[rows, seq, ...]`` tensor cut into each sample's columns."""
+        return [self.batch.sample_values(values, b) for b in range(self.batch.batch_size)]
 
 
 def micro_batches(
@@ -130,26 +143,42 @@ def micro_batches(
     size: int,
     padding_side: str,
     multiple: int = 1,
+    *,
+    groups: Sequence[Sequence[int]] | None = None,
+    shape: tuple[int, int] | None = None,
 ) -> list[MicroBatch]:
-    """Split a batch into micro-batches of ``size`` samples, each padded on its own to its
+    """Split a batch into micro-batches: consecutive runs of ``size`` samples, or the given
+    ``groups`` of sample positions (``reshard.dynamic_microbatches``: a token budget).
+
+    Each micro-batch is laid out on its own: padded (``padding_side`` right or left) to its
     longest sample rounded up to a multiple of ``multiple`` (a parallel layout's: sequence
-    parallelism splits the sequence over the TP ranks)."""
+    parallelism splits the sequence over the TP ranks), or ``"packed"``: its samples back to
+    back in one row, each padded to that multiple. ``shape`` ``(rows, seq)`` pads every
+    micro-batch to one shape (pipeline stages exchange activations of a fixed shape).
+    """
+    if groups is None:
+        groups = [range(lo, min(lo + size, len(samples))) for lo in range(0, len(samples), size)]
     out = []
-    for lo in range(0, len(samples), size):
-        chunk = list(samples[lo : lo + size])
-        longest = max(s.token_ids.size for s in chunk)
-        batch = PaddedBatch.from_samples(
-            [s.sample_id for s in chunk], [s.token_ids for s in chunk], padding_side=padding_side,
-            max_length=padded_length(longest, multiple),
-        )  # fmt: skip
+    for group in groups:
+        chunk = [samples[i] for i in group]
+        ids, tokens = [s.sample_id for s in chunk], [s.token_ids for s in chunk]
+        rows, seq = shape or (None, None)
+        if padding_side == PACKED:
+            batch = PaddedBatch.packed(ids, tokens, multiple=multiple, max_length=seq)
+        else:
+            longest = padded_length(max(s.token_ids.size for s in chunk), multiple)
+            batch = PaddedBatch.from_samples(
+                ids, tokens, padding_side=padding_side, max_length=seq or longest, num_rows=rows
+            )
         generated = torch.zeros(batch.token_ids.shape, dtype=torch.bool)
         rollout = torch.full(batch.token_ids.shape, float("nan"))
-        for b, s in enumerate(chunk):
-            start = int(batch.starts[b])
-            generated[b, start : start + s.token_ids.size] = torch.from_numpy(s.generated)
-            rollout[b, start : start + s.token_ids.size] = torch.from_numpy(s.rollout_logprobs)
+        adv = torch.zeros(batch.token_ids.shape)
+        for b, (i, s) in enumerate(zip(group, chunk, strict=True)):
+            batch.sample_values(generated, b)[:] = torch.from_numpy(s.generated)
+            batch.sample_values(rollout, b)[:] = torch.from_numpy(s.rollout_logprobs)
+            batch.sample_values(adv, b)[:] = float(advantages[i])
         # Column 0 of a sample has no log-prob (nothing before it): never a loss position.
         generated &= batch.position_ids() > 0
-        adv = torch.from_numpy(advantages[lo : lo + size].copy())
-        out.append(MicroBatch(chunk, list(records[lo : lo + size]), batch, generated, rollout, adv))
+        out.append(MicroBatch(chunk, [records[i] for i in group], tuple(group), batch,
+                              generated, rollout, adv))  # fmt: skip
     return out

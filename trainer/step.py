@@ -1,155 +1,248 @@
 """One RL step on a fetched batch, in mode disabled, R2 or R3, with its consistency report.
 
-Order: rewards and GRPO advantages; the old-logprob pass (no gradients) per micro-batch; a
-comparison pass (no gradients, ``report.compare``) with the other routing, so every step
-reports the gap to the rollout with replay and without; then ``ppo_epochs`` passes over the
-micro-batches, each micro-batch a forward, a backward and an optimizer step.
+Order: rewards and GRPO advantages; the old-logprob pass (no gradients); a comparison pass (no
+gradients, ``report.compare``) with the other routing, so every step reports the gap to the
+rollout with replay and without; then ``ppo_epochs`` passes over the mini-batches, each
+mini-batch a forward and backward of its micro-batches and one optimizer step. Every pass is
+one call of megatron's schedule (``trainer.schedule``): no pipelining, 1F1B or interleaved
+1F1B, the same code on one rank and on any layout.
+
+Which routing each pass uses (``PASSES``):
 
 | mode | old-logprob pass | update passes | comparison pass |
 |---|---|---|---|
 | disabled | natural | natural | replays the rollout's routes |
-| R2 | natural, recorded (``r2.record_pass``) | replay what was recorded | replays the rollout's |
+| R2 | natural, what it chose kept | replay what the old pass chose | replays the rollout's |
 | R3 | replays the rollout's routes | replay the rollout's routes | natural |
 
-Routing agreement is always measured on the natural pass (the old-logprob pass in disabled and
-R2, the comparison pass in R3; without a comparison pass in R3, the natural top-k of the
-replayed pass's router logits). In each update pass, the routers' natural top-k is compared
-with the routes of the old-logprob pass (``update_agreement``): with replay the routes used stay
-those, whatever the optimizer did to the routers; ``disabled`` follows the drift. In R3 the
-old-logprob pass also checks that replay happened: the experts each router's routing map (its
-output, after replay) sent a token to are compared with the rollout's route for that token
-(``replay_followed``; 1.0 per layer unless replay failed).
+Replay ids stay this rank's ids inside a step: the rollout's records are aligned and cut to
+this rank's layers and rows once; R2 keeps what each router chose in the old-logprob pass on
+this rank's rows as the update passes' ids. Records are built only for ``record_file``.
 
-Data parallel (``trainer.dp``): each DP rank runs the step on its own samples (its share of
-every global micro-batch); the advantages come from every rank's rewards, each backward's
-gradients are summed over the ranks with the loss normalised by the global token count, and
-the report is reduced over the ranks, so every rank returns the report of the whole batch.
+Routing agreement is measured on the natural pass (the old-logprob pass in disabled and R2,
+the comparison pass in R3; without a comparison pass in R3, megatron's natural top-k in the
+replayed pass). In each update pass, the routers' natural top-k is compared with the routes
+of the old-logprob pass (``update_agreement``): with replay the routes used stay those,
+whatever the optimizer did to the routers; ``disabled`` follows the drift. In R3 the
+old-logprob pass also checks that replay happened: the experts each router's routing map sent
+a token to are compared with the rollout's route for that token (``replay_followed``).
+Counts are taken where the routers run, on each rank's rows and layers, and summed over every
+rank: each (row, layer) lives on exactly one rank of a data-parallel rank's model group.
 
-Tensor and expert parallel (``dp.model``, a ``trainer.dp.ModelParallel``): the ranks of a TP
-group run the step on the same samples. Each micro-batch is padded to a multiple of the TP
-size (sequence parallelism splits it), each router replays its rank's share of the routes
-(``reshard.shard_padded``), and the vocabulary-parallel logits and the routers' natural top-k
-are gathered over the TP group, so the rest of the step sees what one rank would. Experts need
-nothing: routes name global experts and the dispatcher sends tokens to the rank holding them.
+Layouts (``dp``, a ``trainer.dp.DataParallel``, and its ``model``): each DP rank trains its
+share of every mini-batch; advantages come from every rank's rewards; gradients are summed over
+the ranks with the loss normalised by the mini-batch's generated-token count over all of them.
+Tensor parallel: micro-batches are padded (or packed sequences each padded) to a multiple of
+the TP size and each router replays its sequence shard. Pipeline parallel: each stage's
+routers replay their own layers; log-probs come from the last stage and reach every stage.
+Expert parallel needs nothing: routes name global experts.
 """
 
 from __future__ import annotations
 
-import contextlib
+import enum
+import itertools
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from routereplay.record import Record, Turn
 from trainer import metrics, rl
 from trainer.align import align_routes, routes_from_recorded
+from trainer.batch import PACKED, PaddedBatch
 from trainer.config import ReplayMode, TrainerConfig
 from trainer.data import FetchedBatch
 from trainer.dp import SINGLE, DataParallel
 from trainer.model import TrainerModel
-from trainer.r2 import record_pass
-from trainer.reshard import shard_padded
+from trainer.replay import MASKED
+from trainer.reshard import Layout, LayoutError, dynamic_microbatches, padded_length, shard_padded
+from trainer.schedule import Schedule
+
+
+class Routing(enum.Enum):
+    """What a pass's routers use."""
+
+    NATURAL = "natural"
+    ROLLOUT = "rollout"  # the rollout's routes, replayed
+    RECORDED = "recorded"  # what the old-logprob pass chose, replayed
+
+
+@dataclass(frozen=True)
+class Passes:
+    old: Routing
+    update: Routing
+    compare: Routing
+
+
+PASSES = {
+    ReplayMode.DISABLED: Passes(Routing.NATURAL, Routing.NATURAL, Routing.ROLLOUT),
+    ReplayMode.R2: Passes(Routing.NATURAL, Routing.RECORDED, Routing.ROLLOUT),
+    ReplayMode.R3: Passes(Routing.ROLLOUT, Routing.ROLLOUT, Routing.NATURAL),
+}
+GAP_NAMES = {Routing.NATURAL: "natural", Routing.ROLLOUT: "replayed"}
 
 
 class RLStep:
-    """Runs steps on one model. ``routes_used`` holds, after each step, the records of the
-    routes its update passes used (R3: the rollout's; R2: recorded; disabled: the natural
-    routes of the old-logprob pass), for ``router_replay.record_file``."""
+    """Runs steps on one model. ``routes_used`` holds, after each step with
+    ``router_replay.record_file`` set, the records of the routes its update passes used (R3:
+    the rollout's; R2: recorded; disabled: the natural routes of the old-logprob pass)."""
 
     def __init__(
         self, built: TrainerModel, optimizer, config: TrainerConfig, dp: DataParallel = SINGLE
     ):
+        if built.replay is None:
+            raise ValueError("the RL step needs a model built with routing_replay=True")
         self.built = built
         self.dp = dp
         self.mp = dp.model
-        self.tp = self.mp.tp if self.mp is not None else 1
+        self.layout = self.mp.layout if self.mp is not None else Layout()
         self.optimizer = optimizer
         self.config = config
         self.mode = config.router_replay.mode
+        self.passes = PASSES[self.mode]
         self.compare = config.report.compare
-        if (self.mode is not ReplayMode.DISABLED or self.compare) and built.replay is None:
-            raise ValueError(f"mode {self.mode.value} / report.compare need routing_replay=True")
+        self.schedule = Schedule(
+            built,
+            self.mp.tp_group if self.mp is not None else None,
+            self.mp.pp_group if self.mp is not None else None,
+        )
+        self.columns = {layer: j for j, layer in enumerate(built.geometry.moe_layers)}
         self.routes_used: list[Record] = []
 
-    # -- passes -------------------------------------------------------------------------------
+    # -- layout ----------------------------------------------------------------------------
 
-    def _scope(self):
-        return self.built.replay.step() if self.built.replay else contextlib.nullcontext()
-
-    def _shard(self, mb: rl.MicroBatch, indices: list[torch.Tensor]) -> list[torch.Tensor]:
-        """This rank's rows of the routes to replay (its sequence shard under TP)."""
+    def _shard(self, batch: PaddedBatch, x):
+        """This rank's rows of a micro-batch's rows in megatron order (its sequence shard)."""
         if self.mp is None:
-            return indices
-        return [shard_padded(i, mb.batch.seq_len, self.mp.layout, self.mp.coords) for i in indices]
+            return x
+        return shard_padded(x, batch.seq_len, self.layout, self.mp.coords)
 
-    def _forward(self, mb: rl.MicroBatch, indices=None, natural=None) -> torch.Tensor:
-        b = mb.batch
-        if indices is not None:
-            indices = self._shard(mb, indices)
-        replay = (
-            self.built.replay.forward(indices) if indices is not None else contextlib.nullcontext()
-        )
-        capture = natural.capture() if natural is not None else contextlib.nullcontext()
-        with replay, capture:
-            logits = self.built.model(b.token_ids, b.position_ids(), b.attention_mask())
-        if self.tp == 1:
-            return logits
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-        # Vocabulary slices -> full logits (the backward hands each rank its slice again).
-        return gather_from_tensor_model_parallel_region(logits, group=self.mp.tp_group)
-
-    def _last(self, natural: metrics.NaturalTopk) -> list[torch.Tensor]:
-        """The last call's natural top-k of every router, over the whole micro-batch (its
-        sequence shards gathered over the TP group)."""
-        last = natural.last()
-        if self.tp == 1:
-            return last
-        out = []
-        for shard in last:
-            parts = [torch.empty_like(shard) for _ in range(self.tp)]
-            torch.distributed.all_gather(parts, shard.contiguous(), group=self.mp.tp_group)
-            out.append(torch.cat(parts))
-        return out
-
-    def _backward(self, replaying: bool):
-        return self.built.replay.backward() if replaying else contextlib.nullcontext()
-
-    def _natural(self) -> metrics.NaturalTopk:
-        return metrics.NaturalTopk(self.built.routers, self.built.geometry.topk)
-
-    def _align(self, mb: rl.MicroBatch, records):
-        return align_routes(
-            mb.batch, records, self.built.geometry, [r.layer for r in self.built.routers],
-            missing="native",
-        )  # fmt: skip
-
-    def _records(self, mb: rl.MicroBatch, routes, old_logp) -> list[Record]:
-        """Per-sample routes as records (the rollout's turns, the trainer's log-probs)."""
-        out = []
-        for b, sample in enumerate(mb.samples):
-            start = int(mb.batch.starts[b])
-            lp = old_logp[b, start : start + sample.token_ids.size].numpy()
-            rollout = mb.records[b]
-            if rollout is not None:
-                spans = [(t.token_start, t.token_end, t.generated_start, t.policy_version)
-                         for t in rollout.turns]  # fmt: skip
+    def _micro_batches(self, samples, records, adv) -> list[list[rl.MicroBatch]]:
+        """This rank's mini-batches, each a list of micro-batches (fixed size, or filled up to
+        ``train.max_tokens_per_micro_batch`` with the same count on every DP rank)."""
+        cfg, dp = self.config.train, self.dp
+        local_mini = cfg.mini_batch_size_or_micro // dp.size
+        local_micro = max(cfg.micro_batch_size // dp.size, 1)
+        side = PACKED if cfg.packing else cfg.padding_side
+        multiple = self.layout.multiple
+        minis = [list(range(lo, min(lo + local_mini, len(samples))))
+                 for lo in range(0, len(samples), local_mini)]  # fmt: skip
+        minis += [[]] * (int(dp.max(len(minis))) - len(minis))  # a rank short of samples
+        groups, error = [], ""
+        for mine in minis:
+            if cfg.max_tokens_per_micro_batch is None:
+                groups.append(
+                    [mine[lo : lo + local_micro] for lo in range(0, len(mine), local_micro)]
+                )
             else:
-                first = np.flatnonzero(sample.generated)
-                gen = int(first[0]) if first.size else sample.token_ids.size
-                spans = [(0, sample.token_ids.size, gen, 0)]
-            turns = [Turn(s, e, g, v, lp[g:e].astype(np.float32)) for s, e, g, v in spans]
-            out.append(Record(sample.sample_id, self.built.geometry, sample.token_ids,
-                              routes[b], turns, sample.group_id))  # fmt: skip
+                lengths = [samples[j].token_ids.size for j in mine]
+                plan, problem = self._budget(lengths)
+                error = error or problem
+                groups.append([[mine[g] for g in group] for group in plan])
+        self._raise_everywhere(error)
+        shape = None
+        if self.layout.pp > 1:
+            # Megatron's pipeline schedules exchange activations of one shape: every
+            # micro-batch of the step gets the largest (rows, seq) among them.
+            padded = [[padded_length(samples[j].token_ids.size, multiple) for j in group]
+                      for mini in groups for group in mini]  # fmt: skip
+            if side == PACKED:
+                shape = (1, max((sum(p) for p in padded), default=0))
+            else:
+                shape = (max(map(len, padded), default=0), max(map(max, padded), default=0))
+        return [rl.micro_batches(samples, records, adv, 0, side, multiple, groups=g, shape=shape)
+                for g in groups]  # fmt: skip
+
+    def _budget(self, lengths: list[int]) -> tuple[list[tuple[int, ...]], str]:
+        """One mini-batch's micro-batches under the token budget (positions in ``lengths``),
+        as many on every DP rank (a multiple of pp under virtual stages: the interleaved
+        schedule runs no other counts), and the error that prevents it, if any. Every rank
+        takes part in the count's collective, error or not."""
+        budget, multiple = self.config.train.max_tokens_per_micro_batch, self.layout.multiple
+        step = self.layout.pp if self.layout.vp is not None else 1
+        count, error = 0, ""
+        if lengths:
+            try:
+                count = len(dynamic_microbatches(lengths, budget, multiple=multiple).groups)
+            except LayoutError as exc:
+                error = str(exc)
+        count = int(self.dp.max(-(-count // step) * step))
+        if not lengths or error:
+            return [], error
+        try:
+            plan = dynamic_microbatches(lengths, budget, multiple=multiple, min_microbatches=count)
+        except LayoutError as exc:
+            return [], str(exc)
+        return list(plan.groups), ""
+
+    def _raise_everywhere(self, error: str) -> None:
+        """Raise ``error`` on every rank when any rank has one (no rank left in a collective)."""
+        errors = [error]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+        first = next((e for e in errors if e), "")
+        if first:
+            raise LayoutError(first)
+
+    def _replayable(self, batch: PaddedBatch) -> torch.Tensor:
+        """bool ``[local tokens]``: this rank's rows that have a route (a real token followed
+        by one of the same sample), megatron order."""
+        seg = batch.segments()
+        ok = torch.zeros_like(seg, dtype=torch.bool)
+        ok[:, :-1] = (seg[:, :-1] >= 0) & (seg[:, :-1] == seg[:, 1:])
+        return self._shard(batch, ok.T.reshape(-1))
+
+    def _rollout_ids(self, mb: rl.MicroBatch) -> tuple[list[torch.Tensor], int]:
+        """This rank's replay ids of the rollout's routes (per router) and the micro-batch's
+        replayed rows (all ranks' rows, one layer)."""
+        built = self.built
+        aligned = align_routes(
+            mb.batch, mb.records, built.geometry, [r.layer for r in built.routers],
+            missing="native", model_id=self.config.model.model_id or None,
+        )  # fmt: skip
+        return [self._shard(mb.batch, i) for i in aligned.indices], int(aligned.replayed.sum())
+
+    # -- counts ----------------------------------------------------------------------------
+
+    def _counts(self, routes: dict, reference: dict[int, torch.Tensor], key: str) -> np.ndarray:
+        """int64 ``[moe layers, 3]``: per layer, rows whose ``key`` top-k set equals the
+        reference's, the experts both share summed over rows, and the rows compared (rows
+        ``MASKED`` in the reference skipped), over this rank's rows and routers."""
+        out = np.zeros((len(self.columns), 3), np.int64)
+        for layer, ref in reference.items():
+            got = routes[layer][key]
+            rows = ref[:, 0] >= 0
+            a, b = got[rows].sort(-1).values, ref[rows].sort(-1).values
+            shared = (a[:, :, None] == b[:, None, :]).any(-1).sum(-1)
+            out[self.columns[layer]] = (
+                int((a == b).all(-1).sum()),
+                int(shared.sum()),
+                int(rows.sum()),
+            )
         return out
 
-    # -- the step -----------------------------------------------------------------------------
+    @staticmethod
+    def _world_sum(counts: np.ndarray) -> np.ndarray:
+        """Summed over every rank (each row and layer is counted by one rank)."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            total = torch.from_numpy(counts)
+            dist.all_reduce(total)
+            return total.numpy()
+        return counts
+
+    def _by_layer(self, ids: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        return {r.layer: i for r, i in zip(self.built.routers, ids, strict=True)}
+
+    # -- the step --------------------------------------------------------------------------
 
     def run(self, fetched: FetchedBatch, step: int = 0) -> dict:
         """Train on one batch; returns the step's report (see ``docs/trainer.md``)."""
-        cfg, mode = self.config.train, self.mode
+        cfg, passes, dp = self.config.train, self.passes, self.dp
         times: dict[str, float] = defaultdict(float)
         clock = time.perf_counter()
 
@@ -159,147 +252,126 @@ class RLStep:
             times[name] += now - clock
             clock = now
 
-        dp = self.dp
         samples = fetched.samples
-        local_mb = max(cfg.micro_batch_size // dp.size, 1)
-        rewards, adv = self._advantages(samples, local_mb)
-        multiple = self.mp.layout.multiple if self.mp is not None else 1
-        side = self.config.train.padding_side
-        mbs = rl.micro_batches(samples, fetched.records, adv, local_mb, side, multiple)
-        n_mbs = int(dp.max(len(mbs)))  # a rank short of samples still joins every collective
-        need_rollout = mode is ReplayMode.R3 or self.compare
-        rollout_ids = [self._align(mb, mb.records) for mb in mbs] if need_rollout else None
+        local_mini = cfg.mini_batch_size_or_micro // dp.size
+        rewards, adv = self._advantages(samples, local_mini)
+        minis = self._micro_batches(samples, fetched.records, adv)
+        mbs = [mb for mini in minis for mb in mini]
+        batches = [mb.batch for mb in mbs]
+        # The rollout's routes: replayed, or the reference of the routing agreement.
+        rollout = [self._rollout_ids(mb) for mb in mbs]
         lap("align")
 
         # Old-logprob pass.
-        old, natural_routes, used_ids, exp_reward = [], [], [], []
-        followed = np.zeros((len(self.built.routers), 2), np.int64)
-        r2_records: list[Record] = []
-        for i, mb in enumerate(mbs):
-            natural = self._natural()
-            with torch.no_grad(), self._scope():
-                if mode is ReplayMode.R2 and self.tp == 1:
-                    (logits,), recorded = record_pass(
-                        self.built, [mb.batch], lambda m, b, mb=mb: self._forward(mb)
-                    )
-                elif mode is ReplayMode.R3:
-                    with _routing_used(self.built.routers, self.built.geometry.topk) as used:
-                        logits = self._forward(mb, rollout_ids[i].indices, natural)
-                    followed += _topk_counts(used, self._shard(mb, rollout_ids[i].indices))
-                else:
-                    logits = self._forward(mb, natural=natural)
-            logp = rl.token_logprobs(logits, mb.batch.token_ids)
-            old.append(logp)
-            mass = rl.target_mass(logits)
-            exp_reward.append(mass[mb.generated])
-            if mode is ReplayMode.R2 and self.tp == 1:
-                routes = [r.routes for r in recorded]
-            else:
-                # Under TP, R2 keeps the natural top-k of this (natural) pass: what megatron's
-                # RECORD would hold, gathered over the sequence shards.
-                routes = routes_from_recorded(mb.batch, self._last(natural), self.built.geometry)
-            natural_routes.append(routes)
-            if mode is ReplayMode.R3:
-                used_ids.append(rollout_ids[i])
-            else:
-                recs = self._records(mb, routes, logp)
-                r2_records.extend(recs)
-                used_ids.append(self._align(mb, recs))
+        def old_outputs(m, logits):
+            mb = mbs[m]
+            return None, {
+                "logp": rl.token_logprobs(logits, mb.batch.token_ids),
+                "mass": rl.target_mass(logits)[mb.generated],
+                "entropy": rl.token_entropy(logits)[mb.generated],
+            }
+
+        old = self._pass(batches, old_outputs, passes.old, rollout, None) if mbs else None
+        old_logp = [o["logp"] for o in old.outputs] if old else []
+        replayable = [self._replayable(b) for b in batches]
+        # What the routers chose on this rank's rows (R2's replay ids; the update agreement's
+        # reference in disabled and R2).
+        chosen = [
+            {layer: torch.where(ok[:, None], seen["natural"], MASKED) for layer, seen in mb.items()}
+            for mb, ok in zip(old.routes, replayable, strict=True)
+        ] if old else []  # fmt: skip
+        followed = np.zeros((len(self.columns), 3), np.int64)
+        natural_routes = old.routes if old else []
+        if passes.old is Routing.ROLLOUT:
+            for mb, (ids, _) in zip(old.routes, rollout, strict=True):
+                followed += self._counts(mb, self._by_layer(ids), "used")
         lap("old_logprob")
 
         # Comparison pass: the other routing, same weights, same step.
-        other = [None] * len(mbs)
-        if self.compare:
-            for i, mb in enumerate(mbs):
-                natural = self._natural() if mode is ReplayMode.R3 else None
-                with torch.no_grad(), self._scope():
-                    if mode is ReplayMode.R3:
-                        logits = self._forward(mb, natural=natural)
-                        natural_routes[i] = routes_from_recorded(
-                            mb.batch, self._last(natural), self.built.geometry
-                        )
-                    else:
-                        logits = self._forward(mb, rollout_ids[i].indices)
-                other[i] = rl.token_logprobs(logits, mb.batch.token_ids)
+        other_logp = None
+        if self.compare and mbs:
+            result = self._pass(
+                batches, lambda m, logits: (None, {"logp": rl.token_logprobs(
+                    logits, mbs[m].batch.token_ids)}),
+                passes.compare, rollout, None,
+            )  # fmt: skip
+            other_logp = [o["logp"] for o in result.outputs]
+            if passes.compare is Routing.NATURAL:
+                natural_routes = result.routes
         lap("compare")
 
-        report = self._consistency(mbs, old, other, natural_routes)
-        if mode is ReplayMode.R3:
-            report["replay_followed"] = self._replay_followed(followed)
-        self.routes_used = (
-            [r for mb in mbs for r in mb.records if r is not None]
-            if mode is ReplayMode.R3
-            else r2_records
-        )
-        if dp.enabled and self.config.router_replay.record_file:
-            self.routes_used = self._gathered_routes(mbs)
+        agree = np.zeros((len(self.columns), 3), np.int64)
+        for routes, (ids, _) in zip(natural_routes, rollout, strict=True):
+            agree += self._counts(routes, self._by_layer(ids), "natural")
+        agree = self._world_sum(agree)
+        followed = self._world_sum(followed)
+        if passes.update is Routing.ROLLOUT:
+            update_ids = [self._by_layer(ids) for ids, _ in rollout]
+            replayed = sum(n for _, n in rollout)
+        else:  # every token but each sample's last has a route
+            update_ids = chosen
+            replayed = sum(int(b.lengths.sum()) - b.batch_size for b in batches)
+        if self.config.router_replay.record_file:
+            self.routes_used = self._routes_used(mbs, old.routes if old else [], old_logp)
 
-        # Update passes.
+        # Update passes: one optimizer step per mini-batch.
         aux = _AuxLoss(self.built)
         losses, clips, drift = [], [], []
-        replay_update = mode is not ReplayMode.DISABLED
-        layers = len(self.built.routers)
+        replay_update = passes.update is not Routing.NATURAL
+        # Each mini-batch's first micro-batch in ``mbs`` (old log-probs and ids are kept there).
+        starts = [0, *itertools.accumulate(len(mini) for mini in minis)][:-1]
         for _epoch in range(cfg.ppo_epochs):
-            agree = []
-            for i in range(n_mbs):
+            counts = np.zeros((len(self.columns), 3), np.int64)
+            for mini, lo in zip(minis, starts, strict=True):
                 self.optimizer.zero_grad()
-                if i >= len(mbs):  # no samples left here: zero gradients into the sum
-                    dp.sum([0])
-                    dp.reduce_gradients(self.built.model)
-                    self.optimizer.step()
+                tokens = int(dp.sum([sum(int(mb.generated.sum()) for mb in mini)])[0])
+                if mini:
+                    result = self._update(mini, lo, old_logp, update_ids, replay_update, tokens)
+                    losses.append(sum(float(o["loss"]) for o in result.outputs))
+                    clips.append(sum(float(o["clip"]) for o in result.outputs))
+                    for m, routes in enumerate(result.routes):
+                        counts += self._counts(routes, update_ids[lo + m], "natural")
+                else:  # no samples here: zero gradients into the sums
                     losses.append(0.0)
                     clips.append(0.0)
-                    agree.append(np.zeros((layers, 2), np.int64))
-                    continue
-                mb = mbs[i]
-                tokens = int(dp.sum([int(mb.generated.sum())])[0]) if dp.enabled else None
-                natural = self._natural()
-                with self._scope():
-                    indices = used_ids[i].indices if replay_update else None
-                    logits = self._forward(mb, indices, natural)
-                    logp = rl.token_logprobs(logits, mb.batch.token_ids)
-                    loss, clip = rl.ppo_loss(
-                        logp, old[i], mb.advantages, mb.generated, cfg.clip_eps, tokens
-                    )
-                    with self._backward(replay_update):
-                        loss.backward()
                 dp.reduce_gradients(self.built.model)
                 self.optimizer.step()
-                losses.append(loss.item())
-                clips.append(clip)
-                agree.append(_topk_counts(self._last(natural), used_ids[i].indices))
-            counts = dp.sum(np.stack(agree), dtype=torch.int64).numpy() if agree else []
-            drift.append(float(np.mean([_same_fraction(c) for c in counts])))
+            drift.append(_same_fraction(self._world_sum(counts)))
         lap("update")
-        aux_layers = aux.read(cfg.ppo_epochs * len(mbs))
+        aux_layers = aux.read(cfg.ppo_epochs * len(mbs), self.mp)
         if dp.enabled:
             losses = dp.sum(losses).tolist()
             clips = dp.sum(clips).tolist()
             if aux_layers is not None:
                 aux_layers = (dp.sum(aux_layers) / dp.size).tolist()
 
-        gen_mass = torch.cat(exp_reward) if exp_reward else torch.zeros(0)
+        masses = torch.cat([o["mass"] for o in old.outputs]) if old else torch.zeros(0)
+        entropy = torch.cat([o["entropy"] for o in old.outputs]) if old else torch.zeros(0)
         totals = dp.sum([
-            sum(int(mb.batch.valid.sum()) for mb in mbs),
-            sum(int(a.replayed.sum()) for a in used_ids) if replay_update else 0,
-            float(gen_mass.double().sum()), gen_mass.numel(),
+            sum(int(b.valid.sum()) for b in batches),
+            replayed if replay_update else 0,
+            float(masses.double().sum()), masses.numel(),
+            float(entropy.double().sum()),
             len(samples), len(fetched.missing), len(fetched.dropped),
         ]).tolist()  # fmt: skip
-        valid, replayed, mass_sum, mass_n, n_samples, missing, dropped = totals
+        valid, replayed, mass_sum, mass_n, ent_sum, n_samples, missing, dropped = totals
         valid, replayed = int(valid), int(replayed)
-        if dp.enabled:
-            expected = mass_sum / mass_n if mass_n else 0.0
-        else:
-            expected = float(gen_mass.mean()) if gen_mass.numel() else 0.0
         time_s = {"fetch": fetched.fetch_s, "fetch_wait": fetched.wait_s, **times}
         if dp.enabled:  # the slowest rank's time (the step waits for it)
             time_s = {k: max(t[k] for t in dp.all_gather(time_s)) for k in time_s}
+        report = {
+            "gap": self._gaps(mbs, minis, old_logp, other_logp),
+            "agreement": self._agreement(agree),
+        }
+        if self.mode is ReplayMode.R3:
+            report["replay_followed"] = self._replay_followed(followed)
         report.update(
             step=step,
-            mode=mode.value,
+            mode=self.mode.value,
             samples=int(n_samples),
             reward_mean=float(np.mean(rewards)) if rewards else 0.0,
-            expected_reward=expected,
+            expected_reward=mass_sum / mass_n if mass_n else 0.0,
+            entropy=ent_sum / mass_n if mass_n else 0.0,
             loss=float(np.mean(losses)),
             clip_fraction=float(np.mean(clips)),
             update_agreement=drift,
@@ -317,9 +389,37 @@ class RLStep:
         )
         return report
 
-    # -- data parallel ------------------------------------------------------------------------
+    def _pass(self, batches, last_stage, routing: Routing, rollout, chosen, **kwargs):
+        replay = None
+        if routing is Routing.ROLLOUT:
+            replay = [ids for ids, _ in rollout]
+        elif routing is Routing.RECORDED:
+            replay = [[ids[r.layer] for r in self.built.routers] for ids in chosen]
+        return self.schedule.run(batches, last_stage, replay=replay, observe=True, **kwargs)
 
-    def _advantages(self, samples, local_mb: int) -> tuple[list[float], np.ndarray]:
+    def _update(self, mini, lo, old_logp, update_ids, replay_update, tokens):
+        """One mini-batch's forward and backward (gradients left in the parameters)."""
+        cfg = self.config.train
+
+        def loss(m, logits):
+            mb = mini[m]
+            logp = rl.token_logprobs(logits, mb.batch.token_ids)
+            value, clip = rl.ppo_loss(
+                logp, old_logp[lo + m], mb.advantages, mb.generated, cfg.clip_eps, tokens
+            )
+            return value, {"loss": value.detach(), "clip": clip}
+
+        replay = None
+        if replay_update:
+            replay = [[update_ids[lo + m][r.layer] for r in self.built.routers]
+                      for m in range(len(mini))]  # fmt: skip
+        return self.schedule.run(
+            [mb.batch for mb in mini], loss, replay=replay, forward_only=False, observe=True
+        )
+
+    # -- data parallel and the report ------------------------------------------------------
+
+    def _advantages(self, samples, local_mini: int) -> tuple[list[float], np.ndarray]:
         """Rewards of the whole batch (in the single-rank order) and this rank's advantages,
         normalised within each GRPO group over every DP rank's samples."""
         rewards = [rl.reward(s) for s in samples]
@@ -328,7 +428,7 @@ class RLStep:
             return rewards, rl.group_advantages(rewards, groups)
         rank = self.dp.rank
         entries = sorted(
-            (j // local_mb, r, j, reward, group)
+            (j // local_mini, r, j, reward, group)
             for r, part in enumerate(self.dp.all_gather(list(zip(rewards, groups, strict=True))))
             for j, (reward, group) in enumerate(part)
         )
@@ -336,109 +436,111 @@ class RLStep:
         mine = np.array([a for e, a in zip(entries, adv, strict=True) if e[1] == rank])
         return [e[3] for e in entries], mine.astype(np.float32)
 
-    def _merged(self, per_mb: list) -> list:
-        """Per-micro-batch items of every DP rank, in the single-rank order (micro-batch, then
-        DP rank)."""
-        if not self.dp.enabled:
-            return per_mb
-        parts = self.dp.all_gather(per_mb)
-        n = max(len(p) for p in parts)
-        return [p[i] for i in range(n) for p in parts if i < len(p)]
+    def _in_batch_order(self, per_sample: dict[int, object]) -> list:
+        """Per-sample items of every DP rank (keyed by their local batch position), in the
+        single-rank order: mini-batch, then DP rank, then position."""
+        local_mini = self.config.train.mini_batch_size_or_micro // self.dp.size
+        parts = self.dp.all_gather(per_sample)
+        keyed = sorted(
+            ((j // local_mini, r, j), item)
+            for r, part in enumerate(parts)
+            for j, item in part.items()
+        )
+        return [item for _, item in keyed]
 
-    def _replay_followed(self, counts: np.ndarray) -> dict:
-        """Per MoE layer, the fraction of rows with a rollout route whose experts, as megatron's
-        routing map sent them, are exactly the rollout's (every rank's rows summed: DP ranks
-        hold other samples, TP ranks other sequence shards)."""
-        if torch.distributed.is_initialized():
-            total = torch.from_numpy(counts)
-            torch.distributed.all_reduce(total)
-            counts = total.numpy()
-        return {
-            "layers": list(self.built.geometry.moe_layers),
-            "exact": [float(same / rows) if rows else 1.0 for same, rows in counts],
-            "rows": [int(rows) for rows in counts[:, 1]],
-        }
-
-    def _gathered_routes(self, mbs) -> list[Record]:
-        if self.mode is ReplayMode.R3:
-            per_mb = [[r for r in mb.records if r is not None] for mb in mbs]
-        else:
-            it = iter(self.routes_used)
-            per_mb = [[next(it) for _ in mb.samples] for mb in mbs]
-        return [r for part in self._merged(per_mb) for r in part]
-
-    def _consistency(self, mbs, old, other, natural_routes) -> dict:
-        """Gap and agreement against the rollout, per routing (over every DP rank)."""
-        mode = self.mode
-        per_pass = {"old": old, "other": other}
-        names = {
-            ReplayMode.DISABLED: ("natural", "replayed"),
-            ReplayMode.R2: ("natural", "replayed"),
-            ReplayMode.R3: ("replayed", "natural"),
-        }[mode]
+    def _gaps(self, mbs, minis, old_logp, other_logp) -> dict:
+        """Gap to the rollout per routing, over every DP rank's generated tokens."""
         gap = {}
-        for (key, passes), name in zip(per_pass.items(), names, strict=True):
-            if passes[0] is None:
+        for key, per_mb, routing in (
+            ("old_logprob", old_logp, self.passes.old),
+            ("compare", other_logp, self.passes.compare),
+        ):
+            if per_mb is None:
                 continue
-            pairs = []
-            for mb, lp in zip(mbs, passes, strict=True):
+            per_sample = {}
+            for mb, lp in zip(mbs, per_mb, strict=True):
                 sel = mb.generated & ~torch.isnan(mb.rollout_logp)
-                pairs.append((lp[sel].numpy(), mb.rollout_logp[sel].numpy()))
-            pairs = self._merged(pairs)
+                for j, s, r, ok in zip(mb.index, mb.per_sample(lp), mb.per_sample(mb.rollout_logp),
+                                       mb.per_sample(sel), strict=True):  # fmt: skip
+                    per_sample[j] = (s[ok].numpy(), r[ok].numpy())
+            pairs = self._in_batch_order(per_sample)
             trainer = np.concatenate([p[0] for p in pairs]) if pairs else np.zeros(0)
             rollout = np.concatenate([p[1] for p in pairs]) if pairs else np.zeros(0)
+            name = GAP_NAMES[Routing.NATURAL if routing is not Routing.ROLLOUT else routing]
             gap[name] = metrics.logprob_gap(trainer, rollout).as_dict()
-            gap[name]["pass"] = "old_logprob" if key == "old" else "compare"
-        counts = []
-        for mb, routes in zip(mbs, natural_routes, strict=True):
-            kept = [(nat, rec.routes) for rec, nat in zip(mb.records, routes, strict=True)
-                    if rec is not None]  # fmt: skip
-            counts.append(metrics.agreement_counts([k[0] for k in kept], [k[1] for k in kept]))
-        counts = [c for c in self._merged(counts) if c.size]
-        counts = np.concatenate(counts) if counts else np.zeros((0, 0), np.int64)
+            gap[name]["pass"] = key
+        return gap
+
+    def _agreement(self, totals: np.ndarray) -> dict:
+        k = self.built.geometry.topk
+        rows = int(totals[0, 2]) if totals.size else 0
         return {
-            "gap": gap,
-            "agreement": {
-                "layers": list(self.built.geometry.moe_layers),
-                **metrics.agreement_from_counts(counts, self.built.geometry.topk),
-            },
+            "layers": list(self.built.geometry.moe_layers),
+            "exact": [float(s / n) for s, _, n in totals] if rows else [],
+            "overlap": [float(o / (k * n)) for _, o, n in totals] if rows else [],
+            "rows": rows,
         }
 
+    def _replay_followed(self, totals: np.ndarray) -> dict:
+        """Per MoE layer, the fraction of rows with a rollout route whose experts, as megatron's
+        routing map sent them, are exactly the rollout's (every rank's rows summed)."""
+        return {
+            "layers": list(self.built.geometry.moe_layers),
+            "exact": [float(same / rows) if rows else 1.0 for same, _, rows in totals],
+            "rows": [int(rows) for rows in totals[:, 2]],
+        }
 
-@contextlib.contextmanager
-def _routing_used(routers, topk: int):
-    """Per router, the experts its routing map (megatron's own output, after replay) sent each
-    token of the last call to: int64 ``[tokens, topk]``, filled in as the routers run."""
-    used: list[torch.Tensor | None] = [None] * len(routers)
+    def _routes_used(self, mbs, chosen_routes, old_logp) -> list[Record]:
+        """The routes the update passes use, as layout-free records of every DP rank in the
+        single-rank order (R3: the rollout's; else what the old-logprob pass chose, gathered
+        over the TP ranks' rows and the pipeline stages' layers)."""
+        per_sample = {}
+        for m, mb in enumerate(mbs):
+            if self.passes.update is Routing.ROLLOUT:
+                for j, rec in zip(mb.index, mb.records, strict=True):
+                    if rec is not None:
+                        per_sample[j] = rec
+                continue
+            whole = self._whole_routes(mb.batch, chosen_routes[m])
+            routes = routes_from_recorded(mb.batch, whole, self.built.geometry)
+            for b, (j, sample) in enumerate(zip(mb.index, mb.samples, strict=True)):
+                lp = mb.batch.sample_values(old_logp[m], b).numpy()
+                per_sample[j] = self._record(sample, mb.records[b], routes[b], lp)
+        return self._in_batch_order(per_sample)
 
-    def hook(j):
-        def record(module, args, output):
-            used[j] = output[1].detach().float().topk(topk, dim=-1).indices
+    def _whole_routes(self, batch: PaddedBatch, routes: dict) -> list[torch.Tensor]:
+        """Per MoE layer of the model, the micro-batch's chosen ids on every row."""
+        mine = {}
+        for layer, seen in routes.items():
+            ids = seen["natural"]
+            if self.mp is not None and self.mp.tp > 1:
+                parts = [torch.empty_like(ids) for _ in range(self.mp.tp)]
+                dist.all_gather(parts, ids.contiguous(), group=self.mp.tp_group)
+                ids = torch.cat(parts)
+            mine[layer] = ids
+        if self.mp is not None and self.mp.pp_group is not None and self.mp.pp_group.size() > 1:
+            stages = [None] * self.mp.pp_group.size()
+            dist.all_gather_object(stages, mine, group=self.mp.pp_group)
+            mine = {layer: ids for stage in stages for layer, ids in stage.items()}
+        return [mine[layer] for layer in self.built.geometry.moe_layers]
 
-        return record
-
-    handles = [r.router.register_forward_hook(hook(j)) for j, r in enumerate(routers)]
-    try:
-        yield used
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _topk_counts(natural: list[torch.Tensor], used: list[torch.Tensor]) -> np.ndarray:
-    """int64 ``[layers, 2]``: per layer, the routed rows whose natural top-k set equals the one
-    used, and the routed rows (rows ``MASKED`` in ``used`` are skipped)."""
-    out = np.zeros((len(used), 2), np.int64)
-    for j, (nat, ids) in enumerate(zip(natural, used, strict=True)):
-        rows = ids[:, 0] >= 0
-        same = nat[rows].sort(-1).values == ids[rows].sort(-1).values
-        out[j] = int(same.all(-1).sum()), int(rows.sum())
-    return out
+    def _record(self, sample, rollout: Record | None, routes: np.ndarray, lp) -> Record:
+        """A sample's routes as a record (the rollout's turns, the trainer's log-probs)."""
+        if rollout is not None:
+            spans = [(t.token_start, t.token_end, t.generated_start, t.policy_version)
+                     for t in rollout.turns]  # fmt: skip
+        else:
+            first = np.flatnonzero(sample.generated)
+            gen = int(first[0]) if first.size else sample.token_ids.size
+            spans = [(0, sample.token_ids.size, gen, 0)]
+        turns = [Turn(s, e, g, v, lp[g:e].astype(np.float32)) for s, e, g, v in spans]
+        return Record(sample.sample_id, self.built.geometry, sample.token_ids, routes, turns,
+                      sample.group_id)  # fmt: skip
 
 
 def _same_fraction(counts: np.ndarray) -> float:
-    """Mean over layers with routed rows of the fraction whose natural top-k set was used."""
-    fractions = [same / rows for same, rows in counts if rows]
+    """Mean over layers with compared rows of the fraction whose natural top-k set was used."""
+    fractions = [same / rows for same, _, rows in counts if rows]
     return float(np.mean(fractions)) if fractions else 1.0
 
 
@@ -448,26 +550,32 @@ class _AuxLoss:
     Megatron's router adds ``aux_loss / coeff`` to its layer-wise tracker in every training
     forward (``save_to_aux_losses_tracker``); the loss itself is computed from the router's
     *natural* top-k (``compute_routing_scores_for_aux_loss``), never the replayed routes. The
-    tracker is cleared before the update passes and read after them (mean per forward).
+    tracker is cleared before the update passes and read after them (mean per forward); under
+    pipeline stages each stage holds its own layers' entries, summed over the stages.
     """
 
     NAME = "load_balancing_loss"
 
     def __init__(self, built: TrainerModel):
-        self.layers = [r.layer for r in built.routers]
-        self.enabled = bool(built.routers) and built.routers[0].router.is_aux_loss_enabled()
+        self.layers = list(built.geometry.moe_layers)
+        routers = built.routers
+        self.enabled = bool(routers) and routers[0].router.is_aux_loss_enabled()
         if self.enabled:
             from megatron.core.transformer.moe import moe_utils
 
             self.moe_utils = moe_utils
             moe_utils.clear_aux_losses_tracker()
 
-    def read(self, forwards: int) -> list[float] | None:
+    def read(self, forwards: int, mp=None) -> list[float] | None:
         if not self.enabled:
             return None
         entry = self.moe_utils.get_moe_layer_wise_logging_tracker().get(self.NAME)
-        if entry is None:
+        values = entry["values"].detach().cpu().clone().double() if entry is not None else None
+        if mp is not None and mp.pp_group is not None and mp.pp_group.size() > 1:
+            if values is None:
+                values = torch.zeros(max(self.layers) + 1, dtype=torch.float64)
+            dist.all_reduce(values, group=mp.pp_group)
+        if values is None:
             return None
-        values = entry["values"].detach().cpu().clone()
         self.moe_utils.clear_aux_losses_tracker()
         return [float(values[layer]) / max(forwards, 1) for layer in self.layers]

@@ -38,7 +38,7 @@ import torch
 from routereplay.record import Record
 from routereplay.record_file import save_records
 from trainer import checkpoint, parallel
-from trainer.config import ReplayMode, TrainerConfig
+from trainer.config import TrainerConfig
 from trainer.data import BatchPlan, CacheSource, FeedPlans, FileSource, Prefetcher
 from trainer.dp import SINGLE, DataParallel
 from trainer.model import TrainerModel, build_model
@@ -59,19 +59,29 @@ def open_source(config: TrainerConfig):
 
 
 def build(config: TrainerConfig, pg_collection=None) -> tuple[TrainerModel, AdamW]:
-    """The model (replay installed when a mode or the comparison pass needs it) and AdamW."""
+    """The model and AdamW. Replay is installed in every mode: the step observes what each
+    router did through it (with no action set, a router routes naturally)."""
     torch.manual_seed(config.train.seed)
     overrides: dict = parallel.model_overrides(config.parallel.layout())
+    overrides.update(
+        num_layers_in_first_pipeline_stage=config.parallel.first_stage_layers,
+        num_layers_in_last_pipeline_stage=config.parallel.last_stage_layers,
+    )
     if config.train.dtype == "bfloat16":
         overrides.update(params_dtype=torch.bfloat16, bf16=True)
+        if "pipeline_dtype" in overrides:
+            overrides["pipeline_dtype"] = torch.bfloat16
     if config.model.recompute:
         overrides.update(RECOMPUTE)
     if config.model.aux_loss_coeff > 0:
         coeff = config.model.aux_loss_coeff
         overrides.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=coeff)
-    replay = config.router_replay.mode is not ReplayMode.DISABLED or config.report.compare
     built = build_model(
-        config.model.path, routing_replay=replay, pg_collection=pg_collection, **overrides
+        config.model.path,
+        routing_replay=True,
+        pg_collection=pg_collection,
+        model_id=config.model.model_id or None,
+        **overrides,
     )
     return built, AdamW(built.model, config.train.lr, config.train.weight_decay)
 
@@ -118,7 +128,7 @@ def train(
         dp: The data-parallel group (default: one rank).
     """
     cfg = config.train
-    dp.check(cfg.batch_size, cfg.micro_batch_size)
+    dp.check(cfg.batch_size, cfg.micro_batch_size, cfg.mini_batch_size_or_micro)
     lead = dp.lead
     own_source = source is None
     source = source or open_source(config)
@@ -149,7 +159,7 @@ def train(
     try:
         fetcher = Prefetcher(
             source,
-            (dp.shard_plan(p, cfg.micro_batch_size) for p in todo),
+            (dp.shard_plan(p, cfg.mini_batch_size_or_micro) for p in todo),
             config.router_replay.missing_record,
             config.data.prefetch and feed is None,  # a feed batch is read when wanted
         )
@@ -207,18 +217,37 @@ def export_weights(
     config: TrainerConfig, built: TrainerModel, step: int, dp: DataParallel = SINGLE
 ) -> Path | None:
     """Export after ``step`` to ``train.export_dir`` (``export.export_step``); logs the path for
-    the rollout server's ``UpdateWeights``. Under tensor or expert parallelism a collective:
-    every rank gathers the full weights, the lead writes them. Returns the folder (the lead;
-    None elsewhere)."""
+    the rollout server's ``UpdateWeights``. Under model parallelism a collective: every rank
+    gathers its stage's full weights, the stages send theirs to the lead, which writes them.
+    Returns the folder (the lead; None elsewhere)."""
     from trainer.export import export_step
-    from trainer.shard_weights import full_weights
 
-    weights = full_weights(built.model) if dp.model is not None else None
+    weights = gathered_weights(built, dp) if dp.model is not None else None
     if not dp.lead:
         return None
     folder = export_step(built, config.model.path, config.train.export_dir, step, weights)
     log.info("exported weights after step %d to %s", step, folder)
     return folder
+
+
+def gathered_weights(built: TrainerModel, dp: DataParallel) -> dict[str, torch.Tensor] | None:
+    """The whole model's weights under megatron's global names on the first pipeline stage
+    (None on the other stages): each stage's chunks gathered over their TP and EP groups, then
+    sent to the first stage."""
+    from trainer.shard_weights import full_weights
+
+    weights: dict[str, torch.Tensor] = {}
+    for chunk in built.chunks:
+        weights.update(full_weights(chunk))
+    group = dp.model.pp_group
+    if group is None or group.size() == 1:
+        return weights
+    first = torch.distributed.get_global_rank(group, 0)
+    stages = [None] * group.size() if group.rank() == 0 else None
+    torch.distributed.gather_object(weights, stages, dst=first, group=group)
+    if stages is None:
+        return None
+    return {name: tensor for stage in stages for name, tensor in stage.items()}
 
 
 def save_checkpoint(

@@ -1,14 +1,18 @@
-"""Test helpers: observe routers through forward hooks, a next-token loss, random batches."""
+"""Test helpers: observe routers through forward hooks, a next-token loss, random batches, the
+natural routes of a model as records (megatron's ``RECORD``)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from routereplay.record import Geometry, Record, Turn
+from trainer.align import routes_from_recorded
 from trainer.batch import PaddedBatch
 
 
@@ -83,3 +87,36 @@ def random_routes(seed: int, rows: int, geometry: Geometry) -> np.ndarray:
 
 def grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def record_natural_routes(
+    built,
+    micro_batches: Sequence[PaddedBatch],
+    forward: Callable[[torch.nn.Module, PaddedBatch], Any],
+) -> tuple[list[Any], list[Record]]:
+    """Run the old-logprob pass and record every sample's routes.
+
+    Args:
+        built: The model, built with ``routing_replay=True``.
+        micro_batches: The batch, split into micro-batches.
+        forward: ``forward(model, micro_batch)`` returning what the caller keeps (old
+            log-probs); it runs without gradients.
+
+    Returns:
+        ``(outputs, records)``: ``forward``'s result per micro-batch, and one record per sample
+        (in micro-batch order) whose ``routes`` ``[T - 1, L, k]`` are what this model chose.
+    """
+    outputs, records = [], []
+    for batch in micro_batches:
+        recorded: list[list[torch.Tensor]] = []
+        with torch.no_grad(), built.replay.step(), built.replay.recording(recorded):
+            outputs.append(forward(built.model, batch))
+        routes = routes_from_recorded(batch, recorded[0], built.geometry)
+        for b, sample_routes in enumerate(routes):
+            tokens = batch.sample_tokens(b).numpy().astype(np.int32)
+            # Which tokens were generated is the rollout's knowledge, not the trainer's.
+            turn = Turn(token_start=0, token_end=tokens.size, generated_start=tokens.size)
+            records.append(
+                Record(batch.sample_ids[b], built.geometry, tokens, sample_routes, [turn])
+            )
+    return outputs, records

@@ -5,7 +5,7 @@ micro-batches of 2 samples, with or without activation recompute, optionally wit
 Each model chunk replays only its own routers (``reshard.stage_moe_layers`` of its pipeline
 rank and virtual stage); the forward step runs the chunk the schedule hands it inside that
 chunk's ``RouterReplayControl.forward`` with that micro-batch's ids, and
-``trainer.pipeline.replay_backward`` puts every ``backward_step`` of the schedule under
+``trainer.schedule.replay_backward`` puts every ``backward_step`` of the schedule under
 ``REPLAY_BACKWARD``. Checks:
 
 - natural routes (recorded through the same schedule, gathered over the TP shards and the
@@ -44,9 +44,10 @@ from tests.trainer.multirank_worker import (
 from trainer import parallel
 from trainer.align import align_routes, routes_from_recorded
 from trainer.batch import PaddedBatch
-from trainer.pipeline import ModelChunks, build_model_chunks, replay_backward
+from trainer.model import TrainerModel, build_model
 from trainer.replay import RouterReplayAction
 from trainer.reshard import padded_length, shard_padded
+from trainer.schedule import replay_backward
 
 MICRO_BATCH = 2  # samples per micro-batch: 2 micro-batches of the 4 samples
 
@@ -73,7 +74,7 @@ class _Schedule:
     """One step of megatron's pipeline schedule (1F1B, or interleaved 1F1B with virtual stages)
     over the micro-batches, replay driven per micro-batch and model chunk."""
 
-    def __init__(self, chunks: ModelChunks, micro_batches, total_pairs: int):
+    def __init__(self, chunks: TrainerModel, micro_batches, total_pairs: int):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.chunks = chunks
@@ -119,7 +120,7 @@ class _Schedule:
                 self.on_forward(mb)
             return out, functools.partial(self._loss, _pairs(batch))
 
-        for model in chunks.models:
+        for model in chunks.chunks:
             model.zero_grad(set_to_none=True)
         replaying = indices is not None and mode == "replay"
         backward = replay_backward(chunks.replay) if replaying else contextlib.nullcontext()
@@ -128,8 +129,8 @@ class _Schedule:
         with chunks.replay.step(), backward, self._observe_backward(), grad_ctx:
             losses = self.func(
                 forward_step_func=forward_step,
-                data_iterator=[iter(range(n)) for _ in chunks.models],
-                model=chunks.models,
+                data_iterator=[iter(range(n)) for _ in chunks.chunks],
+                model=chunks.chunks,
                 num_microbatches=n,
                 seq_length=seq,
                 micro_batch_size=MICRO_BATCH,
@@ -139,7 +140,7 @@ class _Schedule:
         if forward_only:
             return loss, None
         every = {
-            f"{v}.{name}": g for v, m in enumerate(chunks.models) for name, g in grads(m).items()
+            f"{v}.{name}": g for v, m in enumerate(chunks.chunks) for name, g in grads(m).items()
         }
         return loss, every
 
@@ -166,14 +167,15 @@ class _Schedule:
             schedules.backward_step = inner
 
 
-def _build_chunks(model_dir, layout, world, **extra) -> ModelChunks:
-    """This rank's model chunks: one (``build_model``) without virtual stages."""
+def _build_chunks(model_dir, layout, world, **extra) -> TrainerModel:
+    """This rank's model chunks (one without virtual stages)."""
     if layout.vp is None:
-        built = _build(model_dir, layout, world, "allgather", **extra)
-        return ModelChunks([built.model], [built.replay], built.replay, built.geometry)
+        return _build(model_dir, layout, world, "allgather", **extra)
     torch.manual_seed(SEED)
-    return build_model_chunks(
+    return build_model(
         model_dir,
+        routing_replay=True,
+        load_weights=False,
         pg_collection=world.pg_collection,
         moe_token_dispatcher_type="allgather",
         **parallel.model_overrides(layout),
@@ -217,7 +219,7 @@ def run_pp(layout_name: str, model_dir: str, out: str) -> None:
     # 1. natural routes: record through the schedule, gather the TP shards and the stages'
     # layers, make layout-free records, reshard back to each chunk's layers, replay.
     loss_off, grads_off = sched.run()
-    recorded: list[list[list[torch.Tensor]]] = [[] for _ in chunks.models]
+    recorded: list[list[list[torch.Tensor]]] = [[] for _ in chunks.chunks]
     sched.run(forward_only=True, record_into=recorded)
     mine_rec = {
         layer: [_gather_tp(per_mb[j], tp_group) for per_mb in recorded[v]]

@@ -4,7 +4,7 @@
         --layout tp2sp --model-dir DIR --out FILE
 
 Every rank loads its share of the Hugging Face checkpoint (``build_model``, or
-``build_model_chunks`` with virtual stages) and runs the same 4 samples as 2 micro-batches
+``build_model``, a chunk per virtual stage) and runs the same 4 samples as 2 micro-batches
 through megatron's own schedule, forward only (1F1B or interleaved with PP, no pipelining
 without), natural routing. Each rank gathers its vocabulary slices of the logits and its
 sequence shards of the routing maps over its TP group, and sends them to rank 0, which runs
@@ -34,7 +34,6 @@ from trainer import parallel
 from trainer.hf_config import read_hf_config
 from trainer.hf_weights import hf_to_megatron, load_hf_state_dict
 from trainer.model import build_model
-from trainer.pipeline import build_model_chunks
 from trainer.reshard import Layout, padded_length
 from trainer.shard_weights import full_weights
 
@@ -52,15 +51,10 @@ LAYOUTS = {
 def _build(model_dir: str, layout: Layout, world: parallel.World):
     """This rank's model chunks (one without virtual stages) and their routers."""
     overrides = parallel.model_overrides(layout)
-    if layout.vp is not None:
-        chunks = build_model_chunks(
-            model_dir, pg_collection=world.pg_collection, load_weights=True, **overrides
-        )
-        return chunks.models, chunks.routers
     built = build_model(
         model_dir, routing_replay=False, pg_collection=world.pg_collection, **overrides
     )
-    return [built.model], built.routers
+    return built.chunks, built.routers
 
 
 def _forward(models, micro_batches) -> list[torch.Tensor]:

@@ -37,6 +37,18 @@ def test_yaml_then_dotted_overrides(tmp_path):
         (["router_replay.mode=R3"], "needs route_cache.target or router_replay.replay_file"),
         (["router_replay.missing_record=skip"], "expected 'error' or 'native'"),
         (["router_replay"], "must look like section.key=value"),
+        (["parallel.vp=2"], r"parallel.vp=2 needs pipeline stages \(parallel.pp > 1\)"),
+        (
+            [
+                "parallel.pp=2",
+                "parallel.vp=2",
+                "train.micro_batch_size=2",
+                "train.mini_batch_size=2",
+            ],
+            "interleaved schedule needs the micro-batches of an optimizer step to be a multiple",
+        ),
+        (["train.mini_batch_size=6"], "train.micro_batch_size=4 must divide"),
+        (["train.max_tokens_per_micro_batch=0"], "max_tokens_per_micro_batch must be >= 1"),
     ],
 )
 def test_bad_values_fail_naming_the_key(overrides, message):

@@ -4,6 +4,7 @@ Tolerance: max |logit difference| <= 1e-5 on every real token (measured 4e-7..1.
 tiny model), argmax equal, and the natural top-k expert set equal to transformers' on 100% of
 tokens of every MoE layer, matched by global layer number. transformers runs each sample alone
 (no padding); megatron runs the padded batch, so padding must not leak into real tokens either.
+Every family of ``routereplay.tiny_model`` runs through the same checks.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from tests.conftest import OTHER_FAMILIES
 from tests.trainer.helpers import capture_routing, one_hot, random_batch
 from trainer.hf_config import UnsupportedConfig
 from trainer.model import build_model
@@ -31,10 +33,12 @@ def _variant(src, dst, **changes):
     return dst
 
 
-@pytest.fixture(scope="module", params=["norm_topk_prob", "no_norm_topk_prob"])
-def model_dir(request, tiny_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["norm_topk_prob", "no_norm_topk_prob", *OTHER_FAMILIES])
+def model_dir(request, tiny_model_dir, family_model_dir, tmp_path_factory):
     if request.param == "norm_topk_prob":
         return tiny_model_dir
+    if request.param in OTHER_FAMILIES:
+        return family_model_dir(request.param)
     return _variant(tiny_model_dir, tmp_path_factory.mktemp("v") / "m", norm_topk_prob=False)
 
 
@@ -87,12 +91,12 @@ def test_logits_and_natural_routing_match_transformers(model_dir, pg_collection,
     print(f"max |dlogit| {worst:.2e} ({padding_side} padding)")
 
 
-def test_hf_megatron_hf_weights_round_trip_is_bitwise(tiny_model_dir, pg_collection):
+def test_hf_megatron_hf_weights_round_trip_is_bitwise(model_dir, pg_collection):
     from trainer.hf_weights import load_hf_state_dict, megatron_to_hf
 
-    built = build_model(tiny_model_dir, routing_replay=False, pg_collection=pg_collection)
+    built = build_model(model_dir, routing_replay=False, pg_collection=pg_collection)
     back = megatron_to_hf(built.model.state_dict(), built.hf_config)
-    original = load_hf_state_dict(tiny_model_dir)
+    original = load_hf_state_dict(model_dir)
     assert sorted(back) == sorted(original)
     for name, tensor in original.items():
         assert torch.equal(back[name], tensor), name

@@ -18,6 +18,7 @@ from tests.trainer.helpers import (
     one_hot,
     random_batch,
     random_routes,
+    record_natural_routes,
 )
 from trainer.align import align_routes, routes_from_recorded
 from trainer.model import build_model
@@ -231,10 +232,8 @@ def test_recompute_with_two_micro_batches_in_flight(tiny_model_dir, pg_collectio
 
 
 def test_r2_update_passes_after_an_optimizer_step_use_the_recorded_routes(built):
-    from trainer.r2 import record_pass
-
     micro_batches = [random_batch(21, [8, 6], "left"), random_batch(22, [5, 9], "left")]
-    _, records = record_pass(built, micro_batches, next_token_loss)
+    _, records = record_natural_routes(built, micro_batches, next_token_loss)
     by_id = {r.sample_id: r for r in records}
     for r in records:
         r.validate()

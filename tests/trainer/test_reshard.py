@@ -411,3 +411,16 @@ def test_a_shard_off_by_one_token_or_one_layer_fails_the_comparison():
     assert layers == megatron_stage_layers(split, 1, 1)
     shifted = range(layers.start + 1, layers.stop + 1)
     assert shifted != megatron_stage_layers(split, 1, 1)
+
+
+def test_uint16_expert_ids_survive_packing_and_resharding():
+    """Ids above 32767 (and 65535) stay themselves: never the MASKED marker, never negative."""
+    ids = np.array([[[65535, 40000]], [[1, 32768]]], dtype=np.uint16)  # [2 rows, 1 layer, k 2]
+    plan = PackPlan.build([3], multiple=2)
+    packed = pack_routes([ids], plan)
+    np.testing.assert_array_equal(packed[:2], ids.astype(np.int64))
+    assert (packed[2:] == MASKED).all()
+    local, _, _ = reshard_packed_routes(
+        [ids], [3], [0], PipelineSplit(num_layers=1), Layout(), RankCoords()
+    )
+    np.testing.assert_array_equal(local[:2], ids.astype(np.int64))

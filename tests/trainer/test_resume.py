@@ -1,6 +1,6 @@
 """A trainer rank SIGKILLed mid-step under torchrun, and the job restarted.
 
-``python -m trainer`` runs 2 data-parallel gloo ranks for 3 R3 steps, fetching its samples
+``python -m trainer`` runs 2 data-parallel gloo ranks for 4 R3 steps, fetching its samples
 from a real route cache (over a redis-server) by id and checkpointing after every step. In the
 faulty run rank 1 is SIGKILLed while step 1 is in progress (after the checkpoint of step 0
 appears); torchrun then stops rank 0 and fails. Started again with the same command, the job
@@ -39,7 +39,7 @@ psutil = pytest.importorskip("psutil")  # installed with vllm
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-STEPS = 3
+STEPS = 4
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def wait_for(path: Path, job: subprocess.Popen, timeout_s: float = 300) -> None:
     while not path.exists():
         assert job.poll() is None, f"the job ended before {path.name} appeared"
         assert time.monotonic() < deadline, f"no {path.name}"
-        time.sleep(0.05)
+        time.sleep(0.01)
 
 
 def test_rank_killed_mid_step_resumes_to_the_same_result(
@@ -119,7 +119,9 @@ def test_rank_killed_mid_step_resumes_to_the_same_result(
     job = start_job(tiny_model_dir, target, ids, run_dir)
     victim = rank_process(job, 1)
     wait_for(run_dir / "ckpt" / "step_000001.pt", job)  # step 0 done: step 1 is running
-    time.sleep(0.5)
+    # Frozen at once (a tiny step takes well under a second), so the peers block in its next
+    # collective and the job cannot run on to the end before the kill lands.
+    victim.send_signal(signal.SIGSTOP)
     victim.send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     assert job.wait(120) != 0  # torchrun saw the rank die and stopped the job

@@ -70,11 +70,13 @@ def test_r3_replaying_natural_identical_routes_is_bit_identical_to_disabled(
 
 
 def test_r2_update_passes_replay_the_recorded_routes_after_optimizer_steps(
-    tiny_model_dir, rollout_file, rollout, pg_collection
+    tiny_model_dir, rollout_file, rollout, pg_collection, tmp_path
 ):
+    # record_file: the step builds records of the routes it used only when they are written.
     config = _config(
         tiny_model_dir, rollout_file, "router_replay.mode=R2", "report.compare=false",
         "train.micro_batch_size=4", "train.ppo_epochs=2", "train.lr=0.01",
+        f"router_replay.record_file={tmp_path / 'used.npz'}",
     )  # fmt: skip
     built, optimizer = build(config, pg_collection)
     stepper = RLStep(built, optimizer, config)

@@ -24,7 +24,7 @@ tokens go through, in this order:
    sequence dimension, in megatron's ``[seq, batch]`` token order.
 
 Everything here is torch / numpy on the host; nothing touches a process group. Route tensors
-stay in ``ROUTE_DTYPE`` (int16, with ``MASKED`` = -1) until ``router_tensors`` turns one
+stay in ``ROUTE_DTYPE`` (int32, with ``MASKED`` = -1) until ``router_tensors`` turns one
 micro-batch into megatron's per-router int64 ``[tokens, k]`` tensors.
 
 Modules, by concern: ``layout`` (the layout, a rank's coordinates, step 1), ``layers`` (layer

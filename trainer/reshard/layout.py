@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-ROUTE_DTYPE = np.int16
-"""Host dtype of routes while resharding: holds expert ids < 32768 and ``MASKED``."""
+ROUTE_DTYPE = np.int32
+"""Host dtype of routes while resharding: holds every uint16 expert id and ``MASKED`` (-1).
+int16 would turn expert 65535 into ``MASKED`` and ids above 32767 negative."""
 
 
 class LayoutError(ValueError):
