@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from routereplay.record_file import save_records
     from routereplay.tiny_model import MoESize, build_tiny_model
-    from trainer.hf_rollout import random_prompts, rollout_records
+    from tests.trainer.hf_rollout import random_prompts, rollout_records
 
     times: dict[str, dict[str, list[float]]] = {k: {"disabled": [], "R3": []} for k in layouts}
     with tempfile.TemporaryDirectory() as tmp:

@@ -3,7 +3,7 @@
 Each repeat is one RL batch through the real parts: a GenerateBatch streamed from the rollout
 server (the tiny Qwen3-MoE on vLLM's CPU build, routes captured and written as records), the
 route cache in its own process over a Redis-compatible server, and what a trainer rank does
-before its step: one ``read_batch`` of the batch's records (``trainer.data.CacheSource``) and
+before its step: one ``read_batch`` of the batch's records (``trainer.data.source.CacheSource``) and
 resharding their routes into packed micro-batches (``trainer.reshard``). Stages per batch:
 
 - generate: the request until the batch's last token reached the client;
@@ -42,7 +42,7 @@ from rollout_server.samples import SampleDelta, SampleDone, SampleFailed  # noqa
 from rollout_server.server import RolloutServer  # noqa: E402
 from routereplay.launch import start_service, stop_process  # noqa: E402
 from routereplay.tiny_model import BENCH_SIZE, TINY_SIZE, build_tiny_model  # noqa: E402
-from trainer.data import CacheSource  # noqa: E402
+from trainer.data.source import CacheSource  # noqa: E402
 from trainer.reshard import (  # noqa: E402
     Layout,
     PipelineSplit,

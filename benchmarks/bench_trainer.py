@@ -52,13 +52,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     from routereplay.tiny_model import MoESize, build_tiny_model
     from tests.trainer.helpers import make_record, random_batch, record_natural_routes
-    from trainer import distributed
-    from trainer.align import align_routes
-    from trainer.model import build_model
+    from trainer.data.align import align_routes
+    from trainer.model.build import build_model
+    from trainer.parallel import single_process
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(f"{tmp}/model", seed=0, size=MoESize(**SIZE_KW))
-        groups = distributed.init_single_process(f"file://{tmp}/pg", seed=0)
+        groups = single_process.init_single_process(f"file://{tmp}/pg", seed=0)
         try:
             plain = build_model(model_dir, routing_replay=False, pg_collection=groups)
             replay = build_model(model_dir, routing_replay=True, pg_collection=groups)
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
                     times[name].append(time.perf_counter() - start)
             fetch = fetch_vs_step(model_dir, replay, records, args.batches)
         finally:
-            distributed.shutdown()
+            single_process.shutdown()
 
     med = {k: statistics.median(v) for k, v in times.items()}
     overhead = med["R3"] / med["disabled"] - 1
@@ -164,8 +164,8 @@ def fetch_vs_step(model_dir, built, records, batches: int) -> dict:
     from route_cache.server import RouteCacheServer
     from route_cache.store import RouteStore, connect
     from trainer.config import load_config
-    from trainer.data import BatchPlan, CacheSource
-    from trainer.optim import AdamW
+    from trainer.data.source import BatchPlan, CacheSource
+    from trainer.rl.optim import AdamW
     from trainer.train import train
 
     valkey, url = start_embedded_redis()

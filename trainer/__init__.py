@@ -1,12 +1,17 @@
 """The Megatron trainer: the served Hugging Face model in megatron-core, with router replay.
 
-Modules (one job each): ``cpu_compat`` (megatron-core on a CPU-only torch), ``hf_config`` (the
-Hugging Face config as megatron's ``TransformerConfig``), ``hf_weights`` (the two-way weight
-mapping), ``model`` (build a ``GPTModel`` with replay installed), ``replay`` (drive megatron's
-``RouterReplay`` with a replay mask), ``batch`` (the padded batch layout), ``align`` (records to
-per-router replay indices under that layout, and back), ``r2`` (R2's record pass), ``config``
-(YAML with dotted overrides), ``distributed`` (the single-process group), ``data`` (records per
-batch, prefetched), ``rl`` (reward, advantages, PPO loss), ``step`` (one RL step and its
-consistency report), ``metrics``, ``optim``, ``train`` (the loop), ``hf_rollout`` (reference
-rollout records from transformers). ``python -m trainer`` runs steps. Nothing runs at import.
+Arranged by concern, in the order a step uses them:
+
+- ``data``: samples and their rollout routes fetched (``source``), laid out as the batch the
+  model reads (``batch``), and aligned to per-router replay indices (``align``).
+- ``model``: the Hugging Face checkpoint as a megatron-core ``GPTModel`` (``hf_config``,
+  ``hf_weights``, ``build``), router replay installed (``replay``), and the weights back out
+  (``export``, ``shard_weights``); ``cpu_compat`` lets megatron-core run on a CPU-only torch.
+- ``rl``: the objective (``objective``), the passes on megatron's schedules (``schedule``), one
+  RL step and its consistency report (``step``, ``metrics``), the optimizer (``optim``).
+- ``parallel``: the world's process groups (``world``, ``single_process``) and what
+  data-parallel ranks exchange (``dp``); ``reshard``: routes and batches cut for a layout.
+- Here: ``config`` (YAML with dotted overrides), ``train`` (the loop), ``checkpoint``, ``tb``.
+
+``python -m trainer`` runs steps. Nothing runs at import.
 """

@@ -8,7 +8,7 @@ each DP rank trains its share of every batch and one rank prints and writes the 
 Samples come from the route cache (``route_cache.target`` and the ids) or from a records file
 (``router_replay.replay_file`` or ``data.records_file``; every record in it when no ids are
 given). With ``data.source=feed`` there are no ids: batches of whole GRPO groups come from
-the route cache's ready feed (``trainer.data.FeedPlans``). ``--report FILE`` (or
+the route cache's ready feed (``trainer.data.source.FeedPlans``). ``--report FILE`` (or
 ``report.json``) writes the reports as JSON.
 """
 
@@ -51,9 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     torch.set_num_threads(args.threads)
-    from trainer import distributed
     from trainer.config import load_config
-    from trainer.data import plan_batches
+    from trainer.data.source import plan_batches
+    from trainer.parallel import single_process
     from trainer.train import train
 
     overrides = list(args.overrides)
@@ -73,18 +73,18 @@ def main(argv: list[str] | None = None) -> int:
     if config.parallel.dp not in (None, 1):
         raise SystemExit(f"parallel.dp={config.parallel.dp} needs torchrun (one process per rank)")
     with tempfile.TemporaryDirectory() as rendezvous:
-        groups = distributed.init_single_process(f"file://{rendezvous}/pg", config.train.seed)
+        groups = single_process.init_single_process(f"file://{rendezvous}/pg", config.train.seed)
         try:
             train(config, plans, pg_collection=groups)
         finally:
-            distributed.shutdown()
+            single_process.shutdown()
     return 0
 
 
 def _main_torchrun(config, plans) -> int:
     """One rank of a torchrun world: the layout's groups, the DP share, rank 0 reports."""
-    from trainer import dp as data_parallel
-    from trainer import parallel
+    from trainer.parallel import dp as data_parallel
+    from trainer.parallel.world import init_world
     from trainer.reshard import LayoutError
     from trainer.train import train
 
@@ -98,13 +98,13 @@ def _main_torchrun(config, plans) -> int:
         )
     if int(os.environ.get("RANK", "0")) != 0:
         logging.getLogger().setLevel(logging.WARNING)
-    world = parallel.init_world(layout, seed=config.train.seed)
+    world = init_world(layout, seed=config.train.seed)
     try:
         train(config, plans, pg_collection=world.pg_collection, dp=data_parallel.from_world(world))
     finally:
-        from trainer import distributed
+        from trainer.parallel import single_process
 
-        distributed.shutdown()
+        single_process.shutdown()
     return 0
 
 

@@ -177,7 +177,7 @@ class DataConfig:
         prefetch: Fetch batch i + 1 while batch i trains.
         source: ``ids`` (the sample ids given, or every record of the file) or ``feed`` (the
             route cache's ready feed: each batch is the next ``batch_size / group_size``
-            whole GRPO groups announced; see ``trainer.data.FeedPlans``).
+            whole GRPO groups announced; see ``trainer.data.source.FeedPlans``).
         group_size: ``feed``: samples per GRPO group.
         consumer_group: ``feed``: the consumer group on the feed (one per training job).
         consumer: ``feed``: this job's consumer name; a restarted job reuses it to get back

@@ -10,14 +10,14 @@ layout every ``train.export_every`` steps (``train.export_dir``, for the rollout
 (``train.checkpoint_dir``); both also after the last step. With ``train.resume`` and a
 checkpoint in ``checkpoint_dir``, the loop restores it and skips the steps it had done.
 
-Data parallel (``dp``, a ``trainer.dp.DataParallel``): every rank gets the same plans, fetches
-and trains its own share of each batch, and returns the whole batch's reports; the lead (DP
+Data parallel (``dp``, a ``trainer.parallel.dp.DataParallel``): every rank gets the same plans,
+fetches and trains its own share of each batch, and returns the whole batch's reports; the lead (DP
 rank 0, TP rank 0) logs them and writes the record file, the report JSON, TensorBoard, exports
 and checkpoints. Under tensor or expert parallelism every rank gathers the full weights for an
 export (a collective the lead writes out) and writes its own checkpoint file (``checkpoint``).
 
 The input is an iterable of ``BatchPlan``: sample ids from the command line, or, with
-``data.source=feed``, the route cache's ready feed (``trainer.data.FeedPlans``): the lead
+``data.source=feed``, the route cache's ready feed (``trainer.data.source.FeedPlans``): the lead
 reads whole GRPO groups and hands every rank the batch, and acknowledges them after the
 batch's optimizer step. With ``train.push_weights_to`` each export is loaded by those rollout
 servers (``UpdateWeights``), so their next samples come from the new policy; the step's
@@ -37,13 +37,14 @@ import torch
 
 from routereplay.record import Record
 from routereplay.record_file import save_records
-from trainer import checkpoint, parallel
+from trainer import checkpoint
 from trainer.config import TrainerConfig
-from trainer.data import BatchPlan, CacheSource, FeedPlans, FileSource, Prefetcher
-from trainer.dp import SINGLE, DataParallel
-from trainer.model import TrainerModel, build_model
-from trainer.optim import AdamW
-from trainer.step import RLStep
+from trainer.data.source import BatchPlan, CacheSource, FeedPlans, FileSource, Prefetcher
+from trainer.model.build import TrainerModel, build_model
+from trainer.parallel.dp import SINGLE, DataParallel
+from trainer.parallel.world import model_overrides
+from trainer.rl.optim import AdamW
+from trainer.rl.step import RLStep
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def build(config: TrainerConfig, pg_collection=None) -> tuple[TrainerModel, Adam
     """The model and AdamW. Replay is installed in every mode: the step observes what each
     router did through it (with no action set, a router routes naturally)."""
     torch.manual_seed(config.train.seed)
-    overrides: dict = parallel.model_overrides(config.parallel.layout())
+    overrides: dict = model_overrides(config.parallel.layout())
     overrides.update(
         num_layers_in_first_pipeline_stage=config.parallel.first_stage_layers,
         num_layers_in_last_pipeline_stage=config.parallel.last_stage_layers,
@@ -122,7 +123,7 @@ def train(
         config: The configuration.
         plans: The batches, in order (ids, or ids with samples); None with
             ``data.source=feed`` (read from the feed, ``FeedPlans``).
-        pg_collection: megatron's process groups (``distributed.init_single_process``).
+        pg_collection: megatron's process groups (``single_process.init_single_process``).
         source: The records' source (default: ``open_source(config)``).
         built: A model and optimizer to reuse (default: ``build(config)``).
         dp: The data-parallel group (default: one rank).
@@ -169,7 +170,7 @@ def train(
             if cfg.export_dir and (step + 1) % cfg.export_every == 0:
                 folder = export_weights(config, model, step, dp)
                 if lead and cfg.push_weights_to:
-                    from trainer.export import push_weights
+                    from trainer.model.export import push_weights
 
                     versions = push_weights(cfg.push_weights_to, folder, cfg.push_security())
                     report["policy_versions"] = versions
@@ -220,7 +221,7 @@ def export_weights(
     the rollout server's ``UpdateWeights``. Under model parallelism a collective: every rank
     gathers its stage's full weights, the stages send theirs to the lead, which writes them.
     Returns the folder (the lead; None elsewhere)."""
-    from trainer.export import export_step
+    from trainer.model.export import export_step
 
     weights = gathered_weights(built, dp) if dp.model is not None else None
     if not dp.lead:
@@ -234,7 +235,7 @@ def gathered_weights(built: TrainerModel, dp: DataParallel) -> dict[str, torch.T
     """The whole model's weights under megatron's global names on the first pipeline stage
     (None on the other stages): each stage's chunks gathered over their TP and EP groups, then
     sent to the first stage."""
-    from trainer.shard_weights import full_weights
+    from trainer.model.shard_weights import full_weights
 
     weights: dict[str, torch.Tensor] = {}
     for chunk in built.chunks:

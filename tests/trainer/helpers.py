@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from routereplay.record import Geometry, Record, Turn
-from trainer.align import routes_from_recorded
-from trainer.batch import PaddedBatch
+from trainer.data.align import routes_from_recorded
+from trainer.data.batch import PaddedBatch
 
 
 @contextlib.contextmanager

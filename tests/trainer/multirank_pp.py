@@ -5,7 +5,7 @@ micro-batches of 2 samples, with or without activation recompute, optionally wit
 Each model chunk replays only its own routers (``reshard.stage_moe_layers`` of its pipeline
 rank and virtual stage); the forward step runs the chunk the schedule hands it inside that
 chunk's ``RouterReplayControl.forward`` with that micro-batch's ids, and
-``trainer.schedule.replay_backward`` puts every ``backward_step`` of the schedule under
+``trainer.rl.schedule.replay_backward`` puts every ``backward_step`` of the schedule under
 ``REPLAY_BACKWARD``. Checks:
 
 - natural routes (recorded through the same schedule, gathered over the TP shards and the
@@ -41,13 +41,13 @@ from tests.trainer.multirank_worker import (
     _gather_tp,
     _records,
 )
-from trainer import parallel
-from trainer.align import align_routes, routes_from_recorded
-from trainer.batch import PaddedBatch
-from trainer.model import TrainerModel, build_model
-from trainer.replay import RouterReplayAction
+from trainer.data.align import align_routes, routes_from_recorded
+from trainer.data.batch import PaddedBatch
+from trainer.model.build import TrainerModel, build_model
+from trainer.model.replay import RouterReplayAction
+from trainer.parallel.world import init_world, model_overrides
 from trainer.reshard import padded_length, shard_padded
-from trainer.schedule import replay_backward
+from trainer.rl.schedule import replay_backward
 
 MICRO_BATCH = 2  # samples per micro-batch: 2 micro-batches of the 4 samples
 
@@ -178,7 +178,7 @@ def _build_chunks(model_dir, layout, world, **extra) -> TrainerModel:
         load_weights=False,
         pg_collection=world.pg_collection,
         moe_token_dispatcher_type="allgather",
-        **parallel.model_overrides(layout),
+        **model_overrides(layout),
         **extra,
     )
 
@@ -187,7 +187,7 @@ def run_pp(layout_name: str, model_dir: str, out: str) -> None:
     torch.set_num_threads(1)
     layout = LAYOUTS[layout_name]
     recompute = layout_name in RECOMPUTE
-    world = parallel.init_world(layout, seed=SEED)
+    world = init_world(layout, seed=SEED)
     from megatron.core import parallel_state
 
     pp_group = parallel_state.get_pipeline_model_parallel_group()

@@ -33,10 +33,10 @@ import torch.distributed as dist
 
 from routereplay.record import Geometry
 from tests.trainer.helpers import capture_routing, grads, make_record, random_batch, random_routes
-from trainer import parallel
-from trainer.align import align_routes, routes_from_recorded
-from trainer.batch import PaddedBatch
-from trainer.model import build_model
+from trainer.data.align import align_routes, routes_from_recorded
+from trainer.data.batch import PaddedBatch
+from trainer.model.build import build_model
+from trainer.parallel.world import World, init_world, model_overrides
 from trainer.reshard import (
     Layout,
     PipelineSplit,
@@ -106,7 +106,7 @@ def _pass(built, batch, indices=None):
     return loss.detach(), grads(built.model)
 
 
-def _build(model_dir, layout: Layout, world: parallel.World, dispatcher: str, **extra):
+def _build(model_dir, layout: Layout, world: World, dispatcher: str, **extra):
     torch.manual_seed(SEED)  # CPU initialisation draws full weights from the global generator
     built = build_model(
         model_dir,
@@ -115,7 +115,7 @@ def _build(model_dir, layout: Layout, world: parallel.World, dispatcher: str, **
         load_weights=False,
         use_cpu_initialization=True,
         moe_token_dispatcher_type=dispatcher,
-        **parallel.model_overrides(layout),
+        **model_overrides(layout),
         **extra,
     )
     split = PipelineSplit.from_config(built.model.config)
@@ -124,7 +124,7 @@ def _build(model_dir, layout: Layout, world: parallel.World, dispatcher: str, **
     return built
 
 
-def _local_batch(world: parallel.World, layout: Layout) -> tuple[PaddedBatch, range]:
+def _local_batch(world: World, layout: Layout) -> tuple[PaddedBatch, range]:
     mine = dp_shard(len(LENGTHS), world.dp_size, world.dp_rank)
     full = random_batch(SEED, LENGTHS, "right")
     seq = padded_length(max(LENGTHS), layout.multiple)
@@ -174,7 +174,7 @@ def _expected_maps(lengths, seq, routes, layers, geometry: Geometry):
 def run(layout_name: str, model_dir: str, out: str) -> None:
     torch.set_num_threads(1)
     layout = LAYOUTS[layout_name]
-    world = parallel.init_world(layout, seed=SEED)
+    world = init_world(layout, seed=SEED)
     from megatron.core import parallel_state
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -242,7 +242,7 @@ def run(layout_name: str, model_dir: str, out: str) -> None:
         loss_tp = float(loss_off)
         parallel_state.destroy_model_parallel()
         tp1 = Layout(ep=layout.ep)
-        world1 = parallel.init_world(tp1, seed=SEED)
+        world1 = init_world(tp1, seed=SEED)
         built1 = _build(model_dir, tp1, world1, DISPATCHER.get(layout_name, "allgather"))
         # The same samples as the TP2 run (TP2 had one DP rank: the whole batch).
         with torch.no_grad():

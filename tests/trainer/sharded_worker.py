@@ -30,12 +30,12 @@ from tests.trainer.helpers import capture_routing, one_hot
 from tests.trainer.multirank_pp import MICRO_BATCH, _micro_batches
 from tests.trainer.multirank_worker import LENGTHS, SEED, _gather_tp
 from tests.trainer.test_model_parity import _hf_reference
-from trainer import parallel
-from trainer.hf_config import read_hf_config
-from trainer.hf_weights import hf_to_megatron, load_hf_state_dict
-from trainer.model import build_model
+from trainer.model.build import build_model
+from trainer.model.hf_config import read_hf_config
+from trainer.model.hf_weights import hf_to_megatron, load_hf_state_dict
+from trainer.model.shard_weights import full_weights
+from trainer.parallel.world import World, init_world, model_overrides
 from trainer.reshard import Layout, padded_length
-from trainer.shard_weights import full_weights
 
 LAYOUTS = {
     "tp2sp": Layout(tp=2, sequence_parallel=True),
@@ -48,9 +48,9 @@ LAYOUTS = {
 }
 
 
-def _build(model_dir: str, layout: Layout, world: parallel.World):
+def _build(model_dir: str, layout: Layout, world: World):
     """This rank's model chunks (one without virtual stages) and their routers."""
-    overrides = parallel.model_overrides(layout)
+    overrides = model_overrides(layout)
     built = build_model(
         model_dir, routing_replay=False, pg_collection=world.pg_collection, **overrides
     )
@@ -91,7 +91,7 @@ def run(layout_name: str, model_dir: str, out: str) -> None:
     from megatron.core import parallel_state
 
     layout = LAYOUTS[layout_name]
-    world = parallel.init_world(layout, seed=SEED)
+    world = init_world(layout, seed=SEED)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     models, routers = _build(model_dir, layout, world)
     full = hf_to_megatron(load_hf_state_dict(model_dir), read_hf_config(model_dir))

@@ -26,10 +26,10 @@ from tests.trainer.helpers import (
     random_batch,
     random_routes,
 )
-from trainer.align import align_routes, routes_from_recorded
-from trainer.hf_config import UnsupportedConfig, read_hf_config, transformer_config
-from trainer.model import build_model
-from trainer.optim import AdamW
+from trainer.data.align import align_routes, routes_from_recorded
+from trainer.model.build import build_model
+from trainer.model.hf_config import UnsupportedConfig, read_hf_config, transformer_config
+from trainer.rl.optim import AdamW
 
 
 def _records(batch, routes, geometry):
@@ -214,7 +214,7 @@ def test_reported_natural_choice_is_the_routers_own(family, family_model_dir, pg
     """The consistency report's natural routing (metrics.NaturalTopk) equals what the routers
     chose without replay: GLM-4.5's biased, group-limited sigmoid choice, not the logits'
     top-k (the report showed 2-24% agreement for GLM-4.5 before)."""
-    from trainer.metrics import NaturalTopk
+    from trainer.rl.metrics import NaturalTopk
 
     built = build_model(family_model_dir(family), routing_replay=False, pg_collection=pg_collection)
     natural = NaturalTopk(built.routers, built.geometry.topk)

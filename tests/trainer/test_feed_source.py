@@ -29,8 +29,8 @@ from routereplay.errors import RouteReplayError
 from routereplay.ready import ReadyConsumer
 from routereplay.security import ClientSecurity, ServerSecurity
 from trainer.config import ConfigError, load_config
-from trainer.data import BatchPlan, FeedPlans
-from trainer.dp import DataParallel, ModelParallel
+from trainer.data.source import BatchPlan, FeedPlans
+from trainer.parallel.dp import DataParallel, ModelParallel
 from trainer.reshard import Layout, RankCoords
 from trainer.train import train
 

@@ -18,9 +18,9 @@ pytest.importorskip("megatron.core")
 from tests.trainer.helpers import random_batch, random_routes
 from trainer import checkpoint
 from trainer.config import load_config
-from trainer.data import BatchPlan
-from trainer.export import export_hf
-from trainer.hf_weights import load_hf_state_dict
+from trainer.data.source import BatchPlan
+from trainer.model.export import export_hf
+from trainer.model.hf_weights import load_hf_state_dict
 from trainer.train import build, train
 
 LOGIT_ATOL = 1e-5  # the parity tolerance of test_model_parity.py

@@ -19,8 +19,8 @@ pytest.importorskip("megatron.core")
 
 from tests.conftest import OTHER_FAMILIES
 from tests.trainer.helpers import capture_routing, one_hot, random_batch
-from trainer.hf_config import UnsupportedConfig
-from trainer.model import build_model
+from trainer.model.build import build_model
+from trainer.model.hf_config import UnsupportedConfig
 
 LOGIT_ATOL = 1e-5
 
@@ -92,7 +92,7 @@ def test_logits_and_natural_routing_match_transformers(model_dir, pg_collection,
 
 
 def test_hf_megatron_hf_weights_round_trip_is_bitwise(model_dir, pg_collection):
-    from trainer.hf_weights import load_hf_state_dict, megatron_to_hf
+    from trainer.model.hf_weights import load_hf_state_dict, megatron_to_hf
 
     built = build_model(model_dir, routing_replay=False, pg_collection=pg_collection)
     back = megatron_to_hf(built.model.state_dict(), built.hf_config)

@@ -20,9 +20,9 @@ from tests.trainer.helpers import (
     random_routes,
     record_natural_routes,
 )
-from trainer.align import align_routes, routes_from_recorded
-from trainer.model import build_model
-from trainer.replay import MASKED
+from trainer.data.align import align_routes, routes_from_recorded
+from trainer.model.build import build_model
+from trainer.model.replay import MASKED
 
 
 @pytest.fixture

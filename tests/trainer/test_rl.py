@@ -19,11 +19,11 @@ pytest.importorskip("megatron.core")
 from routereplay.errors import InvalidArgument
 from routereplay.record_file import load_records
 from tests.trainer.helpers import capture_routing, one_hot
-from trainer import metrics, rl
-from trainer.align import align_routes
 from trainer.config import load_config
-from trainer.data import BatchPlan, CacheSource, FileSource, Prefetcher, Sample
-from trainer.step import RLStep
+from trainer.data.align import align_routes
+from trainer.data.source import BatchPlan, CacheSource, FileSource, Prefetcher, Sample
+from trainer.rl import metrics, objective
+from trainer.rl.step import RLStep
 from trainer.train import build, train
 
 
@@ -84,7 +84,9 @@ def test_r2_update_passes_replay_the_recorded_routes_after_optimizer_steps(
     with capture_routing(built.routers) as (maps, _):
         report = stepper.run(fetched)
     recorded = {r.sample_id: r for r in stepper.routes_used}
-    mbs = rl.micro_batches(fetched.samples, fetched.records, np.zeros(8, np.float32), 4, "right")
+    mbs = objective.micro_batches(
+        fetched.samples, fetched.records, np.zeros(8, np.float32), 4, "right"
+    )
     layers = list(built.replay.layers)
     # Router calls: old-logprob pass (2 micro-batches), then 2 epochs x 2 micro-batches.
     assert all(len(calls) == 6 for calls in maps.values())
@@ -110,8 +112,8 @@ def test_micro_batches_pad_to_the_layouts_multiple(rollout_file, rollout, side):
     never generated, no rollout log-prob, and the samples' tokens unmoved on their side."""
     fetched = _fetch(rollout_file, rollout)
     adv = np.zeros(8, np.float32)
-    plain = rl.micro_batches(fetched.samples, fetched.records, adv, 4, side)
-    padded = rl.micro_batches(fetched.samples, fetched.records, adv, 4, side, multiple=7)
+    plain = objective.micro_batches(fetched.samples, fetched.records, adv, 4, side)
+    padded = objective.micro_batches(fetched.samples, fetched.records, adv, 4, side, multiple=7)
     for a, b in zip(plain, padded, strict=True):
         seq, extra = a.batch.seq_len, b.batch.seq_len - a.batch.seq_len
         assert b.batch.seq_len % 7 == 0 and 0 <= extra < 7
@@ -230,7 +232,7 @@ def test_metrics_match_an_independent_calculation(
     a = np.array([[[0, 1]], [[2, 3]], [[4, 5]]])
     b = np.array([[[1, 0]], [[2, 4]], [[6, 7]]])
     assert metrics.routing_agreement([a], [b])["exact"] == [pytest.approx(1 / 3)]
-    adv = rl.group_advantages([1.0, 0.0, 0.5, 0.2], ["g", "g", "h", "x"])
+    adv = objective.group_advantages([1.0, 0.0, 0.5, 0.2], ["g", "g", "h", "x"])
     np.testing.assert_allclose(adv, [1.0, -1.0, 0.0, 0.0], atol=1e-5)
 
     # The step's gap against the rollout, recomputed sample by sample without padding.

@@ -1,7 +1,7 @@
 """The Hugging Face checkpoint loaded into a parallel layout gives transformers' numbers.
 
 Each layout runs ``tests/trainer/sharded_worker.py`` on every rank under torchrun (gloo): every
-rank loads only its share of the weights (``trainer.shard_weights``), the model runs 4 samples
+rank loads only its share of the weights (``trainer.model.shard_weights``), the model runs 4 samples
 through megatron's schedule, and rank 0 compares the logits (gathered over TP, from the last
 pipeline stage) and the natural top-k of every MoE layer with transformers running each sample
 alone. Same tolerance as the single-rank parity test (tests/trainer/test_model_parity.py):
@@ -26,7 +26,7 @@ from tests.trainer.ranks import run_each_rank
 from tests.trainer.test_dp_train import records  # noqa: F401 (fixture)
 from tests.trainer.test_model_parity import LOGIT_ATOL
 from tests.trainer.test_multirank import _torchrun, tiny8_model_dir  # noqa: F401 (fixture)
-from trainer.shard_weights import tp_slice
+from trainer.model.shard_weights import tp_slice
 
 pytest.importorskip("megatron.core")
 
@@ -186,7 +186,7 @@ def test_rl_steps_under_tp_and_ep_equal_one_rank(
 def _check_export(run_dir: Path, reference_dir: Path, model_dir, layout: str) -> None:
     """The lead's export (the shards gathered by every rank) against one rank's: every tensor,
     its shape and dtype, and values within float summation noise of the same 2 steps."""
-    from trainer.hf_weights import load_hf_state_dict
+    from trainer.model.hf_weights import load_hf_state_dict
 
     ours, theirs = _exported(run_dir), _exported(reference_dir)
     assert ours.keys() == theirs.keys()

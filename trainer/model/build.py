@@ -9,17 +9,17 @@ from typing import Any
 import torch
 
 from routereplay.record import Geometry
-from trainer import cpu_compat, replay
-from trainer.hf_config import (
+from trainer.model import cpu_compat, replay
+from trainer.model.hf_config import (
     UnsupportedConfig,
     gpt_model_args,
     model_geometry,
     read_hf_config,
     transformer_config,
 )
-from trainer.hf_weights import hf_to_megatron, load_hf_state_dict
+from trainer.model.hf_weights import hf_to_megatron, load_hf_state_dict
+from trainer.model.shard_weights import local_weights
 from trainer.reshard import PipelineSplit, check_stage_routers, stage_moe_layers
-from trainer.shard_weights import local_weights
 
 
 def _pipeline_rank(pg_collection) -> tuple[int, int]:
@@ -176,7 +176,7 @@ def build_model(
         model_dir: Folder with ``config.json`` and safetensors weights.
         routing_replay: Turn on megatron's ``moe_enable_routing_replay`` and install masked
             replay on every router (R2 and R3); refuses settings that bypass replay.
-        pg_collection: megatron ``ProcessGroupCollection`` (``distributed.init_single_process``
+        pg_collection: megatron ``ProcessGroupCollection`` (``single_process.init_single_process``
             returns one); megatron's global groups when None.
         load_weights: Load the checkpoint's weights, this rank's share of them in a parallel
             layout (else initialised from the seed, the same on every rank).

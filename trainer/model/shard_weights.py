@@ -35,7 +35,7 @@ from collections.abc import Mapping
 
 import torch
 
-from trainer.hf_config import UnsupportedConfig
+from trainer.model.hf_config import UnsupportedConfig
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.*)")

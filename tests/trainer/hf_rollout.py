@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from routereplay.record import Record, Turn
-from trainer.hf_config import model_geometry, read_hf_config
+from trainer.model.hf_config import model_geometry, read_hf_config
 
 
 def rollout_records(

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from trainer.batch import PaddedBatch
-from trainer.model import TrainerModel
-from trainer.replay import RouterReplayControl
+from trainer.data.batch import PaddedBatch
+from trainer.model.build import TrainerModel
+from trainer.model.replay import RouterReplayControl
 
 LastStage = Callable[[int, torch.Tensor], tuple[torch.Tensor | None, dict]]
 """``(micro-batch index, full logits [rows, seq, vocab]) -> (loss or None, outputs)``: what the

@@ -5,7 +5,7 @@ Launch one process per rank with ``torchrun`` (gloo on the CPU, NCCL on GPUs); `
 reads the usual ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` variables that
 torchrun sets.
 
-``apply_multirank_cpu_patches`` lives here rather than in ``trainer/cpu_compat.py`` only
+``apply_multirank_cpu_patches`` lives here rather than in ``trainer/model/cpu_compat.py`` only
 because that file was being edited concurrently; it is meant to move there (see
 docs/resharding.md). Like ``cpu_compat.apply`` it patches only when CUDA is absent.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from trainer import cpu_compat
+from trainer.model import cpu_compat
 from trainer.reshard import Layout, LayoutError, RankCoords
 
 _PATCHED = False

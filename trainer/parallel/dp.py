@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from trainer.data import BatchPlan
+from trainer.data.source import BatchPlan
 from trainer.reshard import Layout, LayoutError, RankCoords, dp_shard
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.hf_weights import megatron_to_hf
+from trainer.model.hf_weights import megatron_to_hf
 
 WEIGHT_FILES = ("model.safetensors.index.json",)
 MAX_SHARD_BYTES = 4 << 30

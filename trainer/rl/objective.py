@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from routereplay.record import Record
-from trainer.batch import PACKED, PaddedBatch
-from trainer.data import Sample
+from trainer.data.batch import PACKED, PaddedBatch
+from trainer.data.source import Sample
 from trainer.reshard import padded_length
 
 TARGET_MODULUS = 8

@@ -4,7 +4,7 @@ Order: rewards and GRPO advantages; the old-logprob pass (no gradients); a compa
 gradients, ``report.compare``) with the other routing, so every step reports the gap to the
 rollout with replay and without; then ``ppo_epochs`` passes over the mini-batches, each
 mini-batch a forward and backward of its micro-batches and one optimizer step. Every pass is
-one call of megatron's schedule (``trainer.schedule``): no pipelining, 1F1B or interleaved
+one call of megatron's schedule (``trainer.rl.schedule``): no pipelining, 1F1B or interleaved
 1F1B, the same code on one rank and on any layout.
 
 Which routing each pass uses (``PASSES``):
@@ -29,7 +29,7 @@ a token to are compared with the rollout's route for that token (``replay_follow
 Counts are taken where the routers run, on each rank's rows and layers, and summed over every
 rank: each (row, layer) lives on exactly one rank of a data-parallel rank's model group.
 
-Layouts (``dp``, a ``trainer.dp.DataParallel``, and its ``model``): each DP rank trains its
+Layouts (``dp``, a ``trainer.parallel.dp.DataParallel``, and its ``model``): each DP rank trains its
 share of every mini-batch; advantages come from every rank's rewards; gradients are summed over
 the ranks with the loss normalised by the mini-batch's generated-token count over all of them.
 Tensor parallel: micro-batches are padded (or packed sequences each padded) to a multiple of
@@ -51,16 +51,16 @@ import torch
 import torch.distributed as dist
 
 from routereplay.record import Record, Turn
-from trainer import metrics, rl
-from trainer.align import align_routes, routes_from_recorded
-from trainer.batch import PACKED, PaddedBatch
 from trainer.config import ReplayMode, TrainerConfig
-from trainer.data import FetchedBatch
-from trainer.dp import SINGLE, DataParallel
-from trainer.model import TrainerModel
-from trainer.replay import MASKED
+from trainer.data.align import align_routes, routes_from_recorded
+from trainer.data.batch import PACKED, PaddedBatch
+from trainer.data.source import FetchedBatch
+from trainer.model.build import TrainerModel
+from trainer.model.replay import MASKED
+from trainer.parallel.dp import SINGLE, DataParallel
 from trainer.reshard import Layout, LayoutError, dynamic_microbatches, padded_length, shard_padded
-from trainer.schedule import Schedule
+from trainer.rl import metrics, objective
+from trainer.rl.schedule import Schedule
 
 
 class Routing(enum.Enum):
@@ -121,7 +121,7 @@ class RLStep:
             return x
         return shard_padded(x, batch.seq_len, self.layout, self.mp.coords)
 
-    def _micro_batches(self, samples, records, adv) -> list[list[rl.MicroBatch]]:
+    def _micro_batches(self, samples, records, adv) -> list[list[objective.MicroBatch]]:
         """This rank's mini-batches, each a list of micro-batches (fixed size, or filled up to
         ``train.max_tokens_per_micro_batch`` with the same count on every DP rank)."""
         cfg, dp = self.config.train, self.dp
@@ -154,8 +154,10 @@ class RLStep:
                 shape = (1, max((sum(p) for p in padded), default=0))
             else:
                 shape = (max(map(len, padded), default=0), max(map(max, padded), default=0))
-        return [rl.micro_batches(samples, records, adv, 0, side, multiple, groups=g, shape=shape)
-                for g in groups]  # fmt: skip
+        return [
+            objective.micro_batches(samples, records, adv, 0, side, multiple, groups=g, shape=shape)
+            for g in groups
+        ]
 
     def _budget(self, lengths: list[int]) -> tuple[list[tuple[int, ...]], str]:
         """One mini-batch's micro-batches under the token budget (positions in ``lengths``),
@@ -197,7 +199,7 @@ class RLStep:
         ok[:, :-1] = (seg[:, :-1] >= 0) & (seg[:, :-1] == seg[:, 1:])
         return self._shard(batch, ok.T.reshape(-1))
 
-    def _rollout_ids(self, mb: rl.MicroBatch) -> tuple[list[torch.Tensor], int]:
+    def _rollout_ids(self, mb: objective.MicroBatch) -> tuple[list[torch.Tensor], int]:
         """This rank's replay ids of the rollout's routes (per router) and the micro-batch's
         replayed rows (all ranks' rows, one layer)."""
         built = self.built
@@ -266,9 +268,9 @@ class RLStep:
         def old_outputs(m, logits):
             mb = mbs[m]
             return None, {
-                "logp": rl.token_logprobs(logits, mb.batch.token_ids),
-                "mass": rl.target_mass(logits)[mb.generated],
-                "entropy": rl.token_entropy(logits)[mb.generated],
+                "logp": objective.token_logprobs(logits, mb.batch.token_ids),
+                "mass": objective.target_mass(logits)[mb.generated],
+                "entropy": objective.token_entropy(logits)[mb.generated],
             }
 
         old = self._pass(batches, old_outputs, passes.old, rollout, None) if mbs else None
@@ -291,7 +293,7 @@ class RLStep:
         other_logp = None
         if self.compare and mbs:
             result = self._pass(
-                batches, lambda m, logits: (None, {"logp": rl.token_logprobs(
+                batches, lambda m, logits: (None, {"logp": objective.token_logprobs(
                     logits, mbs[m].batch.token_ids)}),
                 passes.compare, rollout, None,
             )  # fmt: skip
@@ -403,8 +405,8 @@ class RLStep:
 
         def loss(m, logits):
             mb = mini[m]
-            logp = rl.token_logprobs(logits, mb.batch.token_ids)
-            value, clip = rl.ppo_loss(
+            logp = objective.token_logprobs(logits, mb.batch.token_ids)
+            value, clip = objective.ppo_loss(
                 logp, old_logp[lo + m], mb.advantages, mb.generated, cfg.clip_eps, tokens
             )
             return value, {"loss": value.detach(), "clip": clip}
@@ -422,17 +424,17 @@ class RLStep:
     def _advantages(self, samples, local_mini: int) -> tuple[list[float], np.ndarray]:
         """Rewards of the whole batch (in the single-rank order) and this rank's advantages,
         normalised within each GRPO group over every DP rank's samples."""
-        rewards = [rl.reward(s) for s in samples]
+        rewards = [objective.reward(s) for s in samples]
         groups = [s.group_id for s in samples]
         if not self.dp.enabled:
-            return rewards, rl.group_advantages(rewards, groups)
+            return rewards, objective.group_advantages(rewards, groups)
         rank = self.dp.rank
         entries = sorted(
             (j // local_mini, r, j, reward, group)
             for r, part in enumerate(self.dp.all_gather(list(zip(rewards, groups, strict=True))))
             for j, (reward, group) in enumerate(part)
         )
-        adv = rl.group_advantages([e[3] for e in entries], [e[4] for e in entries])
+        adv = objective.group_advantages([e[3] for e in entries], [e[4] for e in entries])
         mine = np.array([a for e, a in zip(entries, adv, strict=True) if e[1] == rank])
         return [e[3] for e in entries], mine.astype(np.float32)
 

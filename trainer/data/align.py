@@ -19,8 +19,8 @@ import torch
 
 from routereplay.errors import InvalidArgument
 from routereplay.record import Geometry, Record
-from trainer.batch import PaddedBatch
-from trainer.replay import MASKED
+from trainer.data.batch import PaddedBatch
+from trainer.model.replay import MASKED
 
 log = logging.getLogger(__name__)
 

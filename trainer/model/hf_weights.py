@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from trainer.hf_config import family_fields, moe_layer_pattern, num_experts
+from trainer.model.hf_config import family_fields, moe_layer_pattern, num_experts
 
 
 @dataclass(frozen=True)
