@@ -270,6 +270,35 @@ def _capture_args(capture: bool) -> dict[str, Any]:
     return {"enable_return_routed_experts": True, "enable_prefix_caching": True}
 
 
+def _keep_routes_when_outputs_merge() -> None:
+    """Make vLLM keep a request's routes when its streamed outputs are merged.
+
+    When the consumer of a DELTA stream falls behind the engine, vLLM (0.30.0) merges the
+    queued outputs with ``RequestOutput.add``, which carries tokens, text and log-probs over
+    but not ``routed_experts``: the merged final output then has no routes, and the sample
+    fails capture. Which requests lose them depends on timing alone (a busier server loses
+    more). This wraps ``add`` to carry the newer output's routes over too. Idempotent.
+    """
+    from vllm.outputs import RequestOutput
+
+    merge = RequestOutput.add
+    if getattr(merge, "keeps_routes", False):
+        return
+
+    def add(self, next_output, aggregate: bool) -> None:
+        merge(self, next_output, aggregate)
+        if aggregate:  # without aggregation the newer output replaces the older, routes kept
+            for newer in next_output.outputs:
+                if newer.routed_experts is None:
+                    continue
+                for completion in self.outputs:
+                    if completion.index == newer.index:
+                        completion.routed_experts = newer.routed_experts
+
+    add.keeps_routes = True
+    RequestOutput.add = add
+
+
 class VLLMEngine:
     """``Engine`` on vLLM's ``AsyncLLM`` with routed-expert capture on.
 
@@ -301,6 +330,8 @@ class VLLMEngine:
         **engine_args: Any,
     ) -> None:
         capture = _capture_args(capture_routes)
+        if capture_routes:
+            _keep_routes_when_outputs_merge()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM

@@ -184,6 +184,26 @@ def test_greedy_is_repeatable(vllm_engine, loop):
     assert (a.routes == b.routes).all()
 
 
+def test_routes_survive_a_consumer_slower_than_the_engine(vllm_engine, loop):
+    """A reader that lags makes vLLM merge queued DELTA outputs; vLLM 0.30.0's merge drops
+    the final output's routes unless the engine carries them over (fails without it)."""
+    prompt = vllm_engine.tokenizer.encode(TEXTS[1])
+    _, fast = loop.run_until_complete(collect(vllm_engine, "lag-fast", prompt, GREEDY))
+
+    async def slow():
+        deltas = []
+        async for item in vllm_engine.generate("lag-slow", prompt, GREEDY):
+            if isinstance(item, Completion):
+                return deltas, item
+            deltas.append(item)
+            await asyncio.sleep(0.05)  # the engine runs on while this reader sleeps
+
+    deltas, done = loop.run_until_complete(slow())
+    assert len(deltas) < len(done.token_ids)  # outputs were merged: the case under test
+    assert done.token_ids.tolist() == fast.token_ids.tolist()
+    np.testing.assert_array_equal(done.routes, fast.routes)
+
+
 def long_prefix(tok) -> list[int]:
     ids = tok.encode(" ".join(TEXTS) * 6)
     return ids[:240]
