@@ -42,6 +42,7 @@ from trainer.config import TrainerConfig
 from trainer.data.source import BatchPlan, CacheSource, FeedPlans, FileSource, Prefetcher
 from trainer.model.build import TrainerModel, build_model
 from trainer.parallel.dp import SINGLE, DataParallel
+from trainer.parallel.stage_reads import stage_reads
 from trainer.parallel.world import model_overrides
 from trainer.rl.optim import AdamW
 from trainer.rl.step import RLStep
@@ -134,6 +135,9 @@ def train(
     own_source = source is None
     source = source or open_source(config)
     model, optimizer = built or build(config, pg_collection)
+    if isinstance(source, CacheSource) and config.data.stage_reads:
+        routers = [r.layer for r in model.routers]
+        source = stage_reads(source, dp, model.geometry.moe_layers, routers)
     dp.broadcast_parameters(model.model)
     start = 0
     shard = dp.model.shard if dp.model is not None else ""
