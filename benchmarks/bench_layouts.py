@@ -57,18 +57,18 @@ READ_QUICK = ("TP2+SP", "TP2+SP x PP2")
 READS = {"stage": [], "whole": ["data.stage_reads=false"]}
 
 
-def trainer_reports(model_dir, source: list[str], out: Path, mode: str, ranks: int, extra,
-                    steps: int) -> list[dict]:  # fmt: skip
+def trainer_reports(model_dir, source: str, out: Path, mode: str, ranks: int, extra,
+                    steps: int, ids: list[str] = ()) -> list[dict]:  # fmt: skip
     """The step reports of one ``python -m trainer`` run; ``source``: where records come from
-    (a records file, or the route cache and the ids)."""
+    (``data.records_file=...``, or ``route_cache.target=...`` with ``ids``)."""
     head = [sys.executable]
     if ranks > 1:
         head += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     report = out / f"{mode}.json"
-    args = ["-m", "trainer", f"model.path={model_dir}", *source,
+    args = ["-m", "trainer", f"model.path={model_dir}", source,
             f"router_replay.mode={mode}", "train.batch_size=8", "train.micro_batch_size=4",
             "train.mini_batch_size=8", "train.ppo_epochs=1", "report.compare=false",
-            "data.prefetch=false", *extra,
+            "data.prefetch=false", *extra, *(["--ids", ",".join(ids)] if ids else []),
             "--steps", str(steps), "--report", str(report)]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT))
     env.pop("WORLD_SIZE", None)
@@ -80,8 +80,8 @@ def trainer_reports(model_dir, source: list[str], out: Path, mode: str, ranks: i
 
 def run_trainer(model_dir, records, out: Path, mode: str, ranks: int, extra, steps: int):
     """Step times (s) of one ``python -m trainer`` run, the first step left out."""
-    source = [f"data.records_file={records}"]
-    reports = trainer_reports(model_dir, source, out, mode, ranks, extra, steps)
+    reports = trainer_reports(model_dir, f"data.records_file={records}", out, mode, ranks,
+                              extra, steps)  # fmt: skip
     return [r["time_s"]["old_logprob"] + r["time_s"]["update"] for r in reports[1:]]
 
 
@@ -112,7 +112,7 @@ def route_reads(model_dir, recs, tmp: Path, layouts: dict, steps: int = 2) -> di
                 for r in recs:
                     ids.append(f"reads-{step}-{r.sample_id}")
                     writer.write(dataclasses.replace(r, sample_id=ids[-1]))
-        source = [f"route_cache.target={target}", "--ids", ",".join(ids)]
+        source = f"route_cache.target={target}"
         for name, (ranks, extra) in layouts.items():
             row = out["layouts"][name] = {}
             for reads, how in READS.items():
@@ -120,7 +120,7 @@ def route_reads(model_dir, recs, tmp: Path, layouts: dict, steps: int = 2) -> di
                 folder.mkdir()
                 before = served("route_cache_route_bytes_served_total") or 0.0
                 reports = trainer_reports(model_dir, source, folder, "R3", ranks,
-                                          [*extra, *how], steps)  # fmt: skip
+                                          [*extra, *how], steps, ids)  # fmt: skip
                 total = served("route_cache_route_bytes_served_total") - before
                 # The trainer's own count of what it read agrees with the route cache's.
                 assert sum(r["route_bytes"]["read"] for r in reports) == total, (name, reads)

@@ -144,3 +144,60 @@ def test_tp2sp_pp2_reads_each_stored_route_byte_once_and_trains_as_whole_reads(
     for got, want in zip(used, records, strict=True):
         assert got.layers is None
         np.testing.assert_array_equal(got.routes, want.routes)
+
+
+def _share(rank: int, port: int, target: str, ids: list[str], out: str) -> None:
+    """One rank of a 2-rank gloo world: rank 0 reads, rank 1 gets the records by broadcast."""
+    import torch.distributed as dist
+
+    from routereplay.errors import InvalidArgument
+    from trainer.data.source import CacheSource
+    from trainer.parallel.stage_reads import StageReads
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)  # fmt: skip
+    try:
+        group = dist.new_group([0, 1], backend="gloo")
+        source = CacheSource(target)
+        shared = StageReads(source, [1, 2], group, src=0)
+        assert shared.reads == (rank == 0)
+        records = shared.fetch([*ids, "nowhere"])
+        assert records[-1] is None
+        np.savez(f"{out}/{rank}.npz", *[r.routes for r in records[:-1]])
+        # A read the route cache refuses fails on both ranks, with its message.
+        beyond = StageReads(source, [1, 99], group, src=0)
+        try:
+            beyond.fetch(ids)
+        except InvalidArgument as exc:
+            assert "layers" in str(exc), exc
+        else:
+            raise AssertionError("the bad layer selection was not refused")
+        source.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_reads_the_layers_and_the_other_gets_the_same_records(redis_node, tmp_path):
+    import torch.multiprocessing as mp
+
+    from routereplay.launch import free_port
+    from routereplay.synthetic import QWEN3_30B_A3B, synthetic_record
+
+    store = RouteStore(connect(redis_node.url, cluster=False))
+    server = RouteCacheServer(Config(host="127.0.0.1", port=0, grace_s=1), store).start()
+    target = f"127.0.0.1:{server.port}"
+    rng = np.random.default_rng(0)
+    records = [synthetic_record(f"share-{os.getpid()}-{i}", QWEN3_30B_A3B, n, rng)
+               for i, n in enumerate((40, 7))]  # fmt: skip
+    try:
+        with RouteCacheClient(target) as client:
+            for record in records:
+                client.write(record)
+        ids = [r.sample_id for r in records]
+        mp.spawn(_share, args=(free_port(), target, ids, str(tmp_path)), nprocs=2)
+    finally:
+        server.stop(0)
+    for rank in (0, 1):
+        got = np.load(tmp_path / f"{rank}.npz")
+        for i, record in enumerate(records):
+            np.testing.assert_array_equal(got[f"arr_{i}"], record.routes[:, [1, 2]])

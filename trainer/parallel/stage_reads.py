@@ -20,6 +20,7 @@ A read that fails on the fetching rank fails on every rank of its group with the
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Sequence
 
 import numpy as np
@@ -57,7 +58,7 @@ class StageReads:
                 records = self.source.fetch(sample_ids, self.layers)
             except Exception as exc:
                 if self.group is not None:
-                    self._broadcast(("error", exc), None)
+                    self._broadcast(("error", _portable(exc)), None)
                 raise
             if self.group is not None:
                 self._broadcast(*pack_records(records))
@@ -113,6 +114,15 @@ def stage_reads(source, dp, moe_layers: Sequence[int], router_layers: Sequence[i
         if key == (dp.rank, coords.pp_rank):
             mine = (group, next(r for r in groups[key] if places[r][2:] == (0, 0)))
     return StageReads(source, layers, *mine)
+
+
+def _portable(exc: Exception) -> Exception:
+    """``exc`` if it pickles (the others raise the same domain error), else its text."""
+    try:
+        pickle.dumps(exc)
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+    return exc
 
 
 def pack_records(records: Sequence[Record | None]) -> tuple[list, np.ndarray]:
