@@ -58,18 +58,19 @@ class StageReads:
                 records = self.source.fetch(sample_ids, self.layers)
             except Exception as exc:
                 if self.group is not None:
-                    self._broadcast(("error", _portable(exc)), None)
+                    self._broadcast(_portable(exc))
                 raise
             if self.group is not None:
                 self._broadcast(*pack_records(records))
             return records
-        header, payload = self._broadcast(None, None)
-        if header[0] == "error":
-            raise header[1]
+        header, payload = self._broadcast()
+        if isinstance(header, Exception):
+            raise header
         return unpack_records(header, payload)
 
-    def _broadcast(self, header, payload: np.ndarray | None):
-        """The fetching rank's (header, payload) on every rank of the group."""
+    def _broadcast(self, header=None, payload: np.ndarray | None = None):
+        """The fetching rank's header (or the error its read raised) and payload on every rank
+        of the group: the header as one pickled object, the payload as one uint8 tensor."""
         size = 0 if payload is None else payload.size
         box = [(header, size)]
         dist.broadcast_object_list(box, src=self.src, group=self.group)
