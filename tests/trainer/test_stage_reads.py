@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from route_cache.config import Config
 from route_cache.server import RouteCacheServer
@@ -66,6 +67,30 @@ def test_records_pack_into_one_buffer_and_back_unchanged():
         for s, t in zip(a.turns, b.turns, strict=True):
             np.testing.assert_array_equal(s.logprobs, t.logprobs)
     assert unpack_records(*pack_records([])) == []
+
+
+def test_a_stage_record_aligns_as_the_whole_records_columns_and_needs_its_layers():
+    import dataclasses
+
+    from routereplay.errors import InvalidArgument
+    from trainer.data.align import align_routes
+    from trainer.data.batch import PaddedBatch
+
+    whole = [_record("a", 7, np.uint8), _record("b", 5, np.uint8)]
+    # MoE layers (1, 2, 4): a second stage holding positions 1 and 2, layers 2 and 4.
+    stage = [dataclasses.replace(r, routes=np.ascontiguousarray(r.routes[:, [1, 2]]),
+                                 layers=(1, 2)) for r in whole]  # fmt: skip
+    geometry = whole[0].geometry
+    for side in ("right", "left"):
+        batch = PaddedBatch.from_samples(["a", "b"], [r.token_ids for r in whole],
+                                         padding_side=side)  # fmt: skip
+        want = align_routes(batch, whole, geometry, [2, 4])
+        got = align_routes(batch, stage, geometry, [2, 4])
+        for x, y in zip(got.indices, want.indices, strict=True):
+            assert torch.equal(x, y)
+        assert torch.equal(got.replayed, want.replayed)
+        with pytest.raises(InvalidArgument, match=r"holds layers \[2, 4\], not \[1\]"):
+            align_routes(batch, stage, geometry, [1, 2])
 
 
 @pytest.fixture(scope="module")
