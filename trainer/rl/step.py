@@ -17,7 +17,10 @@ Which routing each pass uses (``PASSES``):
 
 Replay ids stay this rank's ids inside a step: the rollout's records are aligned and cut to
 this rank's layers and rows once; R2 keeps what each router chose in the old-logprob pass on
-this rank's rows as the update passes' ids. Records are built only for ``record_file``.
+this rank's rows as the update passes' ids. Records are built only for ``record_file``. With
+stage reads (``trainer.parallel.stage_reads``) a rank's records hold only its stage's layers;
+``record_file`` gets them whole, gathered over the pipeline stages. ``route_bytes`` in the
+report: what the ranks read from the route cache against the batch's whole records' bytes.
 
 Routing agreement is measured on the natural pass (the old-logprob pass in disabled and R2,
 the comparison pass in R3; without a comparison pass in R3, megatron's natural top-k in the
