@@ -9,7 +9,15 @@ alternation, ``--repeats`` times, so the machine's drifts cancel. Replay overhea
 against ``disabled`` in the same layout. Processes are started once per run (megatron's import
 and the build are outside the timed step).
 
-Usage: ``python -m benchmarks.bench_layouts [--steps N] [--repeats N] [--quick] [--no-write]``
+Route bytes read (``--reads-only`` runs this part alone): the same R3 steps from a real route
+cache (an in-process server over an embedded Redis), in layouts of 1 to 4 ranks, with stage
+reads (each (DP rank, pipeline stage) reads its stage's layers once and broadcasts them to its
+TP group) and with whole records read by every rank; the route bytes the route cache served,
+by its own counter (``route_cache_route_bytes_served_total``), per step against the stored
+route bytes of the step's batch. Target: at most 1.05x in every layout.
+
+Usage: ``python -m benchmarks.bench_layouts [--steps N] [--repeats N] [--quick] [--no-write]
+[--reads-only]``
 """
 
 from __future__ import annotations
@@ -37,26 +45,124 @@ LAYOUTS = {  # name: (processes, overrides)
     "PP2, packed": (2, ["parallel.pp=2", "train.packing=true"]),
 }
 QUICK = ("1 rank, padded", "PP2 (1F1B)")
+READ_LAYOUTS = {  # name: (processes, overrides)
+    "1 rank": (1, []),
+    "DP2": (2, ["parallel.dp=2"]),
+    "TP2+SP": (2, TP2SP),
+    "PP2": (2, ["parallel.pp=2"]),
+    "DP2 x PP2": (4, ["parallel.dp=2", "parallel.pp=2"]),
+    "TP2+SP x PP2": (4, [*TP2SP, "parallel.pp=2"]),
+}
+READ_QUICK = ("TP2+SP", "TP2+SP x PP2")
+READS = {"stage": [], "whole": ["data.stage_reads=false"]}
 
 
-def run_trainer(model_dir, records, out: Path, mode: str, ranks: int, extra, steps: int):
-    """Step times (s) of one ``python -m trainer`` run, the first step left out."""
+def trainer_reports(model_dir, source: str, out: Path, mode: str, ranks: int, extra,
+                    steps: int, ids: list[str] = ()) -> list[dict]:  # fmt: skip
+    """The step reports of one ``python -m trainer`` run; ``source``: where records come from
+    (``data.records_file=...``, or ``route_cache.target=...`` with ``ids``)."""
     head = [sys.executable]
     if ranks > 1:
         head += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     report = out / f"{mode}.json"
-    args = ["-m", "trainer", f"model.path={model_dir}", f"data.records_file={records}",
+    args = ["-m", "trainer", f"model.path={model_dir}", source,
             f"router_replay.mode={mode}", "train.batch_size=8", "train.micro_batch_size=4",
             "train.mini_batch_size=8", "train.ppo_epochs=1", "report.compare=false",
-            "data.prefetch=false", *extra,
+            "data.prefetch=false", *extra, *(["--ids", ",".join(ids)] if ids else []),
             "--steps", str(steps), "--report", str(report)]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT))
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run([*head, *args], cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{mode} {extra}: {proc.stderr[-3000:]}")
-    reports = json.loads(report.read_text())
+    return json.loads(report.read_text())
+
+
+def run_trainer(model_dir, records, out: Path, mode: str, ranks: int, extra, steps: int):
+    """Step times (s) of one ``python -m trainer`` run, the first step left out."""
+    reports = trainer_reports(model_dir, f"data.records_file={records}", out, mode, ranks,
+                              extra, steps)  # fmt: skip
     return [r["time_s"]["old_logprob"] + r["time_s"]["update"] for r in reports[1:]]
+
+
+def route_reads(model_dir, recs, tmp: Path, layouts: dict, steps: int = 2) -> dict:
+    """Per layout and way of reading: route bytes the route cache served per step (its own
+    counter) and their ratio to the stored route bytes of the step's batch (one copy of
+    ``recs`` per step, RAW encoding: stored bytes = the routes' bytes)."""
+    import dataclasses
+
+    from route_cache.config import Config
+    from route_cache.embedded import start_embedded_redis
+    from route_cache.server import RouteCacheServer
+    from route_cache.store import RouteStore, connect
+    from routereplay.client import RouteCacheClient
+
+    valkey, url = start_embedded_redis()
+    client = connect(url, cluster=False)
+    server = RouteCacheServer(
+        Config(host="127.0.0.1", port=0, grace_s=1), RouteStore(client, ttl_ms=3_600_000)
+    ).start()
+    target = f"127.0.0.1:{server.port}"
+    served = server.metrics.registry.get_sample_value
+    ids = []
+    out: dict = {"stored_per_step": sum(r.routes.nbytes for r in recs), "layouts": {}}
+    try:
+        with RouteCacheClient(target) as writer:
+            for step in range(steps):
+                for r in recs:
+                    ids.append(f"reads-{step}-{r.sample_id}")
+                    writer.write(dataclasses.replace(r, sample_id=ids[-1]))
+        source = f"route_cache.target={target}"
+        for name, (ranks, extra) in layouts.items():
+            row = out["layouts"][name] = {}
+            for reads, how in READS.items():
+                folder = tmp / f"reads-{ranks}-{len(out['layouts'])}-{reads}"
+                folder.mkdir()
+                before = served("route_cache_route_bytes_served_total") or 0.0
+                reports = trainer_reports(model_dir, source, folder, "R3", ranks,
+                                          [*extra, *how], steps, ids)  # fmt: skip
+                total = served("route_cache_route_bytes_served_total") - before
+                # The trainer's own count of what it read agrees with the route cache's.
+                assert sum(r["route_bytes"]["read"] for r in reports) == total, (name, reads)
+                row[reads] = total / steps
+                row[f"{reads}_ratio"] = total / (steps * out["stored_per_step"])
+                print(f"{name:14s} {reads:5s} reads {row[f'{reads}_ratio']:.3f}x", flush=True)
+    finally:
+        server.stop(0)
+        client.close()
+        valkey.stop()
+    return out
+
+
+def reads_section(model_dir, recs, tmp: Path, quick: bool) -> tuple[str, dict]:
+    layouts = {k: v for k, v in READ_LAYOUTS.items() if not quick or k in READ_QUICK}
+    results = route_reads(model_dir, recs, tmp, layouts)
+    results["machine"] = machine()
+    stored = results["stored_per_step"]
+    rows = "\n".join(
+        f"| {k} | {READ_LAYOUTS[k][0]} | {row['stage'] / 2**10:.1f} | "
+        f"**{row['stage_ratio']:.2f}x** | {row['whole'] / 2**10:.1f} | {row['whole_ratio']:.2f}x |"
+        for k, row in results["layouts"].items()
+    )
+    markdown = f"""## Trainer layouts: route bytes read per step against the bytes stored
+
+`python -m benchmarks.bench_layouts --reads-only` ({results["machine"]}). The layouts' R3 steps
+from a real route cache (in-process server, embedded Redis): 8 records per step, the same
+model and records as above, {stored / 2**10:.1f} KiB of stored routes per step (RAW: the
+routes' own bytes), 2 steps per run. Counted by the route cache itself
+(`route_cache_route_bytes_served_total`); the trainer's own count (`route_bytes.read` in its
+report) agrees in every run. **Stage reads**: one rank per (DP rank, pipeline stage) reads its
+stage's MoE layers and broadcasts them to its TP/CP group (the default); **whole reads**:
+every rank reads whole records (`data.stage_reads=false`). Target: at most 1.05x.
+
+| layout | processes | stage reads: KiB per step | / stored | whole reads: KiB per step | / stored |
+|---|---|---|---|---|---|
+{rows}
+
+Whole reads cost TP x PP x CP times the stored bytes (the read fan-out of
+`benchmarks/scaling_model.py`); stage reads 1x in every layout.
+"""
+    return markdown, results
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -65,10 +171,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="2 layouts, 3 steps, 1 repeat")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--reads-only", action="store_true", help="only the route bytes read")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.repeats = 3, 1
-    layouts = {k: v for k, v in LAYOUTS.items() if not args.quick or k in QUICK}
+    layouts = {} if args.reads_only else {
+        k: v for k, v in LAYOUTS.items() if not args.quick or k in QUICK
+    }  # fmt: skip
 
     from routereplay.record_file import save_records
     from routereplay.tiny_model import MoESize, build_tiny_model
@@ -91,6 +200,12 @@ def main(argv: list[str] | None = None) -> dict:
                     got = run_trainer(model_dir, records, out, mode, ranks, extra, args.steps)
                     times[name][mode].extend(got)
                     print(f"{name:16s} {mode:8s} {statistics.median(got):.4f} s", flush=True)
+        reads_markdown, reads = reads_section(model_dir, recs, Path(tmp), args.quick)
+    print(reads_markdown)
+    if not args.no_write:
+        write_section("layout_reads", reads_markdown, reads)
+    if args.reads_only:
+        return reads
     med = {k: {m: statistics.median(v) for m, v in t.items()} for k, t in times.items()}
     base = med["1 rank, padded"]
     results = {

@@ -9,7 +9,9 @@ Each benchmark compares against a baseline measured in the same run, on the same
 - ``rollout``: generation with routed-expert capture and record writes against the same server
   with capture off (same model, prompts and greedy tokens; target: at most 3% fewer tokens/s),
   and the delay from a sample's last token to its record being readable.
-- ``layouts``: the RL step in each trainer layout against one rank, R3 against ``disabled``.
+- ``layouts``: the RL step in each trainer layout against one rank, R3 against ``disabled``;
+  and (its ``layout_reads`` section) the route bytes the route cache served per step in each
+  layout, against the stored bytes of the step's batch (target: at most 1.05x).
 - ``trainer``: a training step with R3 replay against ``disabled`` on the same batches and
   weights (target: at most 2%), alignment on its own, and fetch + align against step time from
   a real route cache with prefetch on and off.
@@ -68,7 +70,8 @@ BENCHMARKS = (
     ),
     Benchmark(
         "layouts", "bench_layouts.py", ("--quick",),
-        "the RL step per trainer layout (PP, TP, DP, packing) vs one rank; replay overhead in each",
+        "the RL step per trainer layout (PP, TP, DP, packing) vs one rank; replay overhead in "
+        "each; route bytes read per step vs stored",
     ),
     Benchmark(
         "reshard", "bench_reshard.py", ("--tokens", "4096", "--samples", "2", "--repeats", "2"),

@@ -8,10 +8,12 @@ figure is arithmetic on those, nothing is measured here:
 - route bytes/s = rollout GPUs x tokens/s per GPU x bytes per token (uint8: MoE layers x top-k);
 - the trainer reads what the fleet writes, in one of two layouts, each with its read fan-out
   (route bytes read per route byte written):
-  - stage reads (the design): one rank per (data-parallel rank, pipeline stage) reads its
-    stage's MoE layers (a layer-selected ReadBatch) and shares them with its tensor- and
-    context-parallel group over the process group. Fan-out: the stages' layers add up to
-    the record, so 1x in bytes, in PP calls per record;
+  - stage reads (the trainer's default, ``trainer/parallel/stage_reads.py``): one rank per
+    (data-parallel rank, pipeline stage) reads its stage's MoE layers (a layer-selected
+    ReadBatch) and broadcasts them to its tensor- and context-parallel group. Fan-out: the
+    stages' layers add up to the record, so 1x in bytes, in PP calls per record; measured by
+    ``bench_layouts`` (the route cache's own byte counter against the stored bytes, the
+    largest ratio over its layouts), read from its ``layout_reads.json`` where it has run;
   - whole reads by every rank (before layer selection): every rank of a data-parallel group
     fetches the group's whole records. Fan-out: TP x PP x CP;
 - route cache replicas = headroom x (write bytes/s / measured write throughput of one process
@@ -88,6 +90,9 @@ class Measured:
     source: str
     cache_stage_read: float = 0.0  # a layer-selected read, MiB/s of the bytes it reads (0: as
     # cache_read, for results of before the benchmark measured it)
+    stage_fanout: float = 1.0  # route bytes served per byte stored with the trainer's stage
+    # reads, the largest over bench_layouts' layouts (1.0, the design's, where it has not run)
+    fanout_source: str = "the design's (no layout_reads results)"
 
     @property
     def stage_read(self) -> float:
@@ -100,7 +105,21 @@ DEFAULT_MEASURED = Measured(150.0, 160.0, 1500.0, 400.0, "defaults (no route_cac
 
 
 def load_measured(results: Path) -> Measured:
-    """Medians of the route cache benchmark's rows (its 32K-token rows where it has them)."""
+    """Medians of the route cache benchmark's rows (its 32K-token rows where it has them), and
+    the trainer's stage-read fan-out from the layouts benchmark where it has run."""
+    measured = _route_cache_measured(results)
+    path = results / "layout_reads.json"
+    if not path.exists():
+        return measured
+    layouts = json.loads(path.read_text())["layouts"]
+    return replace(
+        measured,
+        stage_fanout=max(row["stage_ratio"] for row in layouts.values()),
+        fanout_source=f"{path.name}, the largest over {len(layouts)} trainer layouts",
+    )
+
+
+def _route_cache_measured(results: Path) -> Measured:
     path = results / "route_cache.json"
     if not path.exists():
         return DEFAULT_MEASURED
@@ -131,7 +150,7 @@ def scale(model: Model, fleet: Fleet, measured: Measured) -> dict:
     # Stage reads: stage s reads its layers once per DP rank; the stages' layers partition the
     # MoE layers (megatron's uneven split too), so the bytes read add up to the record.
     stage_layers = math.ceil(g.num_moe_layers / fleet.pp)  # the largest stage's
-    fanout = 1.0
+    fanout = measured.stage_fanout
     read_bps = write_bps * fanout
     fanout_whole = model_parallel  # whole records by every rank
     read_bps_whole = write_bps * fanout_whole
@@ -187,9 +206,10 @@ def markdown(rows: list[dict], fleet: Fleet, measured: Measured, models) -> str:
         f"{fleet.tp}+SP, PP{fleet.pp}, CP{fleet.cp}), samples of {fleet.sample_tokens} tokens, "
         f"{fleet.global_batch} samples per step, capacity planned at {fleet.headroom:g}x the "
         "steady load. Read fan-out (bytes read per byte written) by layout: **stage reads** "
-        "(one rank per (DP rank, PP stage) reads its stage's layers and shares them over its "
-        "TP/CP group): 1x, in PP calls per record; **whole reads by every rank** (before "
-        "layer selection): TP x PP x CP.",
+        "(the trainer's default: one rank per (DP rank, PP stage) reads its stage's layers "
+        f"and broadcasts them to its TP/CP group): {m.stage_fanout:.2f}x ({m.fanout_source}), "
+        "in PP calls per record; **whole reads by every rank** (`data.stage_reads=false`): "
+        "TP x PP x CP.",
         "",
         "Assumed tokens/s per rollout GPU (**assumptions**, not measured here):",
         "",
@@ -204,7 +224,7 @@ def markdown(rows: list[dict], fleet: Fleet, measured: Measured, models) -> str:
         ("fleet tokens/s", lambda r: f"{r['fleet_tokens_per_s']:,.0f}"),
         ("**route bytes/s written**", lambda r: f"**{r['write_bytes_per_s'] / MIB:,.0f} MiB/s**"),
         ("route bytes/s read, stage reads (x fan-out; calls per record)",
-         lambda r: f"{r['read_bytes_per_s'] / MIB:,.0f} MiB/s (x{r['fetch_fanout']:g}; "
+         lambda r: f"{r['read_bytes_per_s'] / MIB:,.0f} MiB/s (x{r['fetch_fanout']:.2f}; "
                    f"{r['fetch_calls_per_record']})"),
         ("route bytes/s read, whole reads by every rank (x fan-out)",
          lambda r: f"{r['read_bytes_per_s_whole'] / MIB:,.0f} MiB/s (x{r['fetch_fanout_whole']})"),
@@ -227,7 +247,7 @@ def markdown(rows: list[dict], fleet: Fleet, measured: Measured, models) -> str:
         "",
         f"With whole reads by every rank, reads are {rows[0]['fetch_fanout_whole']}x the "
         "writes; stage reads (each stage's layers once per data-parallel rank) bring them to "
-        "1x and the route cache replicas from "
+        f"{m.stage_fanout:.2f}x and the route cache replicas from "
         + " and ".join(f"{r['cache_replicas_whole']} to {r['cache_replicas']}" for r in rows)
         + ", the Redis shards from "
         + " and ".join(f"{r['redis_shards_whole']} to {r['redis_shards']}" for r in rows)

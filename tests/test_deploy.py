@@ -506,3 +506,33 @@ def test_compose_images_and_restart_policies():
             assert tags["redis"] == tag, name
         one_shot = name.startswith("trainer") or name == "exports-owner"
         assert service.get("restart") == ("no" if one_shot else "unless-stopped"), name
+
+
+def test_compose_services_serve_metrics_where_their_labels_point():
+    """Every service but Redis and the one-shot volume owner serves Prometheus metrics: the
+    route cache and the rollout servers with their endpoint on (parsed from the compose
+    environment by the services' own configuration), the trainers with ``--metrics``; each at
+    the port its prometheus.io labels announce and it exposes on the compose network, and on
+    no host port."""
+    from rollout_server.config import parse_config as rollout_config
+    from route_cache.config import parse_config as cache_config
+
+    commands = {where: command for where, command, _ in trainer_commands()}
+    for name, service in compose_services().items():
+        if name in ("redis", "exports-owner"):
+            assert "prometheus.io/scrape" not in (service.get("labels") or {}), name
+            continue
+        labels = service["labels"]
+        assert labels["prometheus.io/scrape"] == "true", name
+        assert labels["prometheus.io/path"] == "/metrics", name
+        port = int(labels["prometheus.io/port"])
+        if name.startswith("trainer"):
+            _, config = trainer_config(commands[f"compose {name}"])
+            assert config.report.metrics and config.report.metrics_port == port, name
+        else:
+            parse = cache_config if name == "route-cache" else rollout_config
+            env = {k: v for k, v in service["environment"].items() if not k.endswith("_FILE")}
+            metrics = parse([], env=env).metrics
+            assert metrics.metrics and metrics.metrics_port == port, name
+        assert str(port) in service["expose"], name
+        assert port not in [int(p["target"]) for p in service.get("ports", [])], name

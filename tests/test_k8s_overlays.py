@@ -519,6 +519,7 @@ def test_redis_cluster_nodes_and_job_make_a_cluster_the_route_cache_uses(tmp_pat
         settings |= {
             "ROUTE_CACHE_REDIS_PASSWORD_FILE": str(password_file),
             "ROUTE_CACHE_AUTH_TOKEN_FILE": str(token),
+            "ROUTE_CACHE_METRICS_PORT": "0",  # the pod's own port; here any free one
         }
         security = ClientSecurity(token_file=str(token))
         settings["ROUTE_CACHE_REDIS_URL"] = f"redis://127.0.0.1:{ports[0]}/0"
@@ -765,3 +766,114 @@ def test_rollout_server_caches_are_on_a_writable_volume(overlay):
     mounts = [Path(m["mountPath"]) for m in c["volumeMounts"] if m["name"] in scratch]
     for key, folder in folders.items():
         assert any(m == Path(folder) or m in Path(folder).parents for m in mounts), key
+
+
+SCRAPE = "prometheus.io/scrape"
+
+
+def announced_port(annotations: dict) -> int:
+    """The metrics port a scraper is pointed at by prometheus.io annotations."""
+    assert annotations[SCRAPE] == "true" and annotations["prometheus.io/path"] == "/metrics"
+    return int(annotations["prometheus.io/port"])
+
+
+@pytest.mark.parametrize("overlay", PIPELINES)
+def test_metrics_are_served_where_the_annotations_point(overlay):
+    """Each service's configuration, parsed from the manifest's settings, turns its endpoint
+    on at the port its pods' annotations announce and its container declares; the trainer's
+    rank 0 serves on the port the trainer-metrics Service announces, and that Service selects
+    the Job's pod of completion index 0 (rank 0, the lead)."""
+    from trainer.__main__ import parse
+    from trainer.config import load_config
+
+    rendered = with_run(overlay)
+    served = {}
+    for name, (parse_service, _) in budget_parsers().items():
+        deployment = rendered[("Deployment", name)]
+        c = container(deployment)
+        metrics = parse_service([], env=service_settings(rendered, c)).metrics
+        assert metrics.metrics is True, name
+        port = announced_port(deployment["spec"]["template"]["metadata"]["annotations"])
+        assert port == metrics.metrics_port, name
+        assert {"name": "metrics", "containerPort": port} in c["ports"], name
+        served[name] = port
+    job = rendered[("Job", "trainer")]
+    c = container(job)
+    args = parse(c["args"][c["args"].index("trainer") + 1 :])
+    config = load_config(args.config, args.overrides).report
+    service = rendered[("Service", "trainer-metrics")]
+    (port,) = service["spec"]["ports"]
+    assert config.metrics and announced_port(service["metadata"]["annotations"]) == port["port"]
+    assert {"name": port["targetPort"], "containerPort": config.metrics_port} in c["ports"]
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    selector = service["spec"]["selector"]
+    assert selector.pop("batch.kubernetes.io/job-completion-index") == "0"
+    assert selects({"matchLabels": selector}, labels)
+    # The ports differ: one scraper policy admits them all (k8s/components/metrics-scraping).
+    assert len({*served.values(), config.metrics_port}) == 3
+
+
+def with_components(tmp_path: Path, overlay: str | None, *components: str) -> Path:
+    """A copy of k8s/ with an overlay of ``overlay`` (None: the base) plus ``components``."""
+    copy = tmp_path / "k8s"
+    shutil.copytree(K8S, copy)
+    mine = copy / "overlays" / "with-components"
+    mine.mkdir()
+    under = f"../{overlay}" if overlay else "../../base"
+    listed = ", ".join(f"../../components/{c}" for c in components)
+    mine.joinpath("kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{under}]\ncomponents: [{listed}]\n"
+    )
+    return mine
+
+
+@pytest.mark.parametrize("overlay", [None, *OVERLAYS, "redis-cluster"])
+def test_metrics_components_go_on_any_overlay(overlay, tmp_path):
+    """metrics-scraping adds one policy: the scraper's namespace, and only it, reaches the
+    announced metrics ports of the route cache, the rollout servers and the trainer, and no
+    other port. route-cache-custom-metrics swaps the autoscaler's CPU target for the per-pod
+    metric the Prometheus adapter's rule defines, from counters the route cache exports. The
+    render validates strictly and nothing else changes."""
+    if not VALIDATE.exists():
+        pytest.skip("kubernetes-validate is not installed")
+    from route_cache.server import NAMESPACE
+    from routereplay.metrics import ServiceMetrics
+
+    mine = with_components(tmp_path, overlay, "metrics-scraping", "route-cache-custom-metrics")
+    result = validate(mine, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    before = objects(pipeline(overlay))
+    after = objects(mine)
+    assert after.keys() == before.keys() | {("NetworkPolicy", "metrics-scrapers")}
+    for key in before:
+        if key != ("HorizontalPodAutoscaler", "route-cache"):
+            assert after[key] == before[key], key
+
+    policy = after[("NetworkPolicy", "metrics-scrapers")]
+    (rule,) = policy["spec"]["ingress"]
+    (peer,) = rule["from"]
+    assert list(peer) == ["namespaceSelector"]  # no pod of this namespace
+    labels = pod_labels(with_run(overlay))
+    announced = {
+        announced_port(after[("Deployment", name)]["spec"]["template"]["metadata"]["annotations"])
+        for name in ("route-cache", "rollout-server")
+    } | {announced_port(objects(RUNS[overlay])[("Service", "trainer-metrics")]["metadata"][
+        "annotations"])}  # fmt: skip
+    assert {p["port"] for p in rule["ports"]} == announced
+    assert {app for app, pod in labels.items()
+            if selects(policy["spec"]["podSelector"], pod)} == {
+        "route-cache", "rollout-server", "trainer"}  # fmt: skip
+
+    hpa = after[("HorizontalPodAutoscaler", "route-cache")]
+    assert hpa["spec"]["scaleTargetRef"] == before[("HorizontalPodAutoscaler", "route-cache")][
+        "spec"]["scaleTargetRef"]  # fmt: skip
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods" and metric["pods"]["target"]["type"] == "AverageValue"
+    values = K8S / "components" / "route-cache-custom-metrics" / "prometheus-adapter-values.yaml"
+    (rule,) = yaml.safe_load(values.read_text())["rules"]["custom"]
+    assert rule["name"]["as"] == metric["pods"]["metric"]["name"]
+    exported = {f"{m.name}_total" for m in ServiceMetrics(NAMESPACE).registry.collect()
+                if m.type == "counter"}  # fmt: skip
+    queried = set(re.findall(r"\b(route_cache_\w+)\{", rule["metricsQuery"]))
+    assert queried and queried <= exported, queried - exported

@@ -94,3 +94,16 @@ def test_command_line_overrides(tmp_path):
                 "--tokens-per-s", "10", "20"])  # fmt: skip
     assert [m["fleet_tokens_per_s"] for m in out["models"]] == [20, 40]
     assert out["measured"]["source"] == DEFAULT_MEASURED.source
+
+
+def test_the_measured_stage_read_fanout_carries_to_the_fleet(tmp_path):
+    layouts = {"TP2+SP": {"stage_ratio": 1.0, "whole_ratio": 2.0},
+               "TP2+SP x PP2": {"stage_ratio": 1.03, "whole_ratio": 4.0}}  # fmt: skip
+    (tmp_path / "layout_reads.json").write_text(json.dumps({"layouts": layouts}))
+    m = load_measured(tmp_path)
+    assert m.stage_fanout == 1.03 and "2 trainer layouts" in m.fanout_source
+    assert (m.cache_write, m.cache_read) == (DEFAULT_MEASURED.cache_write,
+                                             DEFAULT_MEASURED.cache_read)  # fmt: skip
+    r = scale(MODELS[0], Fleet(), m)
+    assert r["fetch_fanout"] == 1.03
+    assert r["read_bytes_per_s"] == pytest.approx(1.03 * r["write_bytes_per_s"])

@@ -9,7 +9,8 @@ Samples come from the route cache (``route_cache.target`` and the ids) or from a
 (``router_replay.replay_file`` or ``data.records_file``; every record in it when no ids are
 given). With ``data.source=feed`` there are no ids: batches of whole GRPO groups come from
 the route cache's ready feed (``trainer.data.source.FeedPlans``). ``--report FILE`` (or
-``report.json``) writes the reports as JSON.
+``report.json``) writes the reports as JSON; ``--metrics`` (``report.metrics=true``) serves
+Prometheus metrics from the lead rank on ``--metrics-port`` (default 9466).
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ def parse(argv: list[str] | None):
     parser.add_argument("--steps", type=int, help="steps to run (train.steps)")
     parser.add_argument("--report", help="write the reports as JSON here (report.json)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument(
+        "--metrics",
+        action="store_true",
+        help="serve Prometheus metrics from the lead rank (report.metrics)",
+    )
+    parser.add_argument("--metrics-port", type=int, help="their port (report.metrics_port)")
     return parser.parse_args(argv)
 
 
@@ -61,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"train.steps={args.steps}")
     if args.report:
         overrides.append(f"report.json={args.report}")
+    if args.metrics:
+        overrides.append("report.metrics=true")
+    if args.metrics_port is not None:
+        overrides.append(f"report.metrics_port={args.metrics_port}")
     config = load_config(args.config, overrides)
     plans = None  # data.source=feed: train() reads them from the feed
     if config.data.source == "ids":

@@ -184,6 +184,9 @@ class DataConfig:
             the groups it had not acknowledged.
         start_from_latest: ``feed``: a consumer group created now skips earlier entries.
         wait_s: ``feed``: how long to wait for a batch; the run ends when none comes.
+        stage_reads: From the route cache, one rank per (DP rank, pipeline stage) reads its
+            stage's MoE layers and shares them with its TP/CP group
+            (``trainer.parallel.stage_reads``); false: every rank reads whole records.
     """
 
     records_file: str | None = None
@@ -194,6 +197,7 @@ class DataConfig:
     consumer: str = "trainer"
     start_from_latest: bool = False
     wait_s: float = 600.0
+    stage_reads: bool = True
 
 
 @dataclass
@@ -206,11 +210,17 @@ class ReportConfig:
             with replay and without in the same step; costs one forward per micro-batch.
         json: Write the run's report (every step) to this JSON file.
         tensorboard_dir: Log the report's scalars every step to TensorBoard event files here.
+        metrics: Serve Prometheus metrics at ``/metrics`` from the lead rank
+            (``trainer.monitoring``; no TLS or token: keep the port internal).
+        metrics_host, metrics_port: Where (port 0 picks a free one).
     """
 
     compare: bool = True
     json: str | None = None
     tensorboard_dir: str | None = None
+    metrics: bool = False
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = 9466
 
 
 @dataclass

@@ -4,7 +4,8 @@
 the next one), runs one ``RLStep`` per batch, logs one line per step, writes
 ``router_replay.record_file`` (the routes used, layout-free, ``save_records``) and
 ``report.json`` at the end, and returns the per-step reports. Hooks after each step: the
-report to TensorBoard (``report.tensorboard_dir``), the weights exported in the Hugging Face
+report to TensorBoard (``report.tensorboard_dir``) and to Prometheus (``report.metrics``,
+``trainer.monitoring``), the weights exported in the Hugging Face
 layout every ``train.export_every`` steps (``train.export_dir``, for the rollout server's
 ``UpdateWeights``), a checkpoint every ``train.checkpoint_every`` steps
 (``train.checkpoint_dir``); both also after the last step. With ``train.resume`` and a
@@ -30,6 +31,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -42,6 +44,7 @@ from trainer.config import TrainerConfig
 from trainer.data.source import BatchPlan, CacheSource, FeedPlans, FileSource, Prefetcher
 from trainer.model.build import TrainerModel, build_model
 from trainer.parallel.dp import SINGLE, DataParallel
+from trainer.parallel.stage_reads import stage_reads
 from trainer.parallel.world import model_overrides
 from trainer.rl.optim import AdamW
 from trainer.rl.step import RLStep
@@ -134,6 +137,9 @@ def train(
     own_source = source is None
     source = source or open_source(config)
     model, optimizer = built or build(config, pg_collection)
+    if isinstance(source, CacheSource) and config.data.stage_reads:
+        routers = [r.layer for r in model.routers]
+        source = stage_reads(source, dp, model.geometry.moe_layers, routers)
     dp.broadcast_parameters(model.model)
     start = 0
     shard = dp.model.shard if dp.model is not None else ""
@@ -155,6 +161,12 @@ def train(
         from trainer.tb import ReportWriter
 
         writer = ReportWriter(config.report.tensorboard_dir)
+    metrics = None
+    if config.report.metrics and lead:
+        from trainer.monitoring import TrainerMetrics
+
+        metrics = TrainerMetrics().serve(config.report.metrics_host, config.report.metrics_port)
+        log.info("metrics at http://%s:%d/metrics", config.report.metrics_host, metrics.port)
     step = start - 1
     exported = saved = start - 1
     try:
@@ -165,7 +177,10 @@ def train(
             config.data.prefetch and feed is None,  # a feed batch is read when wanted
         )
         for step, fetched in enumerate(fetcher, start):
+            started = time.perf_counter()
             report = stepper.run(fetched, step)
+            if metrics is not None:
+                metrics.observe(report, time.perf_counter() - started + fetched.wait_s)
             used.extend(stepper.routes_used)
             if cfg.export_dir and (step + 1) % cfg.export_every == 0:
                 folder = export_weights(config, model, step, dp)
@@ -199,6 +214,8 @@ def train(
             source.close()
         if writer is not None:
             writer.close()
+        if metrics is not None:
+            metrics.stop()
     if not lead:
         return reports
     if config.router_replay.record_file:

@@ -92,7 +92,8 @@ def align_routes(
     Args:
         batch: The trainer's batch; sample b's tokens sit at columns
             ``[starts[b], starts[b] + lengths[b])``.
-        records: One record per sample, in batch order; None where none was found.
+        records: One record per sample, in batch order; None where none was found. A
+            layer-selected read must hold ``layers``.
         geometry: The model's routing geometry (records must match it).
         layers: Global layer numbers of this rank's routers, ascending (a subset of
             ``geometry.moe_layers`` under pipeline parallelism).
@@ -114,10 +115,9 @@ def align_routes(
     unknown = sorted(set(layers) - set(geometry.moe_layers))
     if unknown or not layers:
         raise ValueError(f"router layers {list(layers)} must be MoE layers of the model")
-    columns = [geometry.moe_layers.index(layer) for layer in layers]
     seq, nrows, k = batch.seq_len, batch.num_rows, geometry.topk
     # [seq, rows, routers, k]: megatron's token order before flattening.
-    out = np.full((seq, nrows, len(columns), k), MASKED, dtype=np.int64)
+    out = np.full((seq, nrows, len(layers), k), MASKED, dtype=np.int64)
     absent: list[str] = []
     for b, record in enumerate(records):
         sample_id = batch.sample_ids[b]
@@ -132,14 +132,27 @@ def align_routes(
         check_tokens(record, batch.sample_tokens(b).numpy().astype(np.int32))
         start, rows = int(batch.starts[b]), record.num_rows
         # Row i belongs to token i (its input); the final token has no row and stays MASKED.
-        out[start : start + rows, int(batch.rows[b])] = record.routes[:, columns]
+        out[start : start + rows, int(batch.rows[b])] = record.routes[:, _columns(record, layers)]
     if absent:
         log.warning("%d samples have no record; they route natively: %s", len(absent), absent)
     # Every column is masked on the same rows, so the first tells which rows replay.
     replayed = torch.from_numpy(out[:, :, 0, 0] != MASKED)
-    flat = torch.from_numpy(out).reshape(seq * nrows, len(columns), k)
-    indices = [flat[:, j].contiguous() for j in range(len(columns))]
+    flat = torch.from_numpy(out).reshape(seq * nrows, len(layers), k)
+    indices = [flat[:, j].contiguous() for j in range(len(layers))]
     return AlignedRoutes(indices, replayed, tuple(layers), absent)
+
+
+def _columns(record: Record, layers: Sequence[int]) -> list[int]:
+    """Route columns of ``layers`` in ``record`` (a whole record, or a layer-selected read
+    that must hold them)."""
+    held = record.moe_layers
+    absent = [layer for layer in layers if layer not in held]
+    if absent:
+        raise InvalidArgument(
+            f"record {record.sample_id!r} holds layers {list(held)}, not {absent} that the "
+            "routers replay"
+        )
+    return [held.index(layer) for layer in layers]
 
 
 def routes_from_recorded(

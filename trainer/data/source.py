@@ -81,6 +81,8 @@ class FetchedBatch:
         dropped: Ids dropped because neither a record nor a fed sample exists.
         fetch_s: Seconds the fetch itself took (in the background when prefetched).
         wait_s: Seconds the training loop waited for it.
+        route_bytes: Route bytes this rank read from the route cache for it (0 where another
+            rank of its group read them, or they came from a file).
     """
 
     samples: list[Sample]
@@ -89,11 +91,15 @@ class FetchedBatch:
     dropped: list[str] = field(default_factory=list)
     fetch_s: float = 0.0
     wait_s: float = 0.0
+    route_bytes: int = 0
 
 
 class CacheSource:
     """Records from the route cache: one ``read_batch`` call per batch. ``security``: a
-    ``routereplay.security.ClientSecurity`` (default: plaintext)."""
+    ``routereplay.security.ClientSecurity`` (default: plaintext). Under model parallelism the
+    trainer reads it through ``trainer.parallel.stage_reads`` (each stage's layers, once)."""
+
+    reads = True  # this rank's fetches are route cache reads (FetchedBatch.route_bytes)
 
     def __init__(self, target: str, timeout_s: float = 60.0, security=None):
         from routereplay.client import RouteCacheClient
@@ -101,13 +107,14 @@ class CacheSource:
 
         self.client = RouteCacheClient(target, timeout_s=timeout_s, security=security or PLAINTEXT)
 
-    def fetch(self, sample_ids: Sequence[str]) -> list[Record | None]:
+    def fetch(
+        self, sample_ids: Sequence[str], layers: Sequence[int] | None = None
+    ) -> list[Record | None]:
+        """The records (None where missing); ``layers``: only these MoE layer positions."""
         from routereplay.wire import Missing
 
-        return [
-            None if isinstance(item, Missing) else item
-            for item in self.client.read_batch(list(sample_ids), skip_missing=True)
-        ]
+        items = self.client.read_batch(list(sample_ids), skip_missing=True, layers=layers)
+        return [None if isinstance(item, Missing) else item for item in items]
 
     def close(self) -> None:
         self.client.close()
@@ -115,6 +122,8 @@ class CacheSource:
 
 class FileSource:
     """Records from a file written by ``save_records`` (``.npz`` or ``.pt``)."""
+
+    reads = False
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -154,7 +163,8 @@ class Prefetcher:
     while the caller trains on the current one.
 
     Args:
-        source: ``fetch(sample_ids) -> list[Record | None]`` (``CacheSource``, ``FileSource``).
+        source: ``fetch(sample_ids) -> list[Record | None]`` and ``reads`` (whether its
+            fetches read the route cache): ``CacheSource``, ``FileSource``, ``StageReads``.
         plans: The batches, in order.
         missing: The missing-record policy (``error`` or ``native``).
         prefetch: Fetch ahead (False fetches each batch when it is asked for).
@@ -179,6 +189,8 @@ class Prefetcher:
         records = self.source.fetch(plan.sample_ids)
         fetched = resolve(plan, records, self.missing)
         fetched.fetch_s = time.perf_counter() - start
+        if self.source.reads:
+            fetched.route_bytes = sum(r.routes.nbytes for r in records if r is not None)
         self._note("fetch_end", index)
         return fetched
 

@@ -17,7 +17,10 @@ Which routing each pass uses (``PASSES``):
 
 Replay ids stay this rank's ids inside a step: the rollout's records are aligned and cut to
 this rank's layers and rows once; R2 keeps what each router chose in the old-logprob pass on
-this rank's rows as the update passes' ids. Records are built only for ``record_file``.
+this rank's rows as the update passes' ids. Records are built only for ``record_file``. With
+stage reads (``trainer.parallel.stage_reads``) a rank's records hold only its stage's layers;
+``record_file`` gets them whole, gathered over the pipeline stages. ``route_bytes`` in the
+report: what the ranks read from the route cache against the batch's whole records' bytes.
 
 Routing agreement is measured on the natural pass (the old-logprob pass in disabled and R2,
 the comparison pass in R3; without a comparison pass in R3, megatron's natural top-k in the
@@ -40,6 +43,7 @@ Expert parallel needs nothing: routes name global experts.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import time
@@ -355,8 +359,11 @@ class RLStep:
             float(masses.double().sum()), masses.numel(),
             float(entropy.double().sum()),
             len(samples), len(fetched.missing), len(fetched.dropped),
+            sum(r.num_rows * r.geometry.row_bytes for r in fetched.records if r is not None),
         ]).tolist()  # fmt: skip
-        valid, replayed, mass_sum, mass_n, ent_sum, n_samples, missing, dropped = totals
+        valid, replayed, mass_sum, mass_n, ent_sum, n_samples, missing, dropped, stored = totals
+        # Each rank counts what it read itself (one rank per TP/CP group with stage reads).
+        read = int(self._world_sum(np.array([fetched.route_bytes], np.int64))[0])
         valid, replayed = int(valid), int(replayed)
         time_s = {"fetch": fetched.fetch_s, "fetch_wait": fetched.wait_s, **times}
         if dp.enabled:  # the slowest rank's time (the step waits for it)
@@ -387,6 +394,11 @@ class RLStep:
             aux_loss=float(np.mean(aux_layers)) if aux_layers else None,
             aux_loss_layers=aux_layers,
             dropped_samples=int(dropped),
+            route_bytes={
+                "read": read,
+                "batch": int(stored),
+                "read_per_batch": read / stored if stored else 0.0,
+            },
             time_s=time_s,
         )
         return report
@@ -499,7 +511,7 @@ class RLStep:
         per_sample = {}
         for m, mb in enumerate(mbs):
             if self.passes.update is Routing.ROLLOUT:
-                for j, rec in zip(mb.index, mb.records, strict=True):
+                for j, rec in zip(mb.index, self._whole_records(mb.records), strict=True):
                     if rec is not None:
                         per_sample[j] = rec
                 continue
@@ -525,6 +537,29 @@ class RLStep:
             dist.all_gather_object(stages, mine, group=self.mp.pp_group)
             mine = {layer: ids for stage in stages for layer, ids in stage.items()}
         return [mine[layer] for layer in self.built.geometry.moe_layers]
+
+    def _whole_records(self, records: list[Record | None]) -> list[Record | None]:
+        """The rollout's records with every MoE layer: stage reads hold each stage's layers
+        (``trainer.parallel.stage_reads``), gathered here over the pipeline stages."""
+        group = self.mp.pp_group if self.mp is not None else None
+        selected = any(r is not None and r.layers is not None for r in records)
+        # Every stage reads the same way: all take part in the gather or none does.
+        if group is None or group.size() == 1 or not selected:
+            return records
+        parts = [None if r is None else (r.layers, r.routes) for r in records]
+        stages = [None] * group.size()
+        dist.all_gather_object(stages, parts, group=group)
+        out = []
+        for b, record in enumerate(records):
+            if record is None or record.layers is None:
+                out.append(record)
+                continue
+            g = record.geometry
+            routes = np.empty((record.num_rows, g.num_moe_layers, g.topk), record.routes.dtype)
+            for layers, part in (stage[b] for stage in stages):
+                routes[:, list(layers)] = part
+            out.append(dataclasses.replace(record, routes=routes, layers=None))
+        return out
 
     def _record(self, sample, rollout: Record | None, routes: np.ndarray, lp) -> Record:
         """A sample's routes as a record (the rollout's turns, the trainer's log-probs)."""
