@@ -35,12 +35,12 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
 from benchmarks.bench_rollout import prompts, start_engine  # noqa: E402
 from benchmarks.common import machine, write_section  # noqa: E402
-from rollout_server.client import RolloutClient  # noqa: E402
 from rollout_server.config import Config  # noqa: E402
-from rollout_server.engine import SamplingOptions, VLLMEngine  # noqa: E402
-from rollout_server.samples import SampleDelta, SampleDone, SampleFailed  # noqa: E402
+from rollout_server.engine import VLLMEngine  # noqa: E402
 from rollout_server.server import RolloutServer  # noqa: E402
 from routereplay.launch import start_service, stop_process  # noqa: E402
+from routereplay.rollout import SampleDelta, SampleDone, SampleFailed, SamplingOptions  # noqa: E402
+from routereplay.rollout_client import AsyncRolloutClient  # noqa: E402
 from routereplay.tiny_model import BENCH_SIZE, TINY_SIZE, build_tiny_model  # noqa: E402
 from trainer.data.source import CacheSource  # noqa: E402
 from trainer.reshard import (  # noqa: E402
@@ -61,7 +61,7 @@ STAGE_NAMES = {
 STAGES = tuple(STAGE_NAMES)
 
 
-async def generate(client: RolloutClient, args) -> dict:
+async def generate(client: AsyncRolloutClient, args) -> dict:
     """One GenerateBatch: generate and store seconds, stored sample ids, generated tokens."""
     options = SamplingOptions(temperature=0.0, max_tokens=args.max_tokens)
     ids, tokens = [], 0
@@ -110,7 +110,7 @@ async def run_batches(engine: VLLMEngine, cache: str, stores: tuple[bool, ...], 
         config = Config(host="127.0.0.1", port=0, route_cache=cache, capture_routes=store,
                         max_n=args.n, grace_s=5)  # fmt: skip
         servers.append(await RolloutServer(config, engine).start())
-    clients = [RolloutClient(f"127.0.0.1:{server.port}") for server in servers]
+    clients = [AsyncRolloutClient(f"127.0.0.1:{server.port}") for server in servers]
     source = CacheSource(cache)
     runs: list[list[dict]] = [[] for _ in stores]
     try:

@@ -25,15 +25,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from rollout_server.client import RolloutClient
 from rollout_server.config import Config
-from rollout_server.engine import SamplingOptions, VLLMEngine
-from rollout_server.samples import SampleDelta, SampleDone
+from rollout_server.engine import VLLMEngine
 from rollout_server.server import RolloutServer
 from route_cache.config import Config as CacheConfig
 from route_cache.embedded import start_embedded_redis
 from route_cache.server import RouteCacheServer
 from route_cache.store import RouteStore, connect
+from routereplay.rollout import SampleDelta, SampleDone, SamplingOptions
+from routereplay.rollout_client import AsyncRolloutClient
 from routereplay.tiny_model import BENCH_SIZE, TINY_SIZE, build_tiny_model
 
 SENTENCES = [
@@ -51,7 +51,7 @@ def prompts(count: int) -> list[str]:
     return [" ".join(SENTENCES[(i + j) % n] for j in range(3)) + f" ({i})" for i in range(count)]
 
 
-async def one_batch(client: RolloutClient, args) -> dict:
+async def one_batch(client: AsyncRolloutClient, args) -> dict:
     """One GenerateBatch; returns generated tokens, wall seconds, last-token-to-stored delays."""
     options = SamplingOptions(temperature=0.0, max_tokens=args.max_tokens)
     last_token: dict[str, float] = {}
@@ -86,7 +86,7 @@ async def run_mode(model: Path, cache_target: str, capture: bool, args) -> dict:
     config = Config(host="127.0.0.1", port=0, route_cache=cache_target, capture_routes=capture,
                     max_n=args.n, grace_s=5)  # fmt: skip
     server = await RolloutServer(config, engine).start()
-    client = RolloutClient(f"127.0.0.1:{server.port}")
+    client = AsyncRolloutClient(f"127.0.0.1:{server.port}")
     try:
         await one_batch(client, args)  # warm-up
         runs = [await one_batch(client, args) for _ in range(args.repeats)]

@@ -32,12 +32,11 @@ from urllib.parse import urlsplit
 import redis
 
 from pipeline.report import MODES, figure, mode_lines
-from rollout_server.client import RolloutClient
-from rollout_server.engine import SamplingOptions
-from rollout_server.samples import SampleDelta, SampleDone, SampleFailed
 from routereplay.client import RouteCacheClient
 from routereplay.launch import start_service, stop_process
 from routereplay.record import check_routes
+from routereplay.rollout import SampleDelta, SampleDone, SampleFailed, SamplingOptions
+from routereplay.rollout_client import AsyncRolloutClient
 from routereplay.tiny_model import (
     DEFAULT_FAMILY,
     FAMILIES,
@@ -69,7 +68,7 @@ async def rollout(target: str, n: int, max_tokens: int) -> tuple[list[SampleDone
     options = SamplingOptions(temperature=1.0, max_tokens=max_tokens)
     done: list[SampleDone] = []
     streamed = 0
-    async with RolloutClient(target) as client:
+    async with AsyncRolloutClient(target) as client:
         groups = [f"group-{i}" for i in range(len(PROMPTS))]
         async for event in client.generate_batch(PROMPTS, n, options, group_ids=groups):
             if isinstance(event, SampleDelta):
@@ -129,7 +128,7 @@ def start_trainer(mode: str, cache: str, rollouts: list[str], model_dir: str, ar
     return proc, report
 
 
-async def policy_version(clients: list[RolloutClient]) -> int:
+async def policy_version(clients: list[AsyncRolloutClient]) -> int:
     """The oldest policy version among the replicas."""
     return min([(await c.status()).policy_version for c in clients])
 
@@ -138,7 +137,7 @@ async def drive(mode: str, rollouts: list[str], trainer: subprocess.Popen, args)
     """The prompt driver: each step's groups spread over the replicas, then a wait for the
     trainer's new weights before the next step."""
     options = SamplingOptions(temperature=1.0, max_tokens=args.max_tokens)
-    clients = [RolloutClient(target) for target in rollouts]
+    clients = [AsyncRolloutClient(target) for target in rollouts]
     try:
         for step in range(args.steps):
             version = await policy_version(clients)
@@ -176,7 +175,7 @@ async def reset_weights(rollouts: list[str], model_dir: str) -> int:
     """Every replica back on the initial weights (a new policy version)."""
     versions = []
     for target in rollouts:
-        async with RolloutClient(target) as client:
+        async with AsyncRolloutClient(target) as client:
             versions.append((await client.update_weights(model_dir)).policy_version)
     return min(versions)
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rollout_server.engine import Engine, SamplingOptions
+from rollout_server.engine import Engine
 from routereplay.errors import InvalidArgument
+from routereplay.rollout import SamplingOptions
 
 
 def prompt_token_ids(engine: Engine, prompt: str | Sequence[int], name: str) -> list[int]:

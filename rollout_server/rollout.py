@@ -25,19 +25,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from rollout_server.checks import check_range, check_sampling, prompt_token_ids
-from rollout_server.engine import CaptureError, Completion, Engine, SamplingOptions
-from rollout_server.samples import (
-    SampleDelta,
-    SampleDone,
-    SampleEvent,
-    SampleFailed,
-    SampleRequest,
-)
+from rollout_server.engine import Completion, Engine
 from rollout_server.weights import PolicyGate, check_checkpoint
 from rollout_server.writer import RecordWriter
 from routereplay.client import AsyncRouteCacheClient
 from routereplay.errors import (
     AlreadyExists,
+    CaptureError,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -45,6 +39,14 @@ from routereplay.errors import (
     Unavailable,
 )
 from routereplay.record import Record, Turn, TurnAppend, check_sample_id
+from routereplay.rollout import (
+    SampleDelta,
+    SampleDone,
+    SampleEvent,
+    SampleFailed,
+    SampleRequest,
+    SamplingOptions,
+)
 
 log = logging.getLogger(__name__)
 

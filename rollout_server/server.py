@@ -9,14 +9,14 @@ import signal
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from rollout_server.config import Config
-from rollout_server.convert import event_to_pb, prompt_from_pb, sampling_from_pb
 from rollout_server.engine import Engine
 from rollout_server.rollout import Rollout, RolloutLimits
-from rollout_server.samples import SampleRequest
 from rollout_server.writer import RecordWriter
 from routereplay.client import AsyncRouteCacheClient
 from routereplay.grpc_server import make_aio_server, set_serving_aio
 from routereplay.metrics import ServiceMetrics
+from routereplay.rollout import SampleRequest
+from routereplay.rollout_wire import event_to_pb, prompt_from_pb, sampling_from_pb
 from routereplay.security import add_port
 from routereplay.v1 import rollout_pb2, rollout_pb2_grpc
 from routereplay.wire import geometry_to_pb

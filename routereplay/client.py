@@ -22,12 +22,18 @@ from routereplay.codec import Encoding, encode_routes
 from routereplay.errors import BY_STATUS, RouteReplayError
 from routereplay.grpc_server import channel_options
 from routereplay.ready import ReadyPage
-from routereplay.record import Geometry, Record, Turn, TurnAppend, check_layer_selection
+from routereplay.record import (
+    Geometry,
+    Missing,
+    Record,
+    Turn,
+    TurnAppend,
+    check_layer_selection,
+)
 from routereplay.security import PLAINTEXT, ClientSecurity, secure_aio_channel, secure_channel
 from routereplay.v1 import route_cache_pb2, route_cache_pb2_grpc
 from routereplay.wire import (
     DEFAULT_CHUNK_BYTES,
-    Missing,
     RecordAssembler,
     append_requests,
     geometry_from_pb,

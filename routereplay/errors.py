@@ -38,6 +38,17 @@ class DataLoss(RouteReplayError):
     status = "DATA_LOSS"
 
 
+class CaptureError(RouteReplayError):
+    """The engine's captured routes are missing or implausible (answered as INTERNAL).
+
+    Raised instead of returning routes that would silently corrupt training:
+    the known failure is a block of zeros of the right shape (expert 0, k
+    times), which the distinct-within-top-k check catches.
+    """
+
+    status = "INTERNAL"
+
+
 BY_STATUS = {
     cls.status: cls
     for cls in (

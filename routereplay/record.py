@@ -308,3 +308,10 @@ class TurnAppend:
         check_routes(
             self.routes, self.geometry, int(self.token_ids.size), self.row_offset, ids=check_ids
         )
+
+
+@dataclass
+class Missing:
+    """A sample id that a batch read found no record for."""
+
+    sample_id: str

@@ -7,7 +7,6 @@ Route bytes move as chunks of one block's encoded bytes, never per token.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,7 +19,7 @@ from routereplay.codec import (
 )
 from routereplay.errors import InvalidArgument
 from routereplay.ready import ReadyEntry, ReadyPage
-from routereplay.record import Geometry, Record, Turn, TurnAppend
+from routereplay.record import Geometry, Missing, Record, Turn, TurnAppend
 from routereplay.v1 import record_pb2, route_cache_pb2
 
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -267,13 +266,6 @@ def append_requests(
     yield route_cache_pb2.AppendTurnRequest(header=header)
     for chunk in chunks_to_pb(encoded.data, 0, chunk_bytes):
         yield route_cache_pb2.AppendTurnRequest(chunk=chunk)
-
-
-@dataclass
-class Missing:
-    """A sample id that a batch read found no record for."""
-
-    sample_id: str
 
 
 class RecordAssembler:

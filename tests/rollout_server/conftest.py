@@ -134,12 +134,12 @@ def rollout_config(route_cache_target: str, **overrides):
 @pytest.fixture(scope="session")
 def rollout(vllm_engine, route_cache, loop):
     """A rollout server on the session engine, and an asyncio client of it."""
-    from rollout_server.client import RolloutClient
     from rollout_server.server import RolloutServer
+    from routereplay.rollout_client import AsyncRolloutClient
 
     async def start():
         server = await RolloutServer(rollout_config(route_cache.target), vllm_engine).start()
-        return server, RolloutClient(f"127.0.0.1:{server.port}", timeout_s=120)
+        return server, AsyncRolloutClient(f"127.0.0.1:{server.port}", timeout_s=120)
 
     server, client = loop.run_until_complete(start())
     yield server, client

@@ -12,8 +12,7 @@ import asyncio
 
 import pytest
 
-from rollout_server.engine import SamplingOptions
-from rollout_server.samples import SampleDone
+from routereplay.rollout import SampleDone, SamplingOptions
 from tests.conftest import OTHER_FAMILIES
 from tests.rollout_server.conftest import MAX_NUM_BATCHED_TOKENS, rollout_config
 from tests.rollout_server.oracle import assert_record_matches, load_hf_model
@@ -28,9 +27,9 @@ EXPECTED_MOE_LAYERS = {"qwen2_moe": (1, 2, 3), "mixtral": (0, 1, 2, 3), "glm4_mo
 
 
 def _serve_and_check(family, model_dir, route_cache, cache_reader, loop):
-    from rollout_server.client import RolloutClient
     from rollout_server.engine import VLLMEngine
     from rollout_server.server import RolloutServer
+    from routereplay.rollout_client import AsyncRolloutClient
 
     async def start():
         engine = VLLMEngine(
@@ -38,7 +37,7 @@ def _serve_and_check(family, model_dir, route_cache, cache_reader, loop):
             max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enable_chunked_prefill=True, seed=0,
         )  # fmt: skip
         server = await RolloutServer(rollout_config(route_cache.target), engine).start()
-        return engine, server, RolloutClient(f"127.0.0.1:{server.port}", timeout_s=120)
+        return engine, server, AsyncRolloutClient(f"127.0.0.1:{server.port}", timeout_s=120)
 
     async def events_of(stream):
         return [event async for event in stream]

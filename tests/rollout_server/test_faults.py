@@ -18,11 +18,10 @@ import psutil
 import pytest
 import redis
 
-from rollout_server.client import RolloutClient
-from rollout_server.engine import SamplingOptions
-from rollout_server.samples import SampleDelta
 from routereplay.errors import NotFound, Unavailable
 from routereplay.launch import free_port, wait_serving
+from routereplay.rollout import SampleDelta, SamplingOptions
+from routereplay.rollout_client import AsyncRolloutClient
 from tests.route_cache.conftest import raw_keys
 
 pytest.importorskip("vllm")
@@ -55,7 +54,7 @@ def test_killed_mid_generation(rollout_process, cache_reader, redis_node, record
 
     async def generate_and_kill():
         deltas = 0
-        async with RolloutClient(target, timeout_s=120) as client:
+        async with AsyncRolloutClient(target, timeout_s=120) as client:
             options = SamplingOptions(temperature=1.0, max_tokens=400)
             with pytest.raises(Unavailable) as error:
                 async for event in client.generate("Tell me a long story.", options, sample_id):

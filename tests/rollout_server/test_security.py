@@ -6,9 +6,6 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from rollout_server.client import RolloutClient
-from rollout_server.engine import SamplingOptions
-from rollout_server.samples import SampleDone
 from rollout_server.server import RolloutServer
 from route_cache.config import Config as CacheConfig
 from route_cache.server import RouteCacheServer
@@ -17,6 +14,8 @@ from routereplay.client import RouteCacheClient
 from routereplay.devcerts import generate
 from routereplay.errors import InvalidArgument, ResourceExhausted, RouteReplayError
 from routereplay.grpc_server import MIB, ServerLimits
+from routereplay.rollout import SampleDone, SamplingOptions
+from routereplay.rollout_client import AsyncRolloutClient
 from routereplay.security import ClientSecurity, ServerSecurity, secure_aio_channel
 from routereplay.v1 import rollout_pb2, rollout_pb2_grpc
 from tests.rollout_server.conftest import rollout_config
@@ -50,7 +49,7 @@ def test_secured_rollout_server_writes_to_a_secured_route_cache(
         server = await RolloutServer(config, vllm_engine).start()
         target = f"127.0.0.1:{server.port}"
         try:
-            async with RolloutClient(target, timeout_s=120, security=allowed) as client:
+            async with AsyncRolloutClient(target, timeout_s=120, security=allowed) as client:
                 options = SamplingOptions(temperature=0.0, max_tokens=6)
                 events = [e async for e in client.generate("Secure hello", options, "sec-r1")]
                 done = events[-1]
@@ -63,7 +62,7 @@ def test_secured_rollout_server_writes_to_a_secured_route_cache(
                 (ClientSecurity(ca_file=ca, **client_cert), "missing bearer token"),
                 (ClientSecurity(ca_file=ca, token_file=str(token)), None),  # no client cert
             ]:
-                async with RolloutClient(target, timeout_s=30, security=refused) as client:
+                async with AsyncRolloutClient(target, timeout_s=30, security=refused) as client:
                     with pytest.raises(RouteReplayError, match=match):
                         await client.status()
             async with secure_aio_channel(target, allowed) as channel:

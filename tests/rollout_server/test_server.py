@@ -14,9 +14,6 @@ import uuid
 import numpy as np
 import pytest
 
-from rollout_server.client import RolloutClient
-from rollout_server.engine import SamplingOptions
-from rollout_server.samples import SampleDelta, SampleDone, SampleFailed
 from routereplay.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -25,6 +22,8 @@ from routereplay.errors import (
     RouteReplayError,
     Unavailable,
 )
+from routereplay.rollout import SampleDelta, SampleDone, SampleFailed, SamplingOptions
+from routereplay.rollout_client import AsyncRolloutClient
 from tests.rollout_server.conftest import rollout_config
 from tests.rollout_server.oracle import assert_record_matches
 
@@ -73,7 +72,7 @@ def test_generate_streams_and_stores_oracle_routes(rollout, cache_reader, hf_mod
     jobs = [(text, opt) for text in TEXTS for opt in (GREEDY, SAMPLED)]
 
     async def run():  # several clients at once
-        clients = [RolloutClient(f"127.0.0.1:{server.port}") for _ in jobs]
+        clients = [AsyncRolloutClient(f"127.0.0.1:{server.port}") for _ in jobs]
         try:
             return await asyncio.gather(
                 *(events_of(c.generate(text, opt, return_routes=True))
@@ -320,7 +319,7 @@ def test_backpressure_refuses_with_unavailable(vllm_engine, loop):
 
     async def run():
         server = await RolloutServer(config, vllm_engine).start()
-        client = RolloutClient(f"127.0.0.1:{server.port}")
+        client = AsyncRolloutClient(f"127.0.0.1:{server.port}")
         try:
             first = await events_of(client.generate("hello", GREEDY))
             with pytest.raises(Unavailable, match="record writes"):
@@ -408,7 +407,7 @@ def test_metrics_endpoint(vllm_engine, route_cache, loop):
 
     async def run():
         server = await RolloutServer(config, vllm_engine).start()
-        client = RolloutClient(f"127.0.0.1:{server.port}")
+        client = AsyncRolloutClient(f"127.0.0.1:{server.port}")
         url = f"http://127.0.0.1:{server.metrics.port}/metrics"
         try:
             before = await asyncio.to_thread(scrape, url)

@@ -9,12 +9,11 @@ import asyncio
 
 import pytest
 
-from rollout_server.client import RolloutClient
-from rollout_server.engine import SamplingOptions
-from rollout_server.samples import SampleDone
 from rollout_server.server import RolloutServer
 from routereplay.devcerts import generate
 from routereplay.errors import RouteReplayError
+from routereplay.rollout import SampleDone, SamplingOptions
+from routereplay.rollout_client import AsyncRolloutClient
 from routereplay.security import ClientSecurity, ServerSecurity
 from tests.rollout_server.conftest import rollout_config
 from trainer.model.export import push_weights
@@ -43,7 +42,7 @@ def test_push_reaches_a_secured_rollout_server(
                 await run(None, push_weights, target, tiny_model_dir, ClientSecurity(ca_file=ca))
             assert server.rollout.policy_version == before
             versions = await run(None, push_weights, f" {target}, ", tiny_model_dir, allowed)
-            async with RolloutClient(target, timeout_s=120, security=allowed) as client:
+            async with AsyncRolloutClient(target, timeout_s=120, security=allowed) as client:
                 options = SamplingOptions(temperature=0.0, max_tokens=4)
                 events = [e async for e in client.generate("After the push", options)]
         finally:

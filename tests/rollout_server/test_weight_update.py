@@ -9,9 +9,8 @@ import asyncio
 
 import pytest
 
-from rollout_server.engine import SamplingOptions
-from rollout_server.samples import SampleDone
 from routereplay.errors import FailedPrecondition, InvalidArgument, NotFound
+from routereplay.rollout import SampleDone, SamplingOptions
 from tests.rollout_server.oracle import assert_record_matches, load_hf_model
 
 # Long enough for several KV blocks, so a repeat can hit the prefix cache.

@@ -13,8 +13,9 @@ import redis
 from route_cache.config import Config
 from route_cache.server import RouteCacheServer
 from route_cache.store import RouteStore, connect, record_key
-from routereplay.client import Missing, RetryPolicy, RouteCacheClient
+from routereplay.client import RetryPolicy, RouteCacheClient
 from routereplay.errors import NotFound, Unavailable
+from routereplay.record import Missing
 from routereplay.synthetic import synthetic_record
 from tests.conftest import RedisProcess, start_cluster_with_replicas
 from tests.route_cache.conftest import SMALL

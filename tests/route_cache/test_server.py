@@ -13,10 +13,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from routereplay.client import AsyncRouteCacheClient, RouteCacheClient
 from routereplay.codec import Encoding, encode_routes
 from routereplay.errors import AlreadyExists, FailedPrecondition, NotFound
-from routereplay.record import Turn, TurnAppend
+from routereplay.record import Missing, Turn, TurnAppend
 from routereplay.synthetic import synthetic_record, synthetic_routes
 from routereplay.v1 import record_pb2, route_cache_pb2, route_cache_pb2_grpc
-from routereplay.wire import Missing, write_requests
+from routereplay.wire import write_requests
 from tests.route_cache.conftest import SMALL, WIDE, raw_keys
 
 

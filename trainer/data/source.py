@@ -111,7 +111,7 @@ class CacheSource:
         self, sample_ids: Sequence[str], layers: Sequence[int] | None = None
     ) -> list[Record | None]:
         """The records (None where missing); ``layers``: only these MoE layer positions."""
-        from routereplay.wire import Missing
+        from routereplay.record import Missing
 
         items = self.client.read_batch(list(sample_ids), skip_missing=True, layers=layers)
         return [None if isinstance(item, Missing) else item for item in items]

@@ -168,21 +168,13 @@ def push_weights(
     Raises:
         RouteReplayError: a server refused or could not be reached (the gRPC status's class).
     """
-    import grpc
+    from routereplay.rollout_client import RolloutClient
+    from routereplay.security import PLAINTEXT
 
-    from routereplay.client import domain_error
-    from routereplay.grpc_server import channel_options
-    from routereplay.security import PLAINTEXT, secure_channel
-    from routereplay.v1 import rollout_pb2, rollout_pb2_grpc
-
-    request = rollout_pb2.UpdateWeightsRequest(path=str(Path(folder).resolve()))
+    path = str(Path(folder).resolve())
     versions = []
     for target in filter(None, (t.strip() for t in targets.split(","))):
-        with secure_channel(target, security or PLAINTEXT, channel_options()) as channel:
-            stub = rollout_pb2_grpc.RolloutStub(channel)
-            try:
-                reply = stub.UpdateWeights(request, timeout=timeout_s, wait_for_ready=True)
-            except grpc.RpcError as exc:
-                raise domain_error(exc) from None
+        with RolloutClient(target, timeout_s, security or PLAINTEXT) as client:
+            reply = client.update_weights(path, wait_for_ready=True)
         versions.append(int(reply.policy_version))
     return versions

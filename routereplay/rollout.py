@@ -1,16 +1,54 @@
-"""The rollout service's domain types: what a caller asks for and what it gets back.
+"""The Rollout service's domain types: what a caller asks for and what it gets back.
 
-No protobuf here: ``rollout_server.convert`` translates at the gRPC edge.
+No protobuf here: ``routereplay.rollout_wire`` translates them for the gRPC contract, both ways.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from rollout_server.engine import SamplingOptions, TokenDelta
 from routereplay.record import Geometry, Turn
+
+
+@dataclass
+class SamplingOptions:
+    """Sampling settings of one request.
+
+    Attributes:
+        temperature: 0 for greedy decoding.
+        top_p: Nucleus sampling mass; 1.0 disables it.
+        top_k: Keep the k most likely tokens; 0 (or -1) disables it.
+        max_tokens: Most tokens to generate.
+        stop: Strings that end generation (the token that completes one is
+            kept in ``token_ids``; the text stops before it).
+        seed: Per-request sampling seed, or None.
+        logprobs: Whether to return the log-probability of each generated token.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    logprobs: bool = True
+
+
+@dataclass
+class TokenDelta:
+    """Tokens generated since the previous delta of the same request.
+
+    Attributes:
+        token_ids: New token ids.
+        text: Their detokenized text (may lag tokens by a partial character).
+        logprobs: One log-probability per new token; empty when not requested.
+    """
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,30 @@
-"""Protobuf at the edge: ``routereplay.v1.rollout`` messages to domain types and back."""
+"""The Rollout contract's conversions, both ways: ``routereplay.v1.rollout`` messages to the
+domain types of ``routereplay.rollout`` and back (the server's edge and the clients')."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-from rollout_server.engine import SamplingOptions
-from rollout_server.samples import SampleDelta, SampleDone, SampleEvent, SampleFailed
 from routereplay.errors import InvalidArgument
+from routereplay.record import route_dtype
+from routereplay.rollout import (
+    SampleDelta,
+    SampleDone,
+    SampleEvent,
+    SampleFailed,
+    SamplingOptions,
+    TokenDelta,
+)
 from routereplay.v1 import record_pb2, rollout_pb2
-from routereplay.wire import geometry_to_pb, tokens_from_pb, turn_to_pb
+from routereplay.wire import (
+    geometry_from_pb,
+    geometry_to_pb,
+    tokens_from_pb,
+    turn_from_pb,
+    turn_to_pb,
+)
 
 _DTYPES = {1: record_pb2.ROUTE_DTYPE_UINT8, 2: record_pb2.ROUTE_DTYPE_UINT16}
 
@@ -79,3 +95,55 @@ def _done_to_pb(done: SampleDone) -> rollout_pb2.SampleDone:
             )
         )
     return pb
+
+
+def prompt_to_pb(prompt: str | Sequence[int]) -> rollout_pb2.Prompt:
+    if isinstance(prompt, str):
+        return rollout_pb2.Prompt(text=prompt)
+    return rollout_pb2.Prompt(token_ids=np.asarray(prompt, "<i4").tobytes())
+
+
+def sampling_to_pb(options: SamplingOptions) -> rollout_pb2.SamplingParams:
+    return rollout_pb2.SamplingParams(
+        temperature=options.temperature,
+        top_p=options.top_p,
+        top_k=options.top_k,
+        max_tokens=options.max_tokens,
+        stop=list(options.stop),
+        seed=options.seed,
+    )
+
+
+def event_from_pb(response: rollout_pb2.GenerateResponse) -> SampleEvent:
+    sid = response.sample_id
+    kind = response.WhichOneof("event")
+    if kind == "delta":
+        d = response.delta
+        lps = np.frombuffer(d.logprobs, "<f4").tolist()
+        return SampleDelta(sid, TokenDelta(tokens_from_pb(d.token_ids).tolist(), d.text, lps))
+    if kind == "error":
+        return SampleFailed(sid, response.error.code, response.error.message)
+    done = response.done
+    routes, row_start, geometry = None, 0, None
+    if done.HasField("routes"):
+        inline = done.routes
+        geometry = geometry_from_pb(inline.geometry)
+        shape = (inline.num_rows, geometry.num_moe_layers, geometry.topk)
+        dtype = route_dtype(geometry.num_experts).newbyteorder("<")
+        routes = np.frombuffer(inline.data, dtype).reshape(shape)
+        row_start = inline.row_start
+    return SampleDone(
+        sample_id=sid,
+        group_id=done.group_id,
+        finish_reason=done.finish_reason,
+        prompt_tokens=done.prompt_tokens,
+        generated_tokens=done.generated_tokens,
+        num_tokens=done.num_tokens,
+        stored=done.stored,
+        store_error=done.store_error,
+        turn=turn_from_pb(done.turn),
+        geometry=geometry,
+        routes=routes,
+        row_start=row_start,
+        cached_tokens=done.cached_tokens,
+    )
