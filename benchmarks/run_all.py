@@ -9,6 +9,9 @@ Each benchmark compares against a baseline measured in the same run, on the same
 - ``rollout``: generation with routed-expert capture and record writes against the same server
   with capture off (same model, prompts and greedy tokens; target: at most 3% fewer tokens/s),
   and the delay from a sample's last token to its record being readable.
+- ``families_glm4_moe``: the ``rollout`` and ``trainer`` comparisons (capture on against off,
+  R3 against ``disabled``) for a GLM-4.5 model at the rollout benchmark's size, in one run
+  (targets: at most 3% and 2%).
 - ``layouts``: the RL step in each trainer layout against one rank, R3 against ``disabled``.
 - ``trainer``: a training step with R3 replay against ``disabled`` on the same batches and
   weights (target: at most 2%), alignment on its own, and fetch + align against step time from
@@ -65,6 +68,10 @@ BENCHMARKS = (
     Benchmark(
         "trainer", "bench_trainer.py", ("--repeats", "3", "--batches", "2"),
         "training step with R3 replay vs disabled; fetch + align vs step",
+    ),
+    Benchmark(
+        "families_glm4_moe", "bench_families.py", ("--quick",),
+        "GLM-4.5 (DeepSeek-V3 router): capture on vs off, R3 vs disabled step",
     ),
     Benchmark(
         "layouts", "bench_layouts.py", ("--quick",),
