@@ -106,6 +106,28 @@ async def run_mode(model: Path, cache_target: str, capture: bool, args) -> dict:
     }
 
 
+def compare(model: Path, args) -> dict:
+    """Capture on and capture off, one engine after the other (``args.first`` first), on a
+    route cache over an embedded Redis: each run's figures and ``overhead_percent``."""
+    redis_server, redis_url = start_embedded_redis()
+    store = RouteStore(connect(redis_url, cluster=False), ttl_ms=600_000)
+    cache = RouteCacheServer(CacheConfig(host="127.0.0.1", port=0, grace_s=1), store).start()
+    target = f"127.0.0.1:{cache.port}"
+    try:
+        results = {}
+        for capture in (True, False) if args.first == "on" else (False, True):
+            name = "capture_on" if capture else "capture_off"
+            results[name] = asyncio.run(run_mode(model, target, capture, args))
+    finally:
+        cache.stop(0)
+        redis_server.stop()
+    on, off = results["capture_on"], results["capture_off"]
+    assert on["tokens_per_batch"] == off["tokens_per_batch"], "runs generated different tokens"
+    assert on["stored_per_batch"] == args.prompts * args.n and off["stored_per_batch"] == 0
+    results["overhead_percent"] = 100 * (1 - on["tokens_per_s_median"] / off["tokens_per_s_median"])
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=["bench", "tiny"], default="bench")
@@ -126,23 +148,9 @@ def main() -> None:
     t0 = time.perf_counter()
     model = build_tiny_model(work / "model", seed=0, size=size)
     print(f"model built in {time.perf_counter() - t0:.0f} s: {size}")
-    redis_server, redis_url = start_embedded_redis()
-    store = RouteStore(connect(redis_url, cluster=False), ttl_ms=600_000)
-    cache = RouteCacheServer(CacheConfig(host="127.0.0.1", port=0, grace_s=1), store).start()
-    target = f"127.0.0.1:{cache.port}"
-    try:
-        results = {}
-        for capture in (True, False) if args.first == "on" else (False, True):
-            name = "capture_on" if capture else "capture_off"
-            results[name] = asyncio.run(run_mode(model, target, capture, args))
-    finally:
-        cache.stop(0)
-        redis_server.stop()
+    results = compare(model, args)
     on, off = results["capture_on"], results["capture_off"]
-    assert on["tokens_per_batch"] == off["tokens_per_batch"], "runs generated different tokens"
-    assert on["stored_per_batch"] == args.prompts * args.n and off["stored_per_batch"] == 0
-    overhead = 100 * (1 - on["tokens_per_s_median"] / off["tokens_per_s_median"])
-    results["overhead_percent"] = overhead
+    overhead = results["overhead_percent"]
     results["workload"] = vars(args) | {"size": str(size), "out": None}
     print(json.dumps(results, indent=2, default=str))
     print()

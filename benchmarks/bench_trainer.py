@@ -36,6 +36,9 @@ SIZE_KW = dict(
 )  # fmt: skip
 
 
+LENGTHS = [256, 200, 160, 256]  # one micro-batch of 4 samples
+
+
 def step_loss(model, batch) -> torch.Tensor:
     logits = model(batch.token_ids, batch.position_ids(), batch.attention_mask())
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
@@ -51,50 +54,13 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
 
     from routereplay.tiny_model import MoESize, build_tiny_model
-    from tests.trainer.helpers import make_record, random_batch, record_natural_routes
-    from trainer.data.align import align_routes
-    from trainer.model.build import build_model
     from trainer.parallel import single_process
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(f"{tmp}/model", seed=0, size=MoESize(**SIZE_KW))
         groups = single_process.init_single_process(f"file://{tmp}/pg", seed=0)
         try:
-            plain = build_model(model_dir, routing_replay=False, pg_collection=groups)
-            replay = build_model(model_dir, routing_replay=True, pg_collection=groups)
-            lengths = [256, 200, 160, 256]
-            batch = random_batch(0, lengths, "right", vocab=512)
-            _, recorded = record_natural_routes(replay, [batch], step_loss)
-            records = [
-                make_record(r.sample_id, r.token_ids, r.routes, replay.geometry) for r in recorded
-            ]
-            layers = replay.replay.layers
-
-            def align():
-                return align_routes(batch, records, replay.geometry, layers)
-
-            def run_disabled():
-                plain.model.zero_grad(set_to_none=True)
-                step_loss(plain.model, batch).backward()
-
-            def run_r3():
-                replay.model.zero_grad(set_to_none=True)
-                aligned = align()
-                with replay.replay.step():
-                    with replay.replay.forward(aligned.indices):
-                        loss = step_loss(replay.model, batch)
-                    with replay.replay.backward():
-                        loss.backward()
-
-            times: dict[str, list[float]] = {"disabled": [], "R3": [], "align": []}
-            run_disabled(), run_r3()  # warm-up
-            order = [("disabled", run_disabled), ("R3", run_r3), ("align", align)]
-            for i in range(args.repeats):
-                # Alternate which side runs first, so slow drifts of the machine cancel.
-                for name, fn in order if i % 2 == 0 else order[1::-1] + order[2:]:
-                    start = time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - start)
+            times, replay, records = time_replay(model_dir, groups, LENGTHS, args.repeats)
             fetch = fetch_vs_step(model_dir, replay, records, args.batches)
         finally:
             single_process.shutdown()
@@ -103,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
     overhead = med["R3"] / med["disabled"] - 1
     results = {
         "model": "Qwen3-MoE, 8 layers (layer 0 dense), hidden 256, 32 experts top-4",
-        "tokens": sum(lengths),
+        "tokens": sum(LENGTHS),
         "repeats": args.repeats,
         "median_s": med,
         "replay_overhead": overhead,
@@ -152,6 +118,53 @@ step (target: hidden); fetch + align is {fetch["fetch_align_share"] * 100:.2f}% 
     if not args.no_write:
         write_section("trainer", markdown, results)
     return results
+
+
+def time_replay(model_dir, groups, lengths, repeats: int):
+    """Step times of ``disabled`` and R3 (alignment included) and of alignment alone, in
+    alternation, on one batch of ``lengths`` random tokens and the same weights.
+
+    Returns:
+        ``(times, replay, records)``: seconds per repeat under ``disabled``, ``R3`` and
+        ``align``; the model built for replay; the batch's records (its natural routes).
+    """
+    from tests.trainer.helpers import make_record, random_batch, record_natural_routes
+    from trainer.data.align import align_routes
+    from trainer.model.build import build_model
+
+    plain = build_model(model_dir, routing_replay=False, pg_collection=groups)
+    replay = build_model(model_dir, routing_replay=True, pg_collection=groups)
+    batch = random_batch(0, lengths, "right", vocab=512)
+    _, recorded = record_natural_routes(replay, [batch], step_loss)
+    records = [make_record(r.sample_id, r.token_ids, r.routes, replay.geometry) for r in recorded]
+    layers = replay.replay.layers
+
+    def align():
+        return align_routes(batch, records, replay.geometry, layers)
+
+    def run_disabled():
+        plain.model.zero_grad(set_to_none=True)
+        step_loss(plain.model, batch).backward()
+
+    def run_r3():
+        replay.model.zero_grad(set_to_none=True)
+        aligned = align()
+        with replay.replay.step():
+            with replay.replay.forward(aligned.indices):
+                loss = step_loss(replay.model, batch)
+            with replay.replay.backward():
+                loss.backward()
+
+    times: dict[str, list[float]] = {"disabled": [], "R3": [], "align": []}
+    run_disabled(), run_r3()  # warm-up
+    order = [("disabled", run_disabled), ("R3", run_r3), ("align", align)]
+    for i in range(repeats):
+        # Alternate which side runs first, so slow drifts of the machine cancel.
+        for name, fn in order if i % 2 == 0 else order[1::-1] + order[2:]:
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times, replay, records
 
 
 def fetch_vs_step(model_dir, built, records, batches: int) -> dict:

@@ -12,6 +12,9 @@ Each benchmark compares against a baseline measured in the same run, on the same
 - ``layouts``: the RL step in each trainer layout against one rank, R3 against ``disabled``;
   and (its ``layout_reads`` section) the route bytes the route cache served per step in each
   layout, against the stored bytes of the step's batch (target: at most 1.05x).
+- ``families_glm4_moe``: the ``rollout`` and ``trainer`` comparisons (capture on against off,
+  R3 against ``disabled``) for a GLM-4.5 model at the rollout benchmark's size, in one run
+  (targets: at most 3% and 2%).
 - ``trainer``: a training step with R3 replay against ``disabled`` on the same batches and
   weights (target: at most 2%), alignment on its own, and fetch + align against step time from
   a real route cache with prefetch on and off.
@@ -67,6 +70,10 @@ BENCHMARKS = (
     Benchmark(
         "trainer", "bench_trainer.py", ("--repeats", "3", "--batches", "2"),
         "training step with R3 replay vs disabled; fetch + align vs step",
+    ),
+    Benchmark(
+        "families_glm4_moe", "bench_families.py", ("--quick",),
+        "GLM-4.5 (DeepSeek-V3 router): capture on vs off, R3 vs disabled step",
     ),
     Benchmark(
         "layouts", "bench_layouts.py", ("--quick",),

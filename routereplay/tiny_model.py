@@ -214,8 +214,11 @@ def family_config(family: str, size: MoESize | None, token_ids: dict[str, int]):
         moe_intermediate_size=size.moe_intermediate_size,
         n_routed_experts=size.num_experts,
         n_shared_experts=1,
-        n_group=4,
-        topk_group=2,
+        # DeepSeek-V3's grouping: each kept group holds 2 of the top-k (megatron ranks groups
+        # by the sum of their top k / topk_group scores, transformers and vLLM by their top 2):
+        # 4 groups, 2 kept for the tiny top-4; 8 groups, 4 kept for BENCH_SIZE's top-8.
+        n_group=size.num_experts_per_tok,
+        topk_group=size.num_experts_per_tok // 2,
         routed_scaling_factor=2.5,
         norm_topk_prob=True,
         first_k_dense_replace=1,

@@ -5,7 +5,7 @@ float32 agrees with transformers in float32 on 100% of routes, so this is what t
 server would store for the same samples (a real vLLM run is the main job's end-to-end test).
 
 Each prompt is sampled ``group_size`` times (one GRPO group); every sample is then teacher-forced
-through the same model to read, per token, the router top-k of every MoE layer (row i computed
+through the same model to read, per token, the experts each MoE layer's router chose (row i computed
 with token i as input; the final token has no row) and the log-probability of each generated
 token, exactly what a rollout record holds. ``dtype=torch.bfloat16`` gives a bf16 rollout.
 """
@@ -71,16 +71,10 @@ def rollout_records(
                 min_new_tokens=new_tokens,
                 pad_token_id=hf_config.get("pad_token_id"),
             )
-            out = model(sequences, output_router_logits=True)
+            out, chosen = _forward_with_routes(model, sequences)
         n, total = sequences.shape
-        # router_logits: one [n * total, experts] tensor per MoE layer, in layer order.
-        routes = torch.stack(
-            [
-                r.reshape(n, total, -1).topk(geometry.topk, dim=-1).indices
-                for r in out.router_logits
-            ],
-            dim=2,
-        )[:, :-1]
+        # chosen: one [n * total, topk] tensor per MoE layer, in layer order.
+        routes = torch.stack([c.reshape(n, total, geometry.topk) for c in chosen], dim=2)[:, :-1]
         logp = torch.log_softmax(out.logits[:, :-1].float(), dim=-1)
         picked = logp.gather(-1, sequences[:, 1:, None]).squeeze(-1)
         start = len(prompt)
@@ -103,6 +97,26 @@ def rollout_records(
             record.validate()
             records.append(record)
     return records
+
+
+def _forward_with_routes(model, sequences: torch.Tensor):
+    """The model's output and, per MoE layer in order, the experts its router chose (its own
+    top-k: softmax, or GLM-4.5's biased, group-limited sigmoid choice), ``[tokens, topk]``."""
+    chosen: dict[int, torch.Tensor] = {}
+    handles = [
+        # Every family's router returns (logits, weights, expert ids) of its own choice.
+        layer.mlp.gate.register_forward_hook(
+            lambda m, i, o, n=n: chosen.__setitem__(n, o[2].detach().clone())
+        )
+        for n, layer in enumerate(model.model.layers)
+        if hasattr(layer.mlp, "gate")
+    ]
+    try:
+        out = model(sequences)
+    finally:
+        for h in handles:
+            h.remove()
+    return out, [chosen[n] for n in sorted(chosen)]
 
 
 def random_prompts(count: int, lengths: Sequence[int], vocab: int, seed: int) -> list[list[int]]:

@@ -3,14 +3,16 @@
 Parity with transformers and the weight round trip are in test_model_parity.py. Here:
 replaying the natural routes is bit-identical to no replay (it is not if replay combines the
 replayed ids with GLM-4.5's biased selection scores, or drops the scaling factor or the group
-limit); forced routes are followed and weighted by the unbiased scores; the expert bias moves
-with the replayed routes' counts; unknown checkpoints are refused before anything is built.
+limit); R2 replays what it recorded after optimizer steps moved natural routing; forced routes
+are followed and weighted by the unbiased scores; the expert bias moves with the replayed
+routes' counts; unknown checkpoints are refused before anything is built.
 """
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,6 +27,7 @@ from tests.trainer.helpers import (
     one_hot,
     random_batch,
     random_routes,
+    record_natural_routes,
 )
 from trainer.data.align import align_routes, routes_from_recorded
 from trainer.model.build import build_model
@@ -74,6 +77,46 @@ def test_replaying_natural_routes_is_bit_identical_to_disabled(
     assert grads_on.keys() == grads_off.keys()
     for name, g in grads_off.items():
         assert torch.equal(grads_on[name], g), name
+
+
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
+def test_r2_update_passes_after_optimizer_steps_replay_the_recorded_routes(
+    family, family_model_dir, pg_collection
+):
+    """R2: the routes recorded in the old-logprob pass are the ones every update pass uses,
+    though the optimizer steps between them (the project's AdamW, which also moves GLM-4.5's
+    expert bias) moved the natural routing away from them."""
+    built = build_model(family_model_dir(family), routing_replay=True, pg_collection=pg_collection)
+    micro_batches = [random_batch(21, [8, 6], "left"), random_batch(22, [5, 9], "left")]
+    _, records = record_natural_routes(built, micro_batches, next_token_loss)
+    by_id = {r.sample_id: r for r in records}
+    optimizer = AdamW(built.model, lr=0.05)  # large, so natural routing really moves
+    biases = [r.expert_bias.clone() for r in optimizer.biased_routers]
+    for batch in micro_batches:
+        aligned = align_routes(
+            batch, [by_id[s] for s in batch.sample_ids], built.geometry, built.replay.layers
+        )
+        built.model.zero_grad(set_to_none=True)
+        with built.replay.step(), capture_routing(built.routers) as (maps, _):
+            with built.replay.forward(aligned.indices):
+                loss = next_token_loss(built.model, batch)
+            with built.replay.backward():
+                loss.backward()
+        optimizer.step()
+        rows = aligned.replayed.reshape(-1)
+        for j, layer in enumerate(built.replay.layers):
+            recorded = one_hot(aligned.indices[j][rows], built.geometry.num_experts)
+            assert torch.equal(maps[layer][0][rows], recorded), f"layer {layer}"
+    # The routers' own choice after the steps (their natural routing, bias and group limit
+    # included) differs from the recorded routes: otherwise the test proves nothing.
+    _, after = record_natural_routes(built, micro_batches, next_token_loss)
+    changed = sum(
+        int((np.sort(a.routes, -1) != np.sort(by_id[a.sample_id].routes, -1)).any(-1).sum())
+        for a in after
+    )
+    assert changed > 0, "the optimizer steps did not move natural routing"
+    for router, old in zip(optimizer.biased_routers, biases, strict=True):
+        assert not torch.equal(router.expert_bias, old)
 
 
 @pytest.fixture(scope="module")
