@@ -27,9 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, median_time, write_section  # noqa: E402
 
-from routereplay.codec import Encoding, decode_routes, encode_routes  # noqa: E402
-from routereplay.route_stats import expert_load  # noqa: E402
-from routereplay.synthetic import DEEPSEEK_V3, QWEN3_30B_A3B, synthetic_routes  # noqa: E402
+from routereplay.dev.synthetic import DEEPSEEK_V3, QWEN3_30B_A3B, synthetic_routes  # noqa: E402
+from routereplay.domain.codec import Encoding, decode_routes, encode_routes  # noqa: E402
+from routereplay.domain.route_stats import expert_load  # noqa: E402
 
 MIB = 2**20
 

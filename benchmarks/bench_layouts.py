@@ -95,7 +95,7 @@ def route_reads(model_dir, recs, tmp: Path, layouts: dict, steps: int = 2) -> di
     from route_cache.embedded import start_embedded_redis
     from route_cache.server import RouteCacheServer
     from route_cache.store import RouteStore, connect
-    from routereplay.client import RouteCacheClient
+    from routereplay.rpc.client import RouteCacheClient
 
     valkey, url = start_embedded_redis()
     client = connect(url, cluster=False)
@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> dict:
         k: v for k, v in LAYOUTS.items() if not args.quick or k in QUICK
     }  # fmt: skip
 
-    from routereplay.record_file import save_records
-    from routereplay.tiny_model import MoESize, build_tiny_model
+    from routereplay.dev.tiny_model import MoESize, build_tiny_model
+    from routereplay.domain.record_file import save_records
     from tests.trainer.hf_rollout import random_prompts, rollout_records
 
     times: dict[str, dict[str, list[float]]] = {k: {"disabled": [], "R3": []} for k in layouts}

@@ -29,11 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
-from routereplay.client import RouteCacheClient
+from routereplay.dev.launch import start_service, stop_process
+from routereplay.dev.synthetic import QWEN3_30B_A3B, synthetic_record
+from routereplay.domain.record import Geometry, Record
 from routereplay.errors import RouteReplayError
-from routereplay.launch import start_service, stop_process
-from routereplay.record import Geometry, Record
-from routereplay.synthetic import QWEN3_30B_A3B, synthetic_record
+from routereplay.rpc.client import RouteCacheClient
 
 MIB = 2**20
 

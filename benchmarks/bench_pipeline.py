@@ -38,10 +38,10 @@ from benchmarks.common import machine, write_section  # noqa: E402
 from rollout_server.config import Config  # noqa: E402
 from rollout_server.engine import VLLMEngine  # noqa: E402
 from rollout_server.server import RolloutServer  # noqa: E402
-from routereplay.launch import start_service, stop_process  # noqa: E402
-from routereplay.rollout import SampleDelta, SampleDone, SampleFailed, SamplingOptions  # noqa: E402
-from routereplay.rollout_client import AsyncRolloutClient  # noqa: E402
-from routereplay.tiny_model import BENCH_SIZE, TINY_SIZE, build_tiny_model  # noqa: E402
+from routereplay.dev.launch import start_service, stop_process  # noqa: E402
+from routereplay.dev.tiny_model import BENCH_SIZE, TINY_SIZE, build_tiny_model  # noqa: E402
+from routereplay.domain.rollout import SampleDelta, SampleDone, SampleFailed, SamplingOptions  # noqa: E402
+from routereplay.rpc.rollout_client import AsyncRolloutClient  # noqa: E402
 from trainer.data.source import CacheSource  # noqa: E402
 from trainer.reshard import (  # noqa: E402
     Layout,

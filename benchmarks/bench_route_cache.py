@@ -44,11 +44,11 @@ from common import machine, median_time, write_section  # noqa: E402
 from raw_grpc import RawClient  # noqa: E402
 
 from route_cache.embedded import start_embedded_redis  # noqa: E402
-from routereplay.client import RouteCacheClient  # noqa: E402
-from routereplay.codec import Encoding, encode_routes  # noqa: E402
-from routereplay.launch import start_service, stop_process  # noqa: E402
-from routereplay.synthetic import DEEPSEEK_V3, QWEN3_30B_A3B, synthetic_record  # noqa: E402
-from routereplay.wire import DEFAULT_CHUNK_BYTES  # noqa: E402
+from routereplay.dev.launch import start_service, stop_process  # noqa: E402
+from routereplay.dev.synthetic import DEEPSEEK_V3, QWEN3_30B_A3B, synthetic_record  # noqa: E402
+from routereplay.domain.codec import Encoding, encode_routes  # noqa: E402
+from routereplay.rpc.client import RouteCacheClient  # noqa: E402
+from routereplay.rpc.wire import DEFAULT_CHUNK_BYTES  # noqa: E402
 
 MIB = 2**20
 DISTRIBUTIONS = {"uniform": 0.0, "zipf": 1.0}

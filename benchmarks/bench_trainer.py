@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
-    from routereplay.tiny_model import MoESize, build_tiny_model
+    from routereplay.dev.tiny_model import MoESize, build_tiny_model
     from trainer.parallel import single_process
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 
 import grpc
 
-from routereplay.grpc_server import (
+from routereplay.rpc.grpc_server import (
     ServerLimits,
     channel_options,
     make_server,

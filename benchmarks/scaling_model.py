@@ -40,8 +40,8 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
 import benchmarks.common as common  # noqa: E402  (run_all points RESULTS elsewhere)
-from routereplay.record import Geometry  # noqa: E402
-from routereplay.synthetic import DEEPSEEK_V3, QWEN3_30B_A3B  # noqa: E402
+from routereplay.dev.synthetic import DEEPSEEK_V3, QWEN3_30B_A3B  # noqa: E402
+from routereplay.domain.record import Geometry  # noqa: E402
 
 MIB = 2**20
 GIB = 2**30

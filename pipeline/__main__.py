@@ -32,17 +32,17 @@ from urllib.parse import urlsplit
 import redis
 
 from pipeline.report import MODES, figure, mode_lines
-from routereplay.client import RouteCacheClient
-from routereplay.launch import start_service, stop_process
-from routereplay.record import check_routes
-from routereplay.rollout import SampleDelta, SampleDone, SampleFailed, SamplingOptions
-from routereplay.rollout_client import AsyncRolloutClient
-from routereplay.tiny_model import (
+from routereplay.dev.launch import start_service, stop_process
+from routereplay.dev.tiny_model import (
     DEFAULT_FAMILY,
     FAMILIES,
     REALISTIC_ROUTER_SPREAD,
     build_tiny_model,
 )
+from routereplay.domain.record import check_routes
+from routereplay.domain.rollout import SampleDelta, SampleDone, SampleFailed, SamplingOptions
+from routereplay.rpc.client import RouteCacheClient
+from routereplay.rpc.rollout_client import AsyncRolloutClient
 
 PROMPTS = [
     "The router picks two experts for every token because",

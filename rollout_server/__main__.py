@@ -17,7 +17,7 @@ def model_folder(config: Config) -> Path:
     """The checkpoint to serve: ``config.model``, or the embedded tiny model, built once."""
     if config.model:
         return Path(config.model)
-    from routereplay.tiny_model import build_tiny_model
+    from routereplay.dev.tiny_model import build_tiny_model
 
     folder = Path(config.tiny_model_dir or Path(tempfile.gettempdir()) / "router-replay-tiny-moe")
     if not (folder / "config.json").is_file():

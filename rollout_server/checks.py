@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rollout_server.engine import Engine
+from routereplay.domain.rollout import SamplingOptions
 from routereplay.errors import InvalidArgument
-from routereplay.rollout import SamplingOptions
 
 
 def prompt_token_ids(engine: Engine, prompt: str | Sequence[int], name: str) -> list[int]:

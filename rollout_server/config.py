@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from routereplay.grpc_server import MIB, ServerLimits
-from routereplay.metrics import MetricsConfig
-from routereplay.security import ClientSecurity, ServerSecurity
-from routereplay.service_config import parse_service_config
+from routereplay.rpc.grpc_server import MIB, ServerLimits
+from routereplay.rpc.metrics import MetricsConfig
+from routereplay.rpc.security import ClientSecurity, ServerSecurity
+from routereplay.rpc.service_config import parse_service_config
 
 ENV_PREFIX = "ROLLOUT_SERVER_"
 
@@ -19,7 +19,7 @@ class Config:
     """Attributes:
     host, port: where to listen (port 0 picks a free one).
     model: local Hugging Face MoE checkpoint folder; empty builds and serves the embedded
-        tiny Qwen3-MoE (``routereplay.tiny_model``) in ``tiny_model_dir``.
+        tiny Qwen3-MoE (``routereplay.dev.tiny_model``) in ``tiny_model_dir``.
     model_id: identifier stored in every record's geometry; empty: the model folder's name.
     tiny_model_dir: where the embedded model is built; empty: a folder in the temp dir.
     route_cache: ``host:port`` of the route cache.
@@ -38,7 +38,7 @@ class Config:
     write_retry_s: how long a write is retried before it is given up.
     cache_timeout_s: deadline of one route cache call.
     grace_s: how long in-flight calls and pending writes may finish on shutdown.
-    security: TLS and the bearer token of this server (``routereplay.security``).
+    security: TLS and the bearer token of this server (``routereplay.rpc.security``).
     route_cache_security: TLS and the token for reaching the route cache (flags
         ``--route-cache-ca-file`` and so on; the token from ``ROLLOUT_SERVER_ROUTE_CACHE_TOKEN``
         or ``--route-cache-token-file``).
@@ -77,7 +77,7 @@ class Config:
     route_cache_security: ClientSecurity = field(
         default_factory=ClientSecurity, metadata={"flag_prefix": "route_cache_"}
     )
-    # The Prometheus endpoint: --metrics, --metrics-port (off by default; routereplay.metrics).
+    # The Prometheus endpoint: --metrics, --metrics-port (off by default; routereplay.rpc.metrics).
     metrics: MetricsConfig = field(default_factory=lambda: MetricsConfig(metrics_port=9465))
 
     @property

@@ -28,7 +28,15 @@ from rollout_server.checks import check_range, check_sampling, prompt_token_ids
 from rollout_server.engine import Completion, Engine
 from rollout_server.weights import PolicyGate, check_checkpoint
 from rollout_server.writer import RecordWriter
-from routereplay.client import AsyncRouteCacheClient
+from routereplay.domain.record import Record, Turn, TurnAppend, check_sample_id
+from routereplay.domain.rollout import (
+    SampleDelta,
+    SampleDone,
+    SampleEvent,
+    SampleFailed,
+    SampleRequest,
+    SamplingOptions,
+)
 from routereplay.errors import (
     AlreadyExists,
     CaptureError,
@@ -38,15 +46,7 @@ from routereplay.errors import (
     RouteReplayError,
     Unavailable,
 )
-from routereplay.record import Record, Turn, TurnAppend, check_sample_id
-from routereplay.rollout import (
-    SampleDelta,
-    SampleDone,
-    SampleEvent,
-    SampleFailed,
-    SampleRequest,
-    SamplingOptions,
-)
+from routereplay.rpc.client import AsyncRouteCacheClient
 
 log = logging.getLogger(__name__)
 

@@ -12,14 +12,14 @@ from rollout_server.config import Config
 from rollout_server.engine import Engine
 from rollout_server.rollout import Rollout, RolloutLimits
 from rollout_server.writer import RecordWriter
-from routereplay.client import AsyncRouteCacheClient
-from routereplay.grpc_server import make_aio_server, set_serving_aio
-from routereplay.metrics import ServiceMetrics
-from routereplay.rollout import SampleRequest
-from routereplay.rollout_wire import event_to_pb, prompt_from_pb, sampling_from_pb
-from routereplay.security import add_port
+from routereplay.domain.rollout import SampleRequest
+from routereplay.rpc.client import AsyncRouteCacheClient
+from routereplay.rpc.grpc_server import make_aio_server, set_serving_aio
+from routereplay.rpc.metrics import ServiceMetrics
+from routereplay.rpc.rollout_wire import event_to_pb, prompt_from_pb, sampling_from_pb
+from routereplay.rpc.security import add_port
+from routereplay.rpc.wire import geometry_to_pb
 from routereplay.v1 import rollout_pb2, rollout_pb2_grpc
-from routereplay.wire import geometry_to_pb
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from routereplay.domain.model_geometry import MoEGeometry, load_geometry
 from routereplay.errors import FailedPrecondition, InvalidArgument, NotFound
-from routereplay.model_geometry import MoEGeometry, load_geometry
 
 
 class PolicyGate:

@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from routereplay.client import AsyncRouteCacheClient, WriteResult
+from routereplay.domain.record import Record, TurnAppend
 from routereplay.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -27,7 +27,7 @@ from routereplay.errors import (
     RouteReplayError,
     Unavailable,
 )
-from routereplay.record import Record, TurnAppend
+from routereplay.rpc.client import AsyncRouteCacheClient, WriteResult
 
 log = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from routereplay.grpc_server import MIB, ServerLimits
-from routereplay.metrics import MetricsConfig
-from routereplay.security import ENV_ONLY, ServerSecurity, read_secret
-from routereplay.service_config import parse_service_config
+from routereplay.rpc.grpc_server import MIB, ServerLimits
+from routereplay.rpc.metrics import MetricsConfig
+from routereplay.rpc.security import ENV_ONLY, ServerSecurity, read_secret
+from routereplay.rpc.service_config import parse_service_config
 
 ENV_PREFIX = "ROUTE_CACHE_"
 # Below the 30 s socket timeout the service gives its Redis client: a waiting read must not
@@ -75,9 +75,9 @@ class Config:
     ready_max_block_ms: the longest a ReadReady may wait for new entries (each waiting call
         holds a handler thread; keep it below the Redis client's socket timeout).
     redis: the Redis password and TLS (``RedisSecurity``).
-    security: TLS and the bearer token of this server (``routereplay.security``).
+    security: TLS and the bearer token of this server (``routereplay.rpc.security``).
     metrics: the Prometheus endpoint (``--metrics``, ``--metrics-port``, default 9464; off
-        by default, see ``routereplay.metrics``).
+        by default, see ``routereplay.rpc.metrics``).
     """
 
     host: str = "0.0.0.0"

@@ -25,7 +25,7 @@ import redis
 
 from route_cache.store import unavailable_on_connection_errors
 from routereplay.errors import InvalidArgument
-from routereplay.ready import ReadyEntry, ReadyPage
+from routereplay.rpc.ready import ReadyEntry, ReadyPage
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,14 @@ from prometheus_client.core import GaugeMetricFamily
 from route_cache.config import Config
 from route_cache.feed import ReadyFeed, check_entry_id
 from route_cache.store import RouteStore, StoredBlock, StoredRecord
-from routereplay.codec import LayerParts, decode_routes, join_layers
+from routereplay.domain.codec import LayerParts, decode_routes, join_layers
+from routereplay.domain.record import (
+    check_layer_selection,
+    check_routes,
+    check_sample_id,
+    check_token_ids,
+    check_turns,
+)
 from routereplay.errors import (
     DataLoss,
     FailedPrecondition,
@@ -20,19 +27,11 @@ from routereplay.errors import (
     NotFound,
     ResourceExhausted,
 )
-from routereplay.grpc_server import make_server, set_serving, wait_for_termination
-from routereplay.metrics import ServiceMetrics
-from routereplay.ready import ReadyEntry
-from routereplay.record import (
-    check_layer_selection,
-    check_routes,
-    check_sample_id,
-    check_token_ids,
-    check_turns,
-)
-from routereplay.security import add_port
-from routereplay.v1 import route_cache_pb2, route_cache_pb2_grpc
-from routereplay.wire import (
+from routereplay.rpc.grpc_server import make_server, set_serving, wait_for_termination
+from routereplay.rpc.metrics import ServiceMetrics
+from routereplay.rpc.ready import ReadyEntry
+from routereplay.rpc.security import add_port
+from routereplay.rpc.wire import (
     DEFAULT_CHUNK_BYTES,
     ChunkCollector,
     block_to_pb,
@@ -47,6 +46,7 @@ from routereplay.wire import (
     turn_from_pb,
     turn_to_pb,
 )
+from routereplay.v1 import route_cache_pb2, route_cache_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -47,7 +47,8 @@ import redis
 import redis.cluster
 import xxhash
 
-from routereplay.codec import EncodedRoutes, Encoding, LayerParts, split_layers
+from routereplay.domain.codec import EncodedRoutes, Encoding, LayerParts, split_layers
+from routereplay.domain.record import Geometry, Turn, check_layer_selection
 from routereplay.errors import (
     AlreadyExists,
     DataLoss,
@@ -56,7 +57,6 @@ from routereplay.errors import (
     NotFound,
     Unavailable,
 )
-from routereplay.record import Geometry, Turn, check_layer_selection
 
 FORMAT_VERSION = 2
 # Whole-block route fields: still read whole, not selectable or appendable.

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-from routereplay.client import RouteCacheClient
+from routereplay.domain.record import Record
+from routereplay.domain.record_file import load_records, save_records
+from routereplay.domain.route_stats import agreement, expert_load, summarize_load
 from routereplay.errors import RouteReplayError
-from routereplay.record import Record
-from routereplay.record_file import load_records, save_records
-from routereplay.route_stats import agreement, expert_load, summarize_load
+from routereplay.rpc.client import RouteCacheClient
 
 CACHE = "cache:"
 

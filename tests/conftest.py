@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from routereplay.launch import free_ports
+from routereplay.dev.launch import free_ports
 
 
 def redis_server_binary() -> str:
@@ -169,12 +169,12 @@ def redis_cluster_nodes():
 def tiny_model_dir(tmp_path_factory):
     """The embedded tiny Qwen3-MoE (dense layer 0, MoE layers 1-3), built once per session."""
     pytest.importorskip("transformers")
-    from routereplay.tiny_model import build_tiny_model
+    from routereplay.dev.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-moe"), seed=0)
 
 
-# The other families of routereplay.tiny_model (qwen3_moe is tiny_model_dir).
+# The other families of routereplay.dev.tiny_model (qwen3_moe is tiny_model_dir).
 OTHER_FAMILIES = ("qwen2_moe", "mixtral", "glm4_moe")
 
 
@@ -183,7 +183,7 @@ def family_model_dir(tmp_path_factory):
     """``family_model_dir(family)``: the embedded tiny model of that family, built once per
     session on first use (``qwen3_moe`` is ``tiny_model_dir``'s model)."""
     pytest.importorskip("transformers")
-    from routereplay.tiny_model import build_tiny_model
+    from routereplay.dev.tiny_model import build_tiny_model
 
     built = {}
 

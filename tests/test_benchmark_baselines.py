@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks.bench_pipeline import summarize
 from benchmarks.raw_grpc import RawClient
-from routereplay.launch import start_service, stop_process
+from routereplay.dev.launch import start_service, stop_process
 
 
 @pytest.fixture(scope="module")

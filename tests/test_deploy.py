@@ -227,7 +227,7 @@ def test_service_settings_match_the_code():
     from rollout_server.config import Config as RolloutConfig
     from route_cache.config import ENV_PREFIX as CACHE_PREFIX
     from route_cache.config import Config as CacheConfig
-    from routereplay.service_config import env_names
+    from routereplay.rpc.service_config import env_names
 
     known = env_names(CacheConfig, CACHE_PREFIX) | env_names(RolloutConfig, ROLLOUT_PREFIX)
     files = [ROOT / "docker-compose.yml", *manifests()]

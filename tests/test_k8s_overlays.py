@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import redis
 
-from routereplay.launch import free_ports
+from routereplay.dev.launch import free_ports
 
 yaml = pytest.importorskip("yaml")
 
@@ -314,7 +314,7 @@ def test_route_cache_speaks_cluster_to_the_cluster_service():
     headless Service's client port, wait for no more replicas than each master gets, and sign
     in with the Secret the nodes take their password from."""
     from route_cache.config import ENV_PREFIX, Config
-    from routereplay.service_config import env_names
+    from routereplay.rpc.service_config import env_names
     from tests.test_deploy import deployed_settings
 
     rendered = objects(CLUSTER)
@@ -478,10 +478,10 @@ def test_redis_cluster_nodes_and_job_make_a_cluster_the_route_cache_uses(tmp_pat
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         pytest.skip("redis-server and redis-cli are not installed")
     from route_cache.store import record_key
-    from routereplay.client import RouteCacheClient
-    from routereplay.launch import start_service, stop_process
-    from routereplay.security import ClientSecurity
-    from routereplay.synthetic import synthetic_record
+    from routereplay.dev.launch import start_service, stop_process
+    from routereplay.dev.synthetic import synthetic_record
+    from routereplay.rpc.client import RouteCacheClient
+    from routereplay.rpc.security import ClientSecurity
     from tests.route_cache.conftest import SMALL
     from tests.route_cache.test_server import assert_same
 
@@ -711,7 +711,7 @@ def test_probes_ask_liveness_of_the_process_and_readiness_of_its_dependencies():
     dependencies; the Redis nodes are probed on their port."""
     from rollout_server.server import SERVICE_NAME as ROLLOUT
     from route_cache.server import SERVICE_NAME as ROUTE_CACHE
-    from routereplay.grpc_server import LIVENESS
+    from routereplay.rpc.grpc_server import LIVENESS
 
     rendered = objects(BASE) | objects(CLUSTER)
     for name, service in (("route-cache", ROUTE_CACHE), ("rollout-server", ROLLOUT)):
@@ -838,7 +838,7 @@ def test_metrics_components_go_on_any_overlay(overlay, tmp_path):
     if not VALIDATE.exists():
         pytest.skip("kubernetes-validate is not installed")
     from route_cache.server import NAMESPACE
-    from routereplay.metrics import ServiceMetrics
+    from routereplay.rpc.metrics import ServiceMetrics
 
     mine = with_components(tmp_path, overlay, "metrics-scraping", "route-cache-custom-metrics")
     result = validate(mine, tmp_path)

@@ -49,7 +49,7 @@ def sample_ids(spec: str | None, config) -> list[str]:
     path = config.router_replay.replay_file or config.data.records_file
     if not path:
         raise SystemExit("--ids is needed with the route cache")
-    from routereplay.record_file import load_records
+    from routereplay.domain.record_file import load_records
 
     return [r.sample_id for r in load_records(path)]
 

@@ -90,8 +90,8 @@ class RouteCacheConfig:
     token_file: str = ""
 
     def security(self):
-        """These settings as a ``routereplay.security.ClientSecurity`` for the client."""
-        from routereplay.security import ClientSecurity
+        """These settings as a ``routereplay.rpc.security.ClientSecurity`` for the client."""
+        from routereplay.rpc.security import ClientSecurity
 
         return ClientSecurity(
             tls=self.tls, ca_file=self.ca_file, cert_file=self.cert_file,
@@ -161,8 +161,8 @@ class TrainConfig:
         return self.mini_batch_size or self.micro_batch_size
 
     def push_security(self):
-        """How to reach the rollout servers, a ``routereplay.security.ClientSecurity``."""
-        from routereplay.security import ClientSecurity
+        """How to reach the rollout servers, a ``routereplay.rpc.security.ClientSecurity``."""
+        from routereplay.rpc.security import ClientSecurity
 
         return ClientSecurity(ca_file=self.push_ca_file, token_file=self.push_token_file)
 

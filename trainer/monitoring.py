@@ -4,14 +4,14 @@ Updated from each step's report (``RLStep.run``; every figure is already summed 
 the ranks there): how long the step took, how long the loop waited for its batch's records,
 routing agreement per MoE layer, and the route bytes read from the route cache against the
 stored bytes of the batch's records. Off by default, like the services' endpoints
-(``routereplay.metrics``): ``/metrics`` has no TLS or token, so keep its port internal.
+(``routereplay.rpc.metrics``): ``/metrics`` has no TLS or token, so keep its port internal.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from routereplay.metrics import LATENCY_BUCKETS
+from routereplay.rpc.metrics import LATENCY_BUCKETS
 
 NAMESPACE = "trainer"
 # A tiny model's step takes a second on a CPU; a large one's minutes.

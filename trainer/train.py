@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-from routereplay.record import Record
-from routereplay.record_file import save_records
+from routereplay.domain.record import Record
+from routereplay.domain.record_file import save_records
 from trainer import checkpoint
 from trainer.config import TrainerConfig
 from trainer.data.source import BatchPlan, CacheSource, FeedPlans, FileSource, Prefetcher

@@ -83,7 +83,7 @@ class CacheProcess:
 
     def __init__(self, redis_url: str):
         from route_cache.store import RouteStore, connect
-        from routereplay.launch import free_port
+        from routereplay.dev.launch import free_port
 
         self.port = free_port()
         self.store = RouteStore(connect(redis_url, cluster=False), ttl_ms=600_000)
@@ -117,7 +117,7 @@ def route_cache(redis_node):
 @pytest.fixture(scope="session")
 def cache_reader(route_cache):
     """A blocking route cache client for reading records back."""
-    from routereplay.client import RouteCacheClient
+    from routereplay.rpc.client import RouteCacheClient
 
     with RouteCacheClient(route_cache.target, timeout_s=10) as client:
         yield client
@@ -135,7 +135,7 @@ def rollout_config(route_cache_target: str, **overrides):
 def rollout(vllm_engine, route_cache, loop):
     """A rollout server on the session engine, and an asyncio client of it."""
     from rollout_server.server import RolloutServer
-    from routereplay.rollout_client import AsyncRolloutClient
+    from routereplay.rpc.rollout_client import AsyncRolloutClient
 
     async def start():
         server = await RolloutServer(rollout_config(route_cache.target), vllm_engine).start()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from routereplay.rollout import SampleDone, SamplingOptions
+from routereplay.domain.rollout import SampleDone, SamplingOptions
 from tests.conftest import OTHER_FAMILIES
 from tests.rollout_server.conftest import MAX_NUM_BATCHED_TOKENS, rollout_config
 from tests.rollout_server.oracle import (
@@ -45,7 +45,7 @@ EXPECTED_MOE_LAYERS = {"qwen2_moe": (1, 2, 3), "mixtral": (0, 1, 2, 3), "glm4_mo
 def _serve_and_check(family, model_dir, route_cache, cache_reader, loop, work_dir):
     from rollout_server.engine import VLLMEngine
     from rollout_server.server import RolloutServer
-    from routereplay.rollout_client import AsyncRolloutClient
+    from routereplay.rpc.rollout_client import AsyncRolloutClient
 
     async def start():
         engine = VLLMEngine(

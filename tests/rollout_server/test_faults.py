@@ -18,10 +18,10 @@ import psutil
 import pytest
 import redis
 
+from routereplay.dev.launch import free_port, wait_serving
+from routereplay.domain.rollout import SampleDelta, SamplingOptions
 from routereplay.errors import NotFound, Unavailable
-from routereplay.launch import free_port, wait_serving
-from routereplay.rollout import SampleDelta, SamplingOptions
-from routereplay.rollout_client import AsyncRolloutClient
+from routereplay.rpc.rollout_client import AsyncRolloutClient
 from tests.route_cache.conftest import raw_keys
 
 pytest.importorskip("vllm")

@@ -20,8 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
+from routereplay.domain.record import check_sample_id
 from routereplay.errors import InvalidArgument, NotFound
-from routereplay.record import check_sample_id
 from routereplay.v1 import rollout_pb2, rollout_pb2_grpc
 
 FUZZ = settings(

@@ -10,13 +10,13 @@ from rollout_server.server import RolloutServer
 from route_cache.config import Config as CacheConfig
 from route_cache.server import RouteCacheServer
 from route_cache.store import RouteStore, connect
-from routereplay.client import RouteCacheClient
-from routereplay.devcerts import generate
+from routereplay.dev.devcerts import generate
+from routereplay.domain.rollout import SampleDone, SamplingOptions
 from routereplay.errors import InvalidArgument, ResourceExhausted, RouteReplayError
-from routereplay.grpc_server import MIB, ServerLimits
-from routereplay.rollout import SampleDone, SamplingOptions
-from routereplay.rollout_client import AsyncRolloutClient
-from routereplay.security import ClientSecurity, ServerSecurity, secure_aio_channel
+from routereplay.rpc.client import RouteCacheClient
+from routereplay.rpc.grpc_server import MIB, ServerLimits
+from routereplay.rpc.rollout_client import AsyncRolloutClient
+from routereplay.rpc.security import ClientSecurity, ServerSecurity, secure_aio_channel
 from routereplay.v1 import rollout_pb2, rollout_pb2_grpc
 from tests.rollout_server.conftest import rollout_config
 

@@ -14,6 +14,7 @@ import uuid
 import numpy as np
 import pytest
 
+from routereplay.domain.rollout import SampleDelta, SampleDone, SampleFailed, SamplingOptions
 from routereplay.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -22,8 +23,7 @@ from routereplay.errors import (
     RouteReplayError,
     Unavailable,
 )
-from routereplay.rollout import SampleDelta, SampleDone, SampleFailed, SamplingOptions
-from routereplay.rollout_client import AsyncRolloutClient
+from routereplay.rpc.rollout_client import AsyncRolloutClient
 from tests.rollout_server.conftest import rollout_config
 from tests.rollout_server.oracle import assert_record_matches
 
@@ -312,7 +312,7 @@ def test_backpressure_refuses_with_unavailable(vllm_engine, loop):
     """A cache that is down: writes pile up to the limit, then new calls get UNAVAILABLE, and
     nothing is ever reported as stored."""
     from rollout_server.server import RolloutServer
-    from routereplay.launch import free_port
+    from routereplay.dev.launch import free_port
 
     config = rollout_config(f"127.0.0.1:{free_port()}", max_pending_writes=1, store_wait_s=0.3,
                             write_retry_s=30, cache_timeout_s=1)  # fmt: skip
@@ -397,7 +397,7 @@ def test_metrics_endpoint(vllm_engine, route_cache, loop):
     """A real HTTP scrape of a rollout server with metrics on: the calls, the tokens generated
     and the stored samples move with a generation; the policy version is exported."""
     from rollout_server.server import RolloutServer
-    from routereplay.metrics import MetricsConfig, scrape
+    from routereplay.rpc.metrics import MetricsConfig, scrape
 
     metrics = MetricsConfig(True, "127.0.0.1", 0)  # a free port
     config = rollout_config(route_cache.target, metrics=metrics, policy_version=7)

@@ -10,11 +10,11 @@ import asyncio
 import pytest
 
 from rollout_server.server import RolloutServer
-from routereplay.devcerts import generate
+from routereplay.dev.devcerts import generate
+from routereplay.domain.rollout import SampleDone, SamplingOptions
 from routereplay.errors import RouteReplayError
-from routereplay.rollout import SampleDone, SamplingOptions
-from routereplay.rollout_client import AsyncRolloutClient
-from routereplay.security import ClientSecurity, ServerSecurity
+from routereplay.rpc.rollout_client import AsyncRolloutClient
+from routereplay.rpc.security import ClientSecurity, ServerSecurity
 from tests.rollout_server.conftest import rollout_config
 from trainer.model.export import push_weights
 

@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
+from routereplay.domain.rollout import SampleDone, SamplingOptions
 from routereplay.errors import FailedPrecondition, InvalidArgument, NotFound
-from routereplay.rollout import SampleDone, SamplingOptions
 from tests.rollout_server.oracle import assert_record_matches, load_hf_model
 
 # Long enough for several KV blocks, so a repeat can hit the prefix cache.
@@ -24,7 +24,7 @@ GREEDY = SamplingOptions(temperature=0.0, max_tokens=8)
 
 @pytest.fixture(scope="module")
 def second_checkpoint(tmp_path_factory):
-    from routereplay.tiny_model import build_tiny_model
+    from routereplay.dev.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-seed1"), seed=1)
 
@@ -80,7 +80,7 @@ def test_update_weights_live(
 
 
 def test_update_weights_refuses_bad_checkpoints(rollout, loop, tmp_path, tiny_model_dir):
-    from routereplay.tiny_model import build_tiny_model
+    from routereplay.dev.tiny_model import build_tiny_model
 
     server, client = rollout
     version = server.rollout.policy_version

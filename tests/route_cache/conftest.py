@@ -9,8 +9,8 @@ import redis
 from route_cache.config import Config
 from route_cache.server import RouteCacheServer
 from route_cache.store import RouteStore, connect
-from routereplay.client import RouteCacheClient
-from routereplay.record import Geometry
+from routereplay.domain.record import Geometry
+from routereplay.rpc.client import RouteCacheClient
 
 # Small but shaped like the real thing: a dense layer 0, MoE layers 1-5, top-4 of 16.
 SMALL = Geometry((1, 2, 3, 4, 5), topk=4, num_experts=16, model_id="test-moe")

@@ -13,9 +13,9 @@ import grpc
 import numpy as np
 import pytest
 
-from routereplay.codec import Encoding
-from routereplay.record import Turn, TurnAppend
-from routereplay.synthetic import synthetic_record
+from routereplay.dev.synthetic import synthetic_record
+from routereplay.domain.codec import Encoding
+from routereplay.domain.record import Turn, TurnAppend
 from tests.route_cache.conftest import SMALL, WIDE
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "fetch_batch.py"

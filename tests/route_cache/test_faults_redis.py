@@ -13,10 +13,10 @@ import redis
 from route_cache.config import Config
 from route_cache.server import RouteCacheServer
 from route_cache.store import RouteStore, connect, record_key
-from routereplay.client import RetryPolicy, RouteCacheClient
+from routereplay.dev.synthetic import synthetic_record
+from routereplay.domain.record import Missing
 from routereplay.errors import NotFound, Unavailable
-from routereplay.record import Missing
-from routereplay.synthetic import synthetic_record
+from routereplay.rpc.client import RetryPolicy, RouteCacheClient
 from tests.conftest import RedisProcess, start_cluster_with_replicas
 from tests.route_cache.conftest import SMALL
 from tests.route_cache.test_process import CacheProcess

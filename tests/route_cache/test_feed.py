@@ -13,11 +13,11 @@ import pytest
 from route_cache.config import Config, parse_config
 from route_cache.server import RouteCacheServer
 from route_cache.store import RouteStore, connect
-from routereplay.client import AsyncRouteCacheClient, RouteCacheClient
+from routereplay.dev.synthetic import synthetic_record
+from routereplay.domain.record import Turn, TurnAppend
 from routereplay.errors import FailedPrecondition, InvalidArgument
-from routereplay.ready import ReadyConsumer
-from routereplay.record import Turn, TurnAppend
-from routereplay.synthetic import synthetic_record
+from routereplay.rpc.client import AsyncRouteCacheClient, RouteCacheClient
+from routereplay.rpc.ready import ReadyConsumer
 from tests.route_cache.conftest import SMALL
 
 

@@ -24,13 +24,13 @@ from hypothesis import strategies as st
 from route_cache.config import Config
 from route_cache.server import RouteCacheServer
 from route_cache.store import RouteStore, connect, record_key
-from routereplay.client import RouteCacheClient
-from routereplay.codec import EncodedRoutes, Encoding, checksum, decode_routes, encode_routes
+from routereplay.dev.synthetic import synthetic_record, synthetic_routes
+from routereplay.domain.codec import EncodedRoutes, Encoding, checksum, decode_routes, encode_routes
+from routereplay.domain.record import Geometry, Turn, TurnAppend
 from routereplay.errors import DataLoss, InvalidArgument
-from routereplay.record import Geometry, Turn, TurnAppend
-from routereplay.synthetic import synthetic_record, synthetic_routes
+from routereplay.rpc.client import RouteCacheClient
+from routereplay.rpc.wire import append_requests, write_requests
 from routereplay.v1 import record_pb2, route_cache_pb2, route_cache_pb2_grpc
-from routereplay.wire import append_requests, write_requests
 from tests.route_cache.conftest import SMALL, WIDE
 
 FUZZ = settings(

@@ -12,13 +12,13 @@ import pytest
 import xxhash
 
 from route_cache.store import record_key
-from routereplay.client import AsyncRouteCacheClient
-from routereplay.codec import Encoding, encode_routes
+from routereplay.dev.synthetic import synthetic_record
+from routereplay.domain.codec import Encoding, encode_routes
+from routereplay.domain.record import Record, Turn, TurnAppend
 from routereplay.errors import DataLoss, FailedPrecondition, InvalidArgument
-from routereplay.record import Record, Turn, TurnAppend
-from routereplay.synthetic import synthetic_record
+from routereplay.rpc.client import AsyncRouteCacheClient
+from routereplay.rpc.wire import read_records
 from routereplay.v1 import record_pb2, route_cache_pb2, route_cache_pb2_grpc
-from routereplay.wire import read_records
 from tests.route_cache.conftest import SMALL, WIDE
 
 SELECTIONS = [range(0, 1), range(1, 3), [0, 2], [4], range(5)]

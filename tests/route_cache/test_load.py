@@ -5,8 +5,8 @@ benchmarks/bench_load.py, which runs it at full size."""
 from __future__ import annotations
 
 from benchmarks.bench_load import LoadConfig, run_load, start_cache
-from routereplay.launch import stop_process
-from routereplay.synthetic import QWEN3_30B_A3B
+from routereplay.dev.launch import stop_process
+from routereplay.dev.synthetic import QWEN3_30B_A3B
 
 
 def test_load_small_loses_nothing(redis_node):

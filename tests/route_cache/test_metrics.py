@@ -8,10 +8,10 @@ import pytest
 
 from route_cache.config import Config, parse_config
 from route_cache.server import RouteCacheServer
-from routereplay.client import RouteCacheClient
+from routereplay.dev.synthetic import synthetic_record
 from routereplay.errors import AlreadyExists, NotFound
-from routereplay.metrics import MetricsConfig, scrape
-from routereplay.synthetic import synthetic_record
+from routereplay.rpc.client import RouteCacheClient
+from routereplay.rpc.metrics import MetricsConfig, scrape
 from tests.route_cache.conftest import SMALL
 
 

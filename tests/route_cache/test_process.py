@@ -16,14 +16,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from route_cache.server import SERVICE_NAME
 from route_cache.store import STAGING_TTL_MS
-from routereplay.client import RetryPolicy, RouteCacheClient
-from routereplay.codec import encode_routes
+from routereplay.dev.launch import free_port, start_service, stop_process
+from routereplay.dev.synthetic import synthetic_record
+from routereplay.domain.codec import encode_routes
 from routereplay.errors import Unavailable
-from routereplay.grpc_server import LIVENESS
-from routereplay.launch import free_port, start_service, stop_process
-from routereplay.synthetic import synthetic_record
+from routereplay.rpc.client import RetryPolicy, RouteCacheClient
+from routereplay.rpc.grpc_server import LIVENESS
+from routereplay.rpc.wire import write_requests
 from routereplay.v1 import route_cache_pb2_grpc
-from routereplay.wire import write_requests
 from tests.conftest import RedisProcess
 from tests.route_cache.conftest import SMALL, raw_keys
 

@@ -20,13 +20,14 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from route_cache.config import Config, RedisSecurity
 from route_cache.server import RouteCacheServer
 from route_cache.store import RouteStore, connect, record_key
-from routereplay.client import AsyncRouteCacheClient, RetryPolicy, RouteCacheClient
-from routereplay.codec import Encoding, encode_routes
-from routereplay.devcerts import generate
+from routereplay.dev.devcerts import generate
+from routereplay.dev.launch import free_port, start_service, stop_process
+from routereplay.dev.synthetic import synthetic_record
+from routereplay.domain.codec import Encoding, encode_routes
 from routereplay.errors import InvalidArgument, NotFound, ResourceExhausted, RouteReplayError
-from routereplay.grpc_server import MIB, ServerLimits
-from routereplay.launch import free_port, start_service, stop_process
-from routereplay.security import (
+from routereplay.rpc.client import AsyncRouteCacheClient, RetryPolicy, RouteCacheClient
+from routereplay.rpc.grpc_server import MIB, ServerLimits
+from routereplay.rpc.security import (
     MISSING_TOKEN,
     PLAINTEXT,
     WRONG_TOKEN,
@@ -34,9 +35,8 @@ from routereplay.security import (
     ServerSecurity,
     secure_channel,
 )
-from routereplay.synthetic import synthetic_record
+from routereplay.rpc.wire import write_requests
 from routereplay.v1 import route_cache_pb2, route_cache_pb2_grpc
-from routereplay.wire import write_requests
 from tests.conftest import RedisProcess, start_cluster
 from tests.route_cache.conftest import SMALL
 
@@ -487,7 +487,7 @@ def test_container_healthcheck_over_mutual_tls(serve, certs, token_file):
     target = serve(security=security)
 
     def check(**env) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "routereplay.healthcheck", target],
+        return subprocess.run([sys.executable, "-m", "routereplay.rpc.healthcheck", target],
                               env={**os.environ, **env}, capture_output=True, text=True,
                               timeout=60)  # fmt: skip
 

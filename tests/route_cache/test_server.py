@@ -10,13 +10,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from routereplay.client import AsyncRouteCacheClient, RouteCacheClient
-from routereplay.codec import Encoding, encode_routes
+from routereplay.dev.synthetic import synthetic_record, synthetic_routes
+from routereplay.domain.codec import Encoding, encode_routes
+from routereplay.domain.record import Missing, Turn, TurnAppend
 from routereplay.errors import AlreadyExists, FailedPrecondition, NotFound
-from routereplay.record import Missing, Turn, TurnAppend
-from routereplay.synthetic import synthetic_record, synthetic_routes
+from routereplay.rpc.client import AsyncRouteCacheClient, RouteCacheClient
+from routereplay.rpc.wire import write_requests
 from routereplay.v1 import record_pb2, route_cache_pb2, route_cache_pb2_grpc
-from routereplay.wire import write_requests
 from tests.route_cache.conftest import SMALL, WIDE, raw_keys
 
 
@@ -272,8 +272,8 @@ def test_redis_down_is_unavailable_and_not_serving(rng, sid):
     from route_cache.config import Config
     from route_cache.server import RouteCacheServer
     from route_cache.store import RouteStore, connect
-    from routereplay.client import RetryPolicy
     from routereplay.errors import Unavailable
+    from routereplay.rpc.client import RetryPolicy
     from tests.conftest import RedisProcess
 
     node = RedisProcess().start()

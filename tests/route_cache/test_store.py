@@ -7,10 +7,10 @@ import pytest
 import redis
 
 from route_cache.store import RouteStore, StoredBlock, record_key
-from routereplay.codec import encode_routes, join_layers
+from routereplay.dev.synthetic import synthetic_routes
+from routereplay.domain.codec import encode_routes, join_layers
+from routereplay.domain.record import Turn
 from routereplay.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from routereplay.record import Turn
-from routereplay.synthetic import synthetic_routes
 from tests.route_cache.conftest import SMALL, raw_keys
 
 

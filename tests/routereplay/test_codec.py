@@ -10,7 +10,8 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from routereplay.codec import (
+from routereplay.dev.synthetic import synthetic_routes
+from routereplay.domain.codec import (
     EncodedRoutes,
     Encoding,
     checksum,
@@ -20,9 +21,8 @@ from routereplay.codec import (
     join_layers,
     split_layers,
 )
+from routereplay.domain.record import Geometry, check_routes
 from routereplay.errors import DataLoss, InvalidArgument
-from routereplay.record import Geometry, check_routes
-from routereplay.synthetic import synthetic_routes
 
 
 @st.composite

@@ -9,8 +9,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from routereplay.grpc_server import LIVENESS, ServerLimits, make_server, set_serving
-from routereplay.security import ServerSecurity, add_port
+from routereplay.rpc.grpc_server import LIVENESS, ServerLimits, make_server, set_serving
+from routereplay.rpc.security import ServerSecurity, add_port
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

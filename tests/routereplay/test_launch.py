@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from routereplay.launch import stop_process
+from routereplay.dev.launch import stop_process
 
 # A parent that starts a child which outlives it (as vLLM's engine core outlives a killed
 # server), prints the child's pid, then waits.

@@ -11,13 +11,13 @@ import json
 import numpy as np
 import pytest
 
-from routereplay.model_geometry import (
+from routereplay.domain.model_geometry import (
     SUPPORTED_MODEL_TYPES,
     MoEGeometry,
     geometry_from_config,
     load_geometry,
 )
-from routereplay.record import Geometry
+from routereplay.domain.record import Geometry
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -210,7 +210,7 @@ def test_geometry_is_frozen():
         g.num_hidden_layers = 3  # type: ignore[misc]
 
 
-# The tiny test model (routereplay.tiny_model): geometry and determinism.
+# The tiny test model (routereplay.dev.tiny_model): geometry and determinism.
 
 
 def _hashes(folder) -> dict[str, str]:
@@ -220,7 +220,7 @@ def _hashes(folder) -> dict[str, str]:
 
 
 def test_tiny_model_geometry_and_determinism(tiny_model_dir, tmp_path):
-    from routereplay.tiny_model import VOCAB_SIZE, main
+    from routereplay.dev.tiny_model import VOCAB_SIZE, main
 
     geom = load_geometry(tiny_model_dir)
     assert geom.record.moe_layers == (1, 2, 3)
@@ -248,7 +248,7 @@ def test_tiny_model_geometry_and_determinism(tiny_model_dir, tmp_path):
     ],
 )
 def test_tiny_model_families(family, moe_layers, topk, num_experts, tmp_path):
-    from routereplay.tiny_model import main
+    from routereplay.dev.tiny_model import main
 
     main([str(tmp_path / "a"), "--family", family])
     geom = load_geometry(tmp_path / "a")

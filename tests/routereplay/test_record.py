@@ -3,8 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from routereplay.domain.record import Geometry, Turn, check_sample_id, check_turns
 from routereplay.errors import InvalidArgument
-from routereplay.record import Geometry, Turn, check_sample_id, check_turns
 
 
 @pytest.mark.parametrize(

@@ -3,10 +3,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from routereplay.dev.synthetic import synthetic_record
+from routereplay.domain.record import Geometry
+from routereplay.domain.record_file import load_records, save_records
 from routereplay.errors import InvalidArgument
-from routereplay.record import Geometry
-from routereplay.record_file import load_records, save_records
-from routereplay.synthetic import synthetic_record
 
 
 @pytest.mark.parametrize("suffix", [".npz", ".pt"])

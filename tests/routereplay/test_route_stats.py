@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from routereplay.record import Geometry
-from routereplay.route_stats import agreement, expert_load, summarize_load
-from routereplay.synthetic import synthetic_routes
+from routereplay.dev.synthetic import synthetic_routes
+from routereplay.domain.record import Geometry
+from routereplay.domain.route_stats import agreement, expert_load, summarize_load
 
 G = Geometry((1, 3, 4), topk=3, num_experts=10)
 

@@ -10,11 +10,11 @@ import pytest
 from route_cache.config import Config
 from route_cache.server import RouteCacheServer
 from route_cache.store import RouteStore, connect
-from routereplay.client import RouteCacheClient
-from routereplay.record import Geometry
-from routereplay.record_file import load_records, save_records
+from routereplay.dev.synthetic import synthetic_record
+from routereplay.domain.record import Geometry
+from routereplay.domain.record_file import load_records, save_records
 from routereplay.routes_cli import main
-from routereplay.synthetic import synthetic_record
+from routereplay.rpc.client import RouteCacheClient
 
 G = Geometry((1, 2, 3), 2, 8, "tiny")
 

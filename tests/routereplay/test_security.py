@@ -14,9 +14,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_server.config import parse_config as parse_rollout_config
 from route_cache.config import parse_config as parse_cache_config
-from routereplay import devcerts
-from routereplay.grpc_server import ServerLimits, make_aio_server, set_serving_aio
-from routereplay.security import (
+from routereplay.dev import devcerts
+from routereplay.rpc.grpc_server import ServerLimits, make_aio_server, set_serving_aio
+from routereplay.rpc.security import (
     MISSING_TOKEN,
     ClientSecurity,
     ServerSecurity,

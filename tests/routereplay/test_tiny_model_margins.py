@@ -1,4 +1,4 @@
-"""The realistic-margin routers of ``routereplay.tiny_model``: narrower top-k margins, so a
+"""The realistic-margin routers of ``routereplay.dev.tiny_model``: narrower top-k margins, so a
 bf16 forward and a float32 forward choose differently more often, as with a trained model."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _bf16_agreement_and_margin(model_dir):
 
 
 def test_realistic_margins_are_narrower_and_split_bf16_from_float32(tiny_model_dir, tmp_path):
-    from routereplay.tiny_model import main
+    from routereplay.dev.tiny_model import main
 
     main([str(tmp_path / "narrow"), "--realistic-margins"])
     wide_agreement, wide_margin = _bf16_agreement_and_margin(tiny_model_dir)

@@ -37,6 +37,6 @@ def rollout(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def rollout_file(rollout, tmp_path_factory):
-    from routereplay.record_file import save_records
+    from routereplay.domain.record_file import save_records
 
     return save_records(tmp_path_factory.mktemp("rollout") / "rollout.npz", rollout)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from routereplay.record import Geometry, Record, Turn
+from routereplay.domain.record import Geometry, Record, Turn
 from trainer.data.align import routes_from_recorded
 from trainer.data.batch import PaddedBatch
 

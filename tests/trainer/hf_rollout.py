@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from routereplay.record import Record, Turn
+from routereplay.domain.record import Record, Turn
 from trainer.model.hf_config import model_geometry, read_hf_config
 
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from routereplay.record import Geometry
+from routereplay.domain.record import Geometry
 from tests.trainer.helpers import capture_routing, grads, make_record, random_batch, random_routes
 from trainer.data.align import align_routes, routes_from_recorded
 from trainer.data.batch import PaddedBatch

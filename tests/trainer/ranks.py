@@ -11,7 +11,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from routereplay.launch import free_port
+from routereplay.dev.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from routereplay.record_file import save_records
+from routereplay.domain.record_file import save_records
 from tests.trainer.ranks import run_each_rank
 
 pytest.importorskip("megatron.core")

@@ -1,4 +1,4 @@
-"""Every MoE family of ``routereplay.tiny_model`` under replay (float32, CPU, one rank).
+"""Every MoE family of ``routereplay.dev.tiny_model`` under replay (float32, CPU, one rank).
 
 Parity with transformers and the weight round trip are in test_model_parity.py. Here:
 replaying the natural routes is bit-identical to no replay (it is not if replay combines the

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from routereplay.record_file import save_records
+from routereplay.domain.record_file import save_records
 from tests.conftest import OTHER_FAMILIES
 from tests.trainer.test_sharded_weights import (
     GAP_ATOL,

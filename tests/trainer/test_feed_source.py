@@ -24,10 +24,10 @@ pytest.importorskip("megatron.core")
 from route_cache.config import Config
 from route_cache.server import RouteCacheServer
 from route_cache.store import RouteStore, connect
-from routereplay.client import RouteCacheClient
 from routereplay.errors import RouteReplayError
-from routereplay.ready import ReadyConsumer
-from routereplay.security import ClientSecurity, ServerSecurity
+from routereplay.rpc.client import RouteCacheClient
+from routereplay.rpc.ready import ReadyConsumer
+from routereplay.rpc.security import ClientSecurity, ServerSecurity
 from trainer.config import ConfigError, load_config
 from trainer.data.source import BatchPlan, FeedPlans
 from trainer.parallel.dp import DataParallel, ModelParallel

@@ -4,7 +4,7 @@ Tolerance: max |logit difference| <= 1e-5 on every real token (measured 4e-7..1.
 tiny model), argmax equal, and the natural top-k expert set equal to transformers' on 100% of
 tokens of every MoE layer, matched by global layer number. transformers runs each sample alone
 (no padding); megatron runs the padded batch, so padding must not leak into real tokens either.
-Every family of ``routereplay.tiny_model`` runs through the same checks.
+Every family of ``routereplay.dev.tiny_model`` runs through the same checks.
 """
 
 from __future__ import annotations

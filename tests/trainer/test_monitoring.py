@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from routereplay.launch import free_port
-from routereplay.metrics import scrape
+from routereplay.dev.launch import free_port
+from routereplay.rpc.metrics import scrape
 
 pytest.importorskip("megatron.core")
 

@@ -145,7 +145,7 @@ def test_missing_record_fails_or_routes_natively(built):
 
 
 def test_bad_records_are_refused_naming_both_sides(built):
-    from routereplay.record import Geometry
+    from routereplay.domain.record import Geometry
 
     geometry = built.geometry
     batch = random_batch(5, [5], "right")

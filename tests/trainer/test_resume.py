@@ -31,8 +31,8 @@ import torch
 from route_cache.config import Config
 from route_cache.server import RouteCacheServer
 from route_cache.store import RouteStore, connect
-from routereplay.client import RouteCacheClient
-from routereplay.record_file import load_records
+from routereplay.domain.record_file import load_records
+from routereplay.rpc.client import RouteCacheClient
 
 pytest.importorskip("megatron.core")
 psutil = pytest.importorskip("psutil")  # installed with vllm

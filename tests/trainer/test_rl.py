@@ -16,8 +16,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from routereplay.domain.record_file import load_records
 from routereplay.errors import InvalidArgument
-from routereplay.record_file import load_records
 from tests.trainer.helpers import capture_routing, one_hot
 from trainer.config import load_config
 from trainer.data.align import align_routes

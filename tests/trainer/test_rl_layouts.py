@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from routereplay.record_file import load_records, save_records
+from routereplay.domain.record_file import load_records, save_records
 from tests.trainer.ranks import run_each_rank
 from tests.trainer.test_dp_train import records  # noqa: F401 (fixture)
 from tests.trainer.test_multirank import tiny8_model_dir  # noqa: F401 (fixture)

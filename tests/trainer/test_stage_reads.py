@@ -22,9 +22,9 @@ import torch
 from route_cache.config import Config
 from route_cache.server import RouteCacheServer
 from route_cache.store import RouteStore, connect
-from routereplay.client import RouteCacheClient
-from routereplay.record import Geometry, Record, Turn
-from routereplay.record_file import load_records
+from routereplay.domain.record import Geometry, Record, Turn
+from routereplay.domain.record_file import load_records
+from routereplay.rpc.client import RouteCacheClient
 from trainer.parallel.stage_reads import pack_records, unpack_records
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -205,8 +205,8 @@ def _share(rank: int, port: int, target: str, ids: list[str], out: str) -> None:
 def test_one_rank_reads_the_layers_and_the_other_gets_the_same_records(redis_node, tmp_path):
     import torch.multiprocessing as mp
 
-    from routereplay.launch import free_port
-    from routereplay.synthetic import QWEN3_30B_A3B, synthetic_record
+    from routereplay.dev.launch import free_port
+    from routereplay.dev.synthetic import QWEN3_30B_A3B, synthetic_record
 
     store = RouteStore(connect(redis_node.url, cluster=False))
     server = RouteCacheServer(Config(host="127.0.0.1", port=0, grace_s=1), store).start()

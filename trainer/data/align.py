@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from routereplay.domain.record import Geometry, Record
 from routereplay.errors import InvalidArgument
-from routereplay.record import Geometry, Record
 from trainer.data.batch import PaddedBatch
 from trainer.model.replay import MASKED
 

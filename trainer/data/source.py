@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
+from routereplay.domain.record import Record
+from routereplay.domain.record_file import load_records
 from routereplay.errors import InvalidArgument
-from routereplay.record import Record
-from routereplay.record_file import load_records
 
 log = logging.getLogger(__name__)
 
@@ -96,14 +96,14 @@ class FetchedBatch:
 
 class CacheSource:
     """Records from the route cache: one ``read_batch`` call per batch. ``security``: a
-    ``routereplay.security.ClientSecurity`` (default: plaintext). Under model parallelism the
+    ``routereplay.rpc.security.ClientSecurity`` (default: plaintext). Under model parallelism the
     trainer reads it through ``trainer.parallel.stage_reads`` (each stage's layers, once)."""
 
     reads = True  # this rank's fetches are route cache reads (FetchedBatch.route_bytes)
 
     def __init__(self, target: str, timeout_s: float = 60.0, security=None):
-        from routereplay.client import RouteCacheClient
-        from routereplay.security import PLAINTEXT
+        from routereplay.rpc.client import RouteCacheClient
+        from routereplay.rpc.security import PLAINTEXT
 
         self.client = RouteCacheClient(target, timeout_s=timeout_s, security=security or PLAINTEXT)
 
@@ -111,7 +111,7 @@ class CacheSource:
         self, sample_ids: Sequence[str], layers: Sequence[int] | None = None
     ) -> list[Record | None]:
         """The records (None where missing); ``layers``: only these MoE layer positions."""
-        from routereplay.record import Missing
+        from routereplay.domain.record import Missing
 
         items = self.client.read_batch(list(sample_ids), skip_missing=True, layers=layers)
         return [None if isinstance(item, Missing) else item for item in items]
@@ -250,8 +250,8 @@ class FeedPlans:
         self.consumer = None
         self._own_client = None
         if dp.lead:
-            from routereplay.client import RouteCacheClient
-            from routereplay.ready import ReadyConsumer
+            from routereplay.rpc.client import RouteCacheClient
+            from routereplay.rpc.ready import ReadyConsumer
 
             if client is None:
                 client = self._own_client = RouteCacheClient(

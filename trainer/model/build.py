@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from routereplay.record import Geometry
+from routereplay.domain.record import Geometry
 from trainer.model import cpu_compat, replay
 from trainer.model.hf_config import (
     UnsupportedConfig,

@@ -160,7 +160,7 @@ def push_weights(
 ) -> list[int]:
     """Have each rollout server in ``targets`` (comma-separated ``host:port``) load ``folder``
     through ``UpdateWeights``, one after the other; returns their new policy versions.
-    ``security``: a ``routereplay.security.ClientSecurity`` (default: plaintext).
+    ``security``: a ``routereplay.rpc.security.ClientSecurity`` (default: plaintext).
 
     Each server drains its running turns first, so every turn's record names the weights that
     generated it. The folder must be readable by the servers (shared storage).
@@ -168,8 +168,8 @@ def push_weights(
     Raises:
         RouteReplayError: a server refused or could not be reached (the gRPC status's class).
     """
-    from routereplay.rollout_client import RolloutClient
-    from routereplay.security import PLAINTEXT
+    from routereplay.rpc.rollout_client import RolloutClient
+    from routereplay.rpc.security import PLAINTEXT
 
     path = str(Path(folder).resolve())
     versions = []

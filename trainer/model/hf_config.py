@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from routereplay.model_geometry import geometry_from_config
-from routereplay.record import Geometry
+from routereplay.domain.model_geometry import geometry_from_config
+from routereplay.domain.record import Geometry
 
 # Keys every family shares, which either feed the mapping below or do not change the maths
 # (token ids, bookkeeping, inference-only switches, the aux-loss coefficient the trainer's own

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from routereplay.record import Record, Turn
+from routereplay.domain.record import Record, Turn
 
 
 class StageReads:

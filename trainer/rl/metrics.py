@@ -1,7 +1,7 @@
 """The consistency report's measurements: how close the trainer comes to the rollout.
 
 - Routing agreement, per MoE layer: the fraction of tokens (rows of the records) whose
-  trainer-natural top-k set equals the rollout's (``routereplay.route_stats.agreement``).
+  trainer-natural top-k set equals the rollout's (``routereplay.domain.route_stats.agreement``).
 - Log-prob gap over generated tokens, trainer against rollout, with d = logp_trainer -
   logp_rollout: mean |d|, max |d|, the k3 estimate of KL(rollout || trainer),
   mean(exp(d) - 1 - d) (the samples come from the rollout policy), and the fraction of tokens
@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from routereplay.route_stats import agreement, overlap_counts
+from routereplay.domain.route_stats import agreement, overlap_counts
 
 
 @dataclass

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from routereplay.record import Record
+from routereplay.domain.record import Record
 from trainer.data.batch import PACKED, PaddedBatch
 from trainer.data.source import Sample
 from trainer.reshard import padded_length

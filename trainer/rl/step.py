@@ -54,7 +54,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from routereplay.record import Record, Turn
+from routereplay.domain.record import Record, Turn
 from trainer.config import ReplayMode, TrainerConfig
 from trainer.data.align import align_routes, routes_from_recorded
 from trainer.data.batch import PACKED, PaddedBatch

@@ -8,7 +8,7 @@ entries not acknowledged come back to a restarted consumer. ``ReadyConsumer`` tu
 group is there, and acknowledges a group only when the caller says it was trained, so a crash
 before that leads to redelivery, never to loss.
 
-Plain Python: no protobuf here (``routereplay.wire`` converts).
+Plain Python: no protobuf here (``routereplay.rpc.wire`` converts).
 """
 
 from __future__ import annotations

@@ -10,16 +10,16 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from routereplay.codec import (
+from routereplay.domain.codec import (
     EncodedRoutes,
     Encoding,
     LayerParts,
     decode_layer_parts,
     decode_routes,
 )
+from routereplay.domain.record import Geometry, Missing, Record, Turn, TurnAppend
 from routereplay.errors import InvalidArgument
-from routereplay.ready import ReadyEntry, ReadyPage
-from routereplay.record import Geometry, Missing, Record, Turn, TurnAppend
+from routereplay.rpc.ready import ReadyEntry, ReadyPage
 from routereplay.v1 import record_pb2, route_cache_pb2
 
 DEFAULT_CHUNK_BYTES = 1 << 20

@@ -1,7 +1,7 @@
 """Clients of the Rollout service, sync and asyncio, that speak the domain types.
 
 Events come back as ``SampleDelta`` / ``SampleDone`` / ``SampleFailed``
-(``routereplay.rollout``); failed calls raise the domain errors of ``routereplay.errors``.
+(``routereplay.domain.rollout``); failed calls raise the domain errors of ``routereplay.errors``.
 Both clients build the same requests (``_generate``, ``_generate_batch``, ``_continue``) and
 differ only in how they wait.
 """
@@ -12,11 +12,11 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
 
-from routereplay.client import domain_error
-from routereplay.grpc_server import MIB, channel_options
-from routereplay.rollout import SampleEvent, SamplingOptions
-from routereplay.rollout_wire import event_from_pb, prompt_to_pb, sampling_to_pb
-from routereplay.security import PLAINTEXT, ClientSecurity, secure_aio_channel, secure_channel
+from routereplay.domain.rollout import SampleEvent, SamplingOptions
+from routereplay.rpc.client import domain_error
+from routereplay.rpc.grpc_server import MIB, channel_options
+from routereplay.rpc.rollout_wire import event_from_pb, prompt_to_pb, sampling_to_pb
+from routereplay.rpc.security import PLAINTEXT, ClientSecurity, secure_aio_channel, secure_channel
 from routereplay.v1 import rollout_pb2, rollout_pb2_grpc
 
 Prompt = str | Sequence[int]
@@ -54,7 +54,7 @@ def _continue(
 
 class RolloutClient:
     """Sync client. Args: target ``host:port``; timeout_s per call (None: no deadline); TLS and
-    the bearer token (``routereplay.security.ClientSecurity``; plaintext by default)."""
+    the bearer token (``routereplay.rpc.security.ClientSecurity``; plaintext by default)."""
 
     def __init__(
         self, target: str, timeout_s: float | None = 300.0, security: ClientSecurity = PLAINTEXT

@@ -1,4 +1,4 @@
-"""``python -m routereplay.healthcheck HOST:PORT [SERVICE]``: exit 0 when the gRPC health
+"""``python -m routereplay.rpc.healthcheck HOST:PORT [SERVICE]``: exit 0 when the gRPC health
 service answers SERVING, 1 otherwise. For container health checks without extra binaries.
 
 Against a TLS server, name the CA (and, for mutual TLS, this client's certificate and key) in
@@ -14,7 +14,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from routereplay.security import ClientSecurity, secure_channel
+from routereplay.rpc.security import ClientSecurity, secure_channel
 
 
 def security_from_env(env=os.environ) -> ClientSecurity:

@@ -22,8 +22,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from routereplay.errors import InvalidArgument, RouteReplayError
-from routereplay.metrics import ServiceMetrics
-from routereplay.security import AioTokenInterceptor, ServerSecurity, TokenInterceptor
+from routereplay.rpc.metrics import ServiceMetrics
+from routereplay.rpc.security import AioTokenInterceptor, ServerSecurity, TokenInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -345,7 +345,7 @@ def make_server(
     """A server with the interceptors (the token check when ``security`` has a token; the
     call metrics into ``metrics`` when given), the limits, health (NOT_SERVING until told
     otherwise; ``LIVENESS`` SERVING) and reflection. Add the servicers, then
-    ``routereplay.security.add_port`` (TLS when ``security`` has a certificate) and ``start``.
+    ``routereplay.rpc.security.add_port`` (TLS when ``security`` has a certificate) and ``start``.
 
     Raises:
         ValueError: a secret file named in ``security`` is missing or empty."""

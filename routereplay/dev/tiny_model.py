@@ -20,7 +20,8 @@ files. One family per ``model_type`` (``FAMILIES``):
 
 Usage::
 
-    python -m routereplay.tiny_model OUT_DIR [--seed N] [--family qwen3_moe] [--realistic-margins]
+    python -m routereplay.dev.tiny_model OUT_DIR [--seed N] [--family qwen3_moe]
+        [--realistic-margins]
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The Rollout contract's conversions, both ways: ``routereplay.v1.rollout`` messages to the
-domain types of ``routereplay.rollout`` and back (the server's edge and the clients')."""
+domain types of ``routereplay.domain.rollout`` and back (the server's edge and the clients')."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from routereplay.errors import InvalidArgument
-from routereplay.record import route_dtype
-from routereplay.rollout import (
+from routereplay.domain.record import route_dtype
+from routereplay.domain.rollout import (
     SampleDelta,
     SampleDone,
     SampleEvent,
@@ -17,14 +16,15 @@ from routereplay.rollout import (
     SamplingOptions,
     TokenDelta,
 )
-from routereplay.v1 import record_pb2, rollout_pb2
-from routereplay.wire import (
+from routereplay.errors import InvalidArgument
+from routereplay.rpc.wire import (
     geometry_from_pb,
     geometry_to_pb,
     tokens_from_pb,
     turn_from_pb,
     turn_to_pb,
 )
+from routereplay.v1 import record_pb2, rollout_pb2
 
 _DTYPES = {1: record_pb2.ROUTE_DTYPE_UINT8, 2: record_pb2.ROUTE_DTYPE_UINT16}
 

@@ -1,6 +1,6 @@
 """The Rollout service's domain types: what a caller asks for and what it gets back.
 
-No protobuf here: ``routereplay.rollout_wire`` translates them for the gRPC contract, both ways.
+No protobuf here: ``routereplay.rpc.rollout_wire`` translates them for the gRPC contract, both ways.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from routereplay.record import Geometry, Turn
+from routereplay.domain.record import Geometry, Turn
 
 
 @dataclass

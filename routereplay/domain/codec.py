@@ -24,8 +24,8 @@ import numpy as np
 import xxhash
 import zstandard
 
+from routereplay.domain.record import Geometry
 from routereplay.errors import DataLoss, InvalidArgument
-from routereplay.record import Geometry
 
 
 class Encoding(StrEnum):

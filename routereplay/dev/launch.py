@@ -13,7 +13,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from routereplay.security import PLAINTEXT, ClientSecurity, secure_channel
+from routereplay.rpc.security import PLAINTEXT, ClientSecurity, secure_channel
 
 
 def free_port() -> int:

@@ -1,5 +1,5 @@
 """Prometheus metrics shared by the gRPC services: calls and errors by method and status, bytes
-in and out, latency histograms (recorded by the interceptors of ``routereplay.grpc_server``),
+in and out, latency histograms (recorded by the interceptors of ``routereplay.rpc.grpc_server``),
 plus whatever a service adds to the same registry. One registry per server object, so several
 servers in one process (tests, the embedded route cache) keep separate counts.
 

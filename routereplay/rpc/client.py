@@ -4,7 +4,7 @@ Every call has a deadline; calls that fail with UNAVAILABLE are retried with exp
 backoff (writes and appends are idempotent, and a batch read resumes after the last record it
 delivered). Errors come back as the domain exceptions of ``routereplay.errors``.
 
-The ready feed (``read_ready``, ``ack_ready``) is read through ``routereplay.ready``'s
+The ready feed (``read_ready``, ``ack_ready``) is read through ``routereplay.rpc.ready``'s
 ``ReadyConsumer``, which drops repeats and assembles whole GRPO groups.
 """
 
@@ -18,11 +18,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from routereplay.codec import Encoding, encode_routes
-from routereplay.errors import BY_STATUS, RouteReplayError
-from routereplay.grpc_server import channel_options
-from routereplay.ready import ReadyPage
-from routereplay.record import (
+from routereplay.domain.codec import Encoding, encode_routes
+from routereplay.domain.record import (
     Geometry,
     Missing,
     Record,
@@ -30,9 +27,11 @@ from routereplay.record import (
     TurnAppend,
     check_layer_selection,
 )
-from routereplay.security import PLAINTEXT, ClientSecurity, secure_aio_channel, secure_channel
-from routereplay.v1 import route_cache_pb2, route_cache_pb2_grpc
-from routereplay.wire import (
+from routereplay.errors import BY_STATUS, RouteReplayError
+from routereplay.rpc.grpc_server import channel_options
+from routereplay.rpc.ready import ReadyPage
+from routereplay.rpc.security import PLAINTEXT, ClientSecurity, secure_aio_channel, secure_channel
+from routereplay.rpc.wire import (
     DEFAULT_CHUNK_BYTES,
     RecordAssembler,
     append_requests,
@@ -43,6 +42,7 @@ from routereplay.wire import (
     turn_from_pb,
     write_requests,
 )
+from routereplay.v1 import route_cache_pb2, route_cache_pb2_grpc
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ class _Base:
 class RouteCacheClient(_Base):
     """Blocking client. Args: target ``host:port``; timeout_s per call; the retry policy;
     the encoding of written routes (RAW, or ZSTD for memory-bound Redis); chunk size; TLS and
-    the bearer token (``routereplay.security.ClientSecurity``; plaintext by default)."""
+    the bearer token (``routereplay.rpc.security.ClientSecurity``; plaintext by default)."""
 
     def __init__(self, target: str, **kwargs):
         super().__init__(target, **kwargs)

@@ -17,9 +17,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import fields, is_dataclass
 from typing import TypeVar
 
-from routereplay.grpc_server import ServerLimits
-from routereplay.metrics import METRICS_HELP, MetricsConfig
-from routereplay.security import ClientSecurity, ServerSecurity
+from routereplay.rpc.grpc_server import ServerLimits
+from routereplay.rpc.metrics import METRICS_HELP, MetricsConfig
+from routereplay.rpc.security import ClientSecurity, ServerSecurity
 
 LIMITS_HELP = {
     "max_message_bytes": "largest gRPC message",

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from routereplay.record import Geometry
+from routereplay.domain.record import Geometry
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class MoEGeometry:
     """A served model's routing shape: the stored geometry plus the engine's layer count.
 
     Attributes:
-        record: What records store (``routereplay.record.Geometry``): the global
+        record: What records store (``routereplay.domain.record.Geometry``): the global
             layer numbers of the MoE layers, top-k, expert count, model id.
         num_hidden_layers: Decoder layers (MTP layers excluded). Engines return
             one route column per decoder layer, dense layers included; this is

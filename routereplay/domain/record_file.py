@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from routereplay.domain.record import Geometry, Record, Turn
 from routereplay.errors import InvalidArgument
-from routereplay.record import Geometry, Record, Turn
 
 FORMAT = "router-replay-records/1"
 

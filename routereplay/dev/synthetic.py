@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from routereplay.record import Geometry, Record, Turn
+from routereplay.domain.record import Geometry, Record, Turn
 
 QWEN3_30B_A3B = Geometry(tuple(range(48)), topk=8, num_experts=128, model_id="Qwen3-30B-A3B")
 # 61 hidden layers, the first 3 dense; 58 MoE layers of top-8 among 256 routed experts.

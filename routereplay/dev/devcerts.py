@@ -1,4 +1,4 @@
-"""``python -m routereplay.devcerts OUT_DIR``: throwaway certificates for development and tests.
+"""``python -m routereplay.dev.devcerts OUT_DIR``: throwaway certificates for development and tests.
 
 Writes a CA (``ca.pem``, ``ca-key.pem``), a server certificate valid for ``localhost``,
 ``127.0.0.1`` and the compose and Kubernetes service names (``server.pem``,
