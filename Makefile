@@ -31,8 +31,7 @@ $(DEPS_STAMP):
 	rm -f $(VENV)/.deps-* && touch $@
 
 proto $(STUBS_STAMP): $(PROTOS) $(DEPS_STAMP)
-	rm -rf routereplay/v1 && mkdir -p routereplay/v1
-	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	PYTHON=$(PY) sh proto/generate.sh
 	touch $(STUBS_STAMP)
 
 checkov: $(CHECKOV_STAMP)

@@ -91,6 +91,24 @@ def test_dockerfiles_pass_hadolint(dockerfile, tmp_path):
     assert run(tool, broken).returncode != 0
 
 
+@pytest.mark.parametrize(
+    "dockerfile", sorted(ROOT.glob("*/Dockerfile*")), ids=lambda p: f"{p.parent.name}/{p.name}"
+)
+def test_dockerfiles_generate_stubs_like_make_proto(dockerfile):
+    """Every image generates the stubs with proto/generate.sh (the command `make proto` runs)
+    and the code generator pinned in pyproject.toml's codegen extra, no other."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (pin,) = extras["optional-dependencies"]["codegen"]
+    assert re.fullmatch(r"grpcio-tools==[\d.]+", pin), pin
+    text = dockerfile.read_text()
+    assert "sh proto/generate.sh" in text
+    assert "grpc_tools.protoc" not in text
+    assert re.findall(r"grpcio-tools==[\d.]+", text) == [pin]
+    assert "sh proto/generate.sh" in (ROOT / "Makefile").read_text()
+
+
 def test_every_deployment_file_is_checked():
     """The globs above cover every manifest kustomize renders and every service's Dockerfile, so
     a new file cannot escape the checks."""
