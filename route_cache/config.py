@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from routereplay.rpc.grpc_server import MIB, ServerLimits
 from routereplay.rpc.metrics import MetricsConfig
 from routereplay.rpc.security import ENV_ONLY, ServerSecurity, read_secret
-from routereplay.rpc.service_config import parse_service_config
+from routereplay.rpc.service_config import flag, parse_service_config
 
 ENV_PREFIX = "ROUTE_CACHE_"
 # Below the 30 s socket timeout the service gives its Redis client: a waiting read must not
@@ -19,24 +19,19 @@ MAX_BLOCK_MS = 20_000
 
 @dataclass(frozen=True)
 class RedisSecurity:
-    """How the route cache signs in to Redis and encrypts the connection. A user and password
-    in ``redis_url`` work as well (``redis://user:password@host:6379/0``, the URL wins).
+    """How the route cache signs in to Redis and encrypts the connection (flags
+    ``--redis-*``). A user and password in ``redis_url`` work as well
+    (``redis://user:password@host:6379/0``, the URL wins); ``password`` comes from the
+    environment only (never a flag, never in repr)."""
 
-    Attributes:
-        username: the ACL user; empty: the default user.
-        password_file: a file holding the password (the ACL user's, or ``requirepass``).
-        password: the same from the environment only (never a flag, never in repr).
-        tls_ca_file: the CA of Redis's certificate (PEM); needs a ``rediss://`` URL.
-        tls_cert_file, tls_key_file: a client certificate and key, for Redis with
-            ``tls-auth-clients yes``.
-    """
-
-    username: str = ""
-    password_file: str = ""
+    username: str = flag("", "Redis ACL user (empty: the default user)")
+    password_file: str = flag(
+        "", "file holding the Redis password (or set ROUTE_CACHE_REDIS_PASSWORD)"
+    )
     password: str = field(default="", repr=False, metadata=ENV_ONLY)
-    tls_ca_file: str = ""
-    tls_cert_file: str = ""
-    tls_key_file: str = ""
+    tls_ca_file: str = flag("", "PEM CA of Redis's certificate (rediss:// URLs)")
+    tls_cert_file: str = flag("", "PEM client certificate for Redis (tls-auth-clients)")
+    tls_key_file: str = flag("", "PEM client key for Redis")
 
     def __post_init__(self):
         if self.password and self.password_file:
@@ -59,41 +54,29 @@ class RedisSecurity:
 
 @dataclass(frozen=True)
 class Config:
-    """Attributes:
-    host, port: where to listen (port 0 picks a free one).
-    redis_url: the Redis server or a cluster node; empty starts an embedded server.
-    redis_cluster: treat redis_url as a node of a Redis Cluster.
-    wait_replicas: acknowledge a write only once this many replicas hold it (Redis WAIT).
-    ttl_s: records expire this long after their last write; 0 keeps them.
-    max_record_mib: the largest route block accepted in one write or append.
-    max_batch: the most sample ids one ReadBatch may ask for.
-    max_write_chunks: the most chunk messages one WriteRecord or AppendTurn may send (an
-        endless stream of tiny chunks would hold a handler thread for ever).
-    grace_s: how long in-flight calls may finish on shutdown.
-    ready_stream: the Redis Stream key of the ready feed; empty disables the feed.
-    ready_maxlen: the stream keeps about this many entries (0: all).
-    ready_max_block_ms: the longest a ReadReady may wait for new entries (each waiting call
-        holds a handler thread; keep it below the Redis client's socket timeout).
-    redis: the Redis password and TLS (``RedisSecurity``).
-    security: TLS and the bearer token of this server (``routereplay.rpc.security``).
-    metrics: the Prometheus endpoint (``--metrics``, ``--metrics-port``, default 9464; off
-        by default, see ``routereplay.rpc.metrics``).
-    """
+    """The route cache's settings; each field's flag help (``--help``) says what it sets.
+    Nested: ``redis`` (``RedisSecurity``), ``security`` (this server's TLS and token,
+    ``routereplay.rpc.security``), ``metrics`` (the Prometheus endpoint, port 9464, off by
+    default)."""
 
-    host: str = "0.0.0.0"
-    port: int = 50051
-    redis_url: str = ""
-    redis_cluster: bool = False
-    wait_replicas: int = 0
-    ttl_s: float = 86400.0
-    max_record_mib: int = 512
-    max_batch: int = 1024
-    max_write_chunks: int = 4096
-    grace_s: float = 30.0
-    ready_stream: str = "rr:ready"
-    ready_maxlen: int = 100_000
-    ready_max_block_ms: int = 10_000
-    health_interval_s: float = 1.0
+    host: str = flag("0.0.0.0", "address to listen on")
+    port: int = flag(50051, "port to listen on (0: any free port)")
+    redis_url: str = flag(
+        "", "redis[s]://[user:pass@]host:port/db (rediss: TLS); empty: an embedded server"
+    )
+    redis_cluster: bool = flag(False, "redis_url is a node of a Redis Cluster")
+    wait_replicas: int = flag(
+        0, "replicas that must confirm a write before it is acknowledged (0: none)"
+    )
+    ttl_s: float = flag(86400.0, "seconds a record lives after its last write (0: forever)")
+    max_record_mib: int = flag(512, "largest route block accepted per write or append, in MiB")
+    max_batch: int = flag(1024, "most sample ids per ReadBatch")
+    max_write_chunks: int = flag(4096, "most chunk messages per WriteRecord or AppendTurn stream")
+    grace_s: float = flag(30.0, "seconds in-flight calls may finish on shutdown")
+    ready_stream: str = flag("rr:ready", "Redis Stream key of the ready feed (empty: no feed)")
+    ready_maxlen: int = flag(100_000, "entries the ready stream keeps, about (0: all)")
+    ready_max_block_ms: int = flag(10_000, "longest wait for new entries a ReadReady may ask for")
+    health_interval_s: float = flag(1.0, "seconds between Redis health probes")
     limits: ServerLimits = field(default_factory=ServerLimits)
     redis: RedisSecurity = field(default_factory=RedisSecurity, metadata={"flag_prefix": "redis_"})
     security: ServerSecurity = field(default_factory=ServerSecurity)
@@ -124,34 +107,10 @@ class Config:
         return self.max_record_mib * MIB
 
 
-_HELP = {
-    "host": "address to listen on",
-    "port": "port to listen on (0: any free port)",
-    "redis_url": "redis[s]://[user:pass@]host:port/db (rediss: TLS); empty: an embedded server",
-    "redis_cluster": "redis_url is a node of a Redis Cluster",
-    "wait_replicas": "replicas that must confirm a write before it is acknowledged (0: none)",
-    "ttl_s": "seconds a record lives after its last write (0: forever)",
-    "max_record_mib": "largest route block accepted per write or append, in MiB",
-    "max_batch": "most sample ids per ReadBatch",
-    "max_write_chunks": "most chunk messages per WriteRecord or AppendTurn stream",
-    "redis_username": "Redis ACL user (empty: the default user)",
-    "redis_password_file": "file holding the Redis password (or set ROUTE_CACHE_REDIS_PASSWORD)",
-    "redis_tls_ca_file": "PEM CA of Redis's certificate (rediss:// URLs)",
-    "redis_tls_cert_file": "PEM client certificate for Redis (tls-auth-clients)",
-    "redis_tls_key_file": "PEM client key for Redis",
-    "grace_s": "seconds in-flight calls may finish on shutdown",
-    "ready_stream": "Redis Stream key of the ready feed (empty: no feed)",
-    "ready_maxlen": "entries the ready stream keeps, about (0: all)",
-    "ready_max_block_ms": "longest wait for new entries a ReadReady may ask for",
-    "health_interval_s": "seconds between Redis health probes",
-}
-
-
 def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
     """Flags override environment variables, which override the defaults."""
     return parse_service_config(
         Config,
-        _HELP,
         prog="route-cache",
         description="Router Replay's route cache: records in Redis, served over gRPC.",
         env_prefix=ENV_PREFIX,

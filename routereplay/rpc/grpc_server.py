@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from routereplay.errors import InvalidArgument, RouteReplayError
 from routereplay.rpc.metrics import ServiceMetrics
 from routereplay.rpc.security import AioTokenInterceptor, ServerSecurity, TokenInterceptor
+from routereplay.rpc.service_config import flag
 
 log = logging.getLogger(__name__)
 
@@ -53,26 +54,20 @@ def channel_options(max_message_bytes: int = 8 * MIB) -> list[tuple[str, int]]:
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """Limits that keep one client from exhausting a server.
+    """Limits that keep one client from exhausting a server; see the fields' help.
+    ``max_connection_age_s`` makes the server send HTTP/2 GOAWAY (gRPC adds +-10% jitter) so
+    long-lived channels reach replicas added since they connected."""
 
-    Attributes:
-        max_message_bytes: largest single message either way (route chunks are 1 MiB).
-        max_concurrent_rpcs: in-flight calls; beyond it new calls get RESOURCE_EXHAUSTED.
-        max_concurrent_streams: HTTP/2 streams per connection.
-        workers: handler threads.
-        max_connection_age_s: the server asks a client to reconnect (HTTP/2 GOAWAY) after a
-            connection has lived this long (gRPC adds +-10% jitter), so long-lived channels
-            reach replicas added since they connected; 0: never.
-        max_connection_age_grace_s: calls still running on such a connection may finish for
-            this long before they are cancelled.
-    """
-
-    max_message_bytes: int = 8 * MIB
-    max_concurrent_rpcs: int = 64
-    max_concurrent_streams: int = 32
-    workers: int = 16
-    max_connection_age_s: float = 300.0
-    max_connection_age_grace_s: float = 60.0
+    max_message_bytes: int = flag(8 * MIB, "largest gRPC message")
+    max_concurrent_rpcs: int = flag(64, "in-flight calls before RESOURCE_EXHAUSTED")
+    max_concurrent_streams: int = flag(32, "HTTP/2 streams per connection")
+    workers: int = flag(16, "handler threads")
+    max_connection_age_s: float = flag(
+        300.0, "seconds before a client is asked to reconnect (0: never)"
+    )
+    max_connection_age_grace_s: float = flag(
+        60.0, "seconds calls may finish on a connection past its age"
+    )
 
     def __post_init__(self):
         for name in ("max_connection_age_s", "max_connection_age_grace_s"):

@@ -18,6 +18,8 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
+from routereplay.rpc.service_config import flag
+
 # Calls of a route cache span 0.1 ms (a stat) to seconds (a 1024-record batch read).
 LATENCY_BUCKETS = (
     0.0005,
@@ -40,21 +42,13 @@ LATENCY_BUCKETS = (
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    """Attributes:
-    metrics: serve ``/metrics`` over HTTP (off by default: the endpoint has no TLS or token).
-    metrics_host, metrics_port: where (port 0 picks a free one).
-    """
+    """Where a service serves ``/metrics``; see the fields' help."""
 
-    metrics: bool = False
-    metrics_host: str = "0.0.0.0"
-    metrics_port: int = 9464
-
-
-METRICS_HELP = {
-    "metrics": "serve Prometheus metrics over HTTP at /metrics (no TLS or token: keep it internal)",
-    "metrics_host": "address of the metrics endpoint",
-    "metrics_port": "port of the metrics endpoint (0: any free port)",
-}
+    metrics: bool = flag(
+        False, "serve Prometheus metrics over HTTP at /metrics (no TLS or token: keep it internal)"
+    )
+    metrics_host: str = flag("0.0.0.0", "address of the metrics endpoint")
+    metrics_port: int = flag(9464, "port of the metrics endpoint (0: any free port)")
 
 
 class ServiceMetrics:

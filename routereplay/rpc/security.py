@@ -15,6 +15,8 @@ from pathlib import Path
 
 import grpc
 
+from routereplay.rpc.service_config import flag
+
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 # A secret field: read from its environment variable only, never a flag (flags show in ps).
 ENV_ONLY = {"env_only": True}
@@ -45,21 +47,20 @@ def _token(token: str, token_file: str, what: str) -> bytes | None:
 
 @dataclass(frozen=True)
 class ServerSecurity:
-    """TLS and authentication of one gRPC server. Everything empty: plaintext, no token.
+    """TLS and authentication of one gRPC server (see the fields' help). Everything empty:
+    plaintext, no token. ``auth_token`` is the token from the environment (never a flag, never
+    in repr); calls send it as ``authorization: Bearer <token>``."""
 
-    Attributes:
-        tls_cert_file, tls_key_file: the server's certificate chain and private key (PEM);
-            both set: the server speaks TLS only.
-        tls_client_ca_file: set: mutual TLS; clients must present a certificate this CA signed.
-        auth_token_file: a file holding the bearer token every call but health checks must
-            send (``authorization: Bearer <token>``).
-        auth_token: the same token from the environment (never a flag, never in repr).
-    """
-
-    tls_cert_file: str = ""
-    tls_key_file: str = ""
-    tls_client_ca_file: str = ""
-    auth_token_file: str = ""
+    tls_cert_file: str = flag(
+        "", "PEM certificate chain of this server; with tls_key_file: TLS only"
+    )
+    tls_key_file: str = flag("", "PEM private key of this server")
+    tls_client_ca_file: str = flag(
+        "", "PEM CA of client certificates: mutual TLS (needs tls_cert_file)"
+    )
+    auth_token_file: str = flag(
+        "", "file holding the bearer token calls must send (health needs none)"
+    )
     auth_token: str = field(default="", repr=False, metadata=ENV_ONLY)
 
     def __post_init__(self):
@@ -87,22 +88,14 @@ class ServerSecurity:
 
 @dataclass(frozen=True)
 class ClientSecurity:
-    """How a client reaches a server. Everything empty: plaintext, no token.
+    """How a client reaches a server (see the fields' help). Everything empty: plaintext, no
+    token. ``token`` is the token from the environment (never a flag, never in repr)."""
 
-    Attributes:
-        tls: speak TLS, trusting the system's roots unless ``ca_file`` names a CA (setting
-            ``ca_file`` or a client certificate turns TLS on as well).
-        ca_file: the CA that signed the server's certificate (PEM).
-        cert_file, key_file: this client's certificate and key, for mutual TLS.
-        token_file: a file holding the bearer token sent with every call.
-        token: the same token from the environment (never a flag, never in repr).
-    """
-
-    tls: bool = False
-    ca_file: str = ""
-    cert_file: str = ""
-    key_file: str = ""
-    token_file: str = ""
+    tls: bool = flag(False, "speak TLS (the system's roots unless ca_file is set)")
+    ca_file: str = flag("", "PEM CA that signed the server's certificate (turns TLS on)")
+    cert_file: str = flag("", "PEM client certificate, for mutual TLS")
+    key_file: str = flag("", "PEM client private key, for mutual TLS")
+    token_file: str = flag("", "file holding the bearer token to send")
     token: str = field(default="", repr=False, metadata=ENV_ONLY)
 
     def __post_init__(self):

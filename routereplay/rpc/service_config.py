@@ -14,59 +14,31 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import fields, is_dataclass
+from dataclasses import field, fields, is_dataclass
 from typing import TypeVar
-
-from routereplay.rpc.grpc_server import ServerLimits
-from routereplay.rpc.metrics import METRICS_HELP, MetricsConfig
-from routereplay.rpc.security import ClientSecurity, ServerSecurity
-
-LIMITS_HELP = {
-    "max_message_bytes": "largest gRPC message",
-    "max_concurrent_rpcs": "in-flight calls before RESOURCE_EXHAUSTED",
-    "max_concurrent_streams": "HTTP/2 streams per connection",
-    "workers": "handler threads",
-    "max_connection_age_s": "seconds before a client is asked to reconnect (0: never)",
-    "max_connection_age_grace_s": "seconds calls may finish on a connection past its age",
-}
-SERVER_SECURITY_HELP = {
-    "tls_cert_file": "PEM certificate chain of this server; with tls_key_file: TLS only",
-    "tls_key_file": "PEM private key of this server",
-    "tls_client_ca_file": "PEM CA of client certificates: mutual TLS (needs tls_cert_file)",
-    "auth_token_file": "file holding the bearer token calls must send (health needs none)",
-}
-CLIENT_SECURITY_HELP = {
-    "tls": "speak TLS (the system's roots unless ca_file is set)",
-    "ca_file": "PEM CA that signed the server's certificate (turns TLS on)",
-    "cert_file": "PEM client certificate, for mutual TLS",
-    "key_file": "PEM client private key, for mutual TLS",
-    "token_file": "file holding the bearer token to send",
-}
-_NESTED_HELP = {
-    ServerLimits: LIMITS_HELP,
-    ServerSecurity: SERVER_SECURITY_HELP,
-    ClientSecurity: CLIENT_SECURITY_HELP,
-    MetricsConfig: METRICS_HELP,
-}
 
 C = TypeVar("C")
 
 
-def _flat_fields(config) -> list[tuple[str, str | None, str, object, Mapping[str, str]]]:
-    """(flag name, nested field or None, field name, default, the nested class's help) of
-    every field that has a flag."""
+def flag(default, help: str):
+    """A configuration field that is also a flag: its default and its one help text."""
+    return field(default=default, metadata={"help": help})
+
+
+def _flat_fields(config) -> list[tuple[str, str | None, str, object, str]]:
+    """(flag name, nested field or None, field name, default, help) of every field that has a
+    flag. A nested field's ``no_flags`` metadata names its fields a service does not use."""
     out = []
     for f in fields(config):
         value = getattr(config, f.name)
         if not is_dataclass(value):
-            out.append((f.name, None, f.name, value, {}))
+            out.append((f.name, None, f.name, value, f.metadata["help"]))
             continue
         prefix = f.metadata.get("flag_prefix", "")
         for sub in fields(value):
-            if not sub.metadata.get("env_only"):
-                nested_help = _NESTED_HELP.get(type(value), {})
+            if not sub.metadata.get("env_only") and sub.name not in f.metadata.get("no_flags", ()):
                 out.append((prefix + sub.name, f.name, sub.name, getattr(value, sub.name),
-                            nested_help))  # fmt: skip
+                            sub.metadata["help"]))  # fmt: skip
     return out
 
 
@@ -92,7 +64,6 @@ def env_names(config_class, env_prefix: str) -> set[str]:
 
 def parse_service_config(
     config_class: type[C],
-    help: Mapping[str, str],
     *,
     prog: str,
     description: str,
@@ -102,18 +73,13 @@ def parse_service_config(
 ) -> C:
     """Build ``config_class`` (a dataclass whose defaults build it, nested dataclasses
     included) from flags, which override environment variables, which override the defaults.
-
-    Args:
-        help: one line per field of ``config_class``; the nested classes bring their own
-            (``LIMITS_HELP``, ...), which ``help`` may override by flag name.
-    """
+    Each flag's help is its field's (``flag``)."""
     env = os.environ if env is None else env
     # No abbreviations: "--auth-token SECRET" must not pass for --auth-token-file.
     parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
     defaults = config_class()
     flat = _flat_fields(defaults)
-    for name, _, field_name, default, nested_help in flat:
-        text = help.get(name) or nested_help[field_name]
+    for name, _, _, default, text in flat:
         flag = "--" + name.replace("_", "-")
         raw = env.get(env_prefix + name.upper())
         if isinstance(default, bool):
