@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     torch.set_num_threads(args.threads)
-    from trainer.config import load_config
+    from trainer.config import DataSource, load_config
     from trainer.data.source import plan_batches
     from trainer.parallel import single_process
     from trainer.train import train
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"report.metrics_port={args.metrics_port}")
     config = load_config(args.config, overrides)
     plans = None  # data.source=feed: train() reads them from the feed
-    if config.data.source == "ids":
+    if config.data.source is DataSource.IDS:
         ids = sample_ids(args.ids, config)
         plans = plan_batches(ids, config.train.batch_size, config.train.steps)
     elif args.ids:

@@ -33,6 +33,30 @@ class ReplayMode(enum.Enum):
     R3 = "R3"  # replay the rollout engine's routes (route cache or replay_file)
 
 
+# The string settings below are enums with string values (StrEnum), so YAML and dotted
+# overrides spell them as before and code may compare them with plain strings.
+class MissingRecord(enum.StrEnum):
+    """What a step does with a sample that has no record."""
+
+    ERROR = "error"  # fail the step, naming the samples
+    NATIVE = "native"  # route that sample naturally, with a warning and a counter
+
+
+class PaddingSide(enum.StrEnum):
+    RIGHT = "right"
+    LEFT = "left"
+
+
+class Dtype(enum.StrEnum):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+
+
+class DataSource(enum.StrEnum):
+    IDS = "ids"  # the sample ids given, or every record of the file
+    FEED = "feed"  # the route cache's ready feed
+
+
 @dataclass
 class RouterReplayConfig:
     """``router_replay.*``.
@@ -49,7 +73,7 @@ class RouterReplayConfig:
     mode: ReplayMode = ReplayMode.DISABLED
     record_file: str | None = None
     replay_file: str | None = None
-    missing_record: str = "error"
+    missing_record: MissingRecord = MissingRecord.ERROR
 
     @property
     def enabled(self) -> bool:
@@ -134,7 +158,7 @@ class TrainConfig:
     """
 
     seed: int = 0
-    padding_side: str = "right"
+    padding_side: PaddingSide = PaddingSide.RIGHT
     steps: int = 1
     batch_size: int = 8
     micro_batch_size: int = 4
@@ -145,7 +169,7 @@ class TrainConfig:
     clip_eps: float = 0.2
     lr: float = 1e-4
     weight_decay: float = 0.0
-    dtype: str = "float32"
+    dtype: Dtype = Dtype.FLOAT32
     export_dir: str | None = None
     export_every: int = 1
     push_weights_to: str | None = None
@@ -191,7 +215,7 @@ class DataConfig:
 
     records_file: str | None = None
     prefetch: bool = True
-    source: str = "ids"
+    source: DataSource = DataSource.IDS
     group_size: int = 1
     consumer_group: str = "trainer"
     consumer: str = "trainer"
@@ -269,11 +293,15 @@ class TrainerConfig:
 
     def validate(self) -> None:
         replay = self.router_replay
-        if replay.missing_record not in ("error", "native"):
-            raise ConfigError(
-                f"router_replay.missing_record={replay.missing_record!r}; "
-                "expected 'error' or 'native'"
-            )
+        # Configurations built in code may hold plain strings: the same check as YAML's.
+        for section, key, kind in (
+            (replay, "missing_record", MissingRecord),
+            (self.train, "padding_side", PaddingSide),
+            (self.train, "dtype", Dtype),
+            (self.data, "source", DataSource),
+        ):
+            name = next(k for k, v in vars(self).items() if v is section)
+            setattr(section, key, _coerce(getattr(section, key), kind, f"{name}.{key}"))
         if replay.replay_file and replay.mode is not ReplayMode.R3:
             raise ConfigError(
                 f"router_replay.replay_file replays rollout routes, which is mode R3; "
@@ -282,17 +310,11 @@ class TrainerConfig:
         if replay.mode is ReplayMode.R3 and not replay.replay_file and not self.route_cache.target:
             if not self.data.records_file:
                 raise ConfigError("mode R3 needs route_cache.target or router_replay.replay_file")
-        if self.train.dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"train.dtype={self.train.dtype!r}; expected 'float32' or 'bfloat16'")
         if self.model.aux_loss_coeff < 0:
             raise ConfigError("model.aux_loss_coeff must be >= 0")
         for key in ("steps", "batch_size", "ppo_epochs", "export_every", "checkpoint_every"):
             if getattr(self.train, key) < 1:
                 raise ConfigError(f"train.{key} must be >= 1")
-        if self.train.padding_side not in ("right", "left"):
-            raise ConfigError(
-                f"train.padding_side={self.train.padding_side!r}; expected 'right' or 'left'"
-            )
         self._validate_batches()
         self._validate_feed()
 
@@ -325,11 +347,9 @@ class TrainerConfig:
 
     def _validate_feed(self) -> None:
         data = self.data
-        if data.source not in ("ids", "feed"):
-            raise ConfigError(f"data.source={data.source!r}; expected 'ids' or 'feed'")
         if self.train.push_weights_to and not self.train.export_dir:
             raise ConfigError("train.push_weights_to needs train.export_dir (what is pushed)")
-        if data.source != "feed":
+        if data.source is not DataSource.FEED:
             return
         if not self.route_cache.target:
             raise ConfigError("data.source=feed needs route_cache.target")

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.config import ConfigError, ReplayMode, load_config
+from trainer.config import (
+    ConfigError,
+    Dtype,
+    PaddingSide,
+    ReplayMode,
+    TrainConfig,
+    TrainerConfig,
+    load_config,
+)
 
 
 def test_defaults_are_disabled():
@@ -35,7 +43,13 @@ def test_yaml_then_dotted_overrides(tmp_path):
         (["train.seed=abc"], "train.seed='abc' must be of type int"),
         (["router_replay.mode=R2", "router_replay.replay_file=f"], "which is mode R3"),
         (["router_replay.mode=R3"], "needs route_cache.target or router_replay.replay_file"),
-        (["router_replay.missing_record=skip"], "expected 'error' or 'native'"),
+        (
+            ["router_replay.missing_record=skip"],
+            r"router_replay.missing_record='skip' is not one of \['error', 'native'\]",
+        ),
+        (["train.dtype=float16"], r"train.dtype='float16' is not one of \['float32', 'bfloat16'\]"),
+        (["train.padding_side=up"], r"train.padding_side='up' is not one of \['right', 'left'\]"),
+        (["data.source=queue"], r"data.source='queue' is not one of \['ids', 'feed'\]"),
         (["router_replay"], "must look like section.key=value"),
         (["parallel.vp=2"], r"parallel.vp=2 needs pipeline stages \(parallel.pp > 1\)"),
         (
@@ -54,3 +68,11 @@ def test_yaml_then_dotted_overrides(tmp_path):
 def test_bad_values_fail_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_settings_built_in_code_are_checked_like_yaml():
+    config = TrainerConfig(train=TrainConfig(dtype="bfloat16", padding_side="left"))
+    config.validate()
+    assert config.train.dtype is Dtype.BFLOAT16 and config.train.padding_side is PaddingSide.LEFT
+    with pytest.raises(ConfigError, match=r"train.dtype='bf16' is not one of"):
+        TrainerConfig(train=TrainConfig(dtype="bf16")).validate()
