@@ -77,6 +77,14 @@ class RetryPolicy:
         base = min(self.max_backoff_s, self.initial_backoff_s * 2**attempt)
         return base * (0.5 + random.random() / 2)
 
+    def pause_after(self, exc: grpc.RpcError, attempt: int) -> float:
+        """Seconds to wait before retrying after ``exc`` failed ``attempt`` (0-based); raises
+        its domain error when it is not retried (not UNAVAILABLE, or the last attempt). The
+        sync and asyncio clients share this and differ only in how they wait."""
+        if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.attempts - 1:
+            raise domain_error(exc) from None
+        return self.backoff(attempt)
+
 
 def domain_error(exc: grpc.RpcError) -> RouteReplayError:
     """The domain exception for a failed call, with the server's message."""
@@ -92,8 +100,12 @@ def _selection_pb(layers: Sequence[int] | None):
     return layer_selection_to_pb(check_layer_selection(layers, name="layers"))
 
 
-def _retryable(exc: grpc.RpcError) -> bool:
-    return exc.code() == grpc.StatusCode.UNAVAILABLE
+def _batch_request(sample_ids, skip_missing: bool, selection) -> route_cache_pb2.ReadBatchRequest:
+    """A batch read of ``sample_ids``; after UNAVAILABLE the clients resume with the ids not
+    yet delivered."""
+    return route_cache_pb2.ReadBatchRequest(
+        sample_ids=sample_ids, skip_missing=skip_missing, layers=selection, layer_parts=True
+    )
 
 
 def _write_result(response) -> WriteResult:
@@ -186,9 +198,7 @@ class RouteCacheClient(_Base):
             try:
                 return fn()
             except grpc.RpcError as exc:
-                if not _retryable(exc) or attempt == self.retry.attempts - 1:
-                    raise domain_error(exc) from None
-                time.sleep(self.retry.backoff(attempt))
+                time.sleep(self.retry.pause_after(exc, attempt))
 
     def write(self, record: Record, more_turns: bool = False) -> WriteResult:
         """Check, encode once, and store a new record (retried whole on UNAVAILABLE).
@@ -245,19 +255,14 @@ class RouteCacheClient(_Base):
         selection = _selection_pb(layers)
         done = 0
         for attempt in range(self.retry.attempts):
-            request = route_cache_pb2.ReadBatchRequest(
-                sample_ids=sample_ids[done:], skip_missing=skip_missing, layers=selection,
-                layer_parts=True,
-            )  # fmt: skip
+            request = _batch_request(sample_ids[done:], skip_missing, selection)
             try:
                 for item in read_records(self.stub.ReadBatch(request, timeout=self.timeout_s)):
                     done += 1
                     yield item
                 return
             except grpc.RpcError as exc:
-                if not _retryable(exc) or attempt == self.retry.attempts - 1:
-                    raise domain_error(exc) from None
-                time.sleep(self.retry.backoff(attempt))
+                time.sleep(self.retry.pause_after(exc, attempt))
 
     def stat(self, sample_id: str) -> RecordInfo:
         request = route_cache_pb2.StatRecordRequest(sample_id=sample_id)
@@ -291,10 +296,9 @@ class RouteCacheClient(_Base):
             try:
                 return ready_page_from_pb(self.stub.ReadReady(request, timeout=timeout))
             except grpc.RpcError as exc:
-                if not _retryable(exc) or attempt == self.retry.attempts - 1:
-                    raise domain_error(exc) from None
+                pause = self.retry.pause_after(exc, attempt)
                 _after_lost_reply(request)
-                time.sleep(self.retry.backoff(attempt))
+                time.sleep(pause)
 
     def ack_ready(self, consumer_group: str, entry_ids: Sequence[str]) -> int:
         """Acknowledge ready entries (idempotent). Returns how many were still pending."""
@@ -326,9 +330,7 @@ class AsyncRouteCacheClient(_Base):
             try:
                 return await fn()
             except grpc.RpcError as exc:
-                if not _retryable(exc) or attempt == self.retry.attempts - 1:
-                    raise domain_error(exc) from None
-                await asyncio.sleep(self.retry.backoff(attempt))
+                await asyncio.sleep(self.retry.pause_after(exc, attempt))
 
     async def write(self, record: Record, more_turns: bool = False) -> WriteResult:
         record.validate(check_ids=False)
@@ -365,10 +367,7 @@ class AsyncRouteCacheClient(_Base):
         selection = _selection_pb(layers)
         done = 0
         for attempt in range(self.retry.attempts):
-            request = route_cache_pb2.ReadBatchRequest(
-                sample_ids=sample_ids[done:], skip_missing=skip_missing, layers=selection,
-                layer_parts=True,
-            )  # fmt: skip
+            request = _batch_request(sample_ids[done:], skip_missing, selection)
             try:
                 assembler = RecordAssembler()
                 async for response in self.stub.ReadBatch(request, timeout=self.timeout_s):
@@ -378,9 +377,7 @@ class AsyncRouteCacheClient(_Base):
                         yield item
                 return
             except grpc.RpcError as exc:
-                if not _retryable(exc) or attempt == self.retry.attempts - 1:
-                    raise domain_error(exc) from None
-                await asyncio.sleep(self.retry.backoff(attempt))
+                await asyncio.sleep(self.retry.pause_after(exc, attempt))
 
     async def stat(self, sample_id: str) -> RecordInfo:
         request = route_cache_pb2.StatRecordRequest(sample_id=sample_id)
@@ -412,10 +409,9 @@ class AsyncRouteCacheClient(_Base):
             try:
                 return ready_page_from_pb(await self.stub.ReadReady(request, timeout=timeout))
             except grpc.RpcError as exc:
-                if not _retryable(exc) or attempt == self.retry.attempts - 1:
-                    raise domain_error(exc) from None
+                pause = self.retry.pause_after(exc, attempt)
                 _after_lost_reply(request)
-                await asyncio.sleep(self.retry.backoff(attempt))
+                await asyncio.sleep(pause)
 
     async def ack_ready(self, consumer_group: str, entry_ids: Sequence[str]) -> int:
         request = route_cache_pb2.AckReadyRequest(
