@@ -119,7 +119,7 @@ def start_trainer(mode: str, cache: str, rollouts: list[str], model_dir: str, ar
                f"train.micro_batch_size={micro}", "data.source=feed",
                f"data.group_size={args.n}", f"data.consumer_group={consumer_group}",
                f"train.export_dir={args.out / 'weights' / mode}",
-               f"train.push_weights_to={','.join(rollouts)}", "--steps", str(args.steps),
+               f"push.targets={','.join(rollouts)}", "--steps", str(args.steps),
                "--report", str(report)]  # fmt: skip
     # megatron warns at length about missing TransformerEngine and Apex: not news here.
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}

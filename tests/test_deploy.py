@@ -198,7 +198,7 @@ def test_trainer_commands_match_the_code():
         assert args.ids is None and config.data.source == "feed", where
         assert config.data.wait_s < min(default_pg_timeout.total_seconds(), 600), where
         if where.startswith("k8s"):  # no push there: its header says why
-            assert config.train.push_weights_to is None and config.train.export_dir is None
+            assert config.push.targets is None and config.train.export_dir is None
 
 
 def test_compose_trainer_pushes_weights_its_rollout_server_reads():
@@ -225,13 +225,13 @@ def test_compose_trainer_pushes_weights_its_rollout_server_reads():
         assert export["source"] in [v["source"] for v in services[owner]["volumes"]]
         assert trainer["depends_on"][f"rollout-server-{profile}"]["condition"] == "service_healthy"
 
-        host, port = config.train.push_weights_to.split(":")
+        host, port = config.push.targets.split(":")
         assert host in server["networks"]["default"]["aliases"], profile
         assert port == server["environment"]["ROLLOUT_SERVER_PORT"], profile
         secrets = {s["target"]: s["source"] for s in trainer["secrets"]}
         server_secrets = {s["target"]: s["source"] for s in server["secrets"]}
         server_token = server_secrets[server["environment"]["ROLLOUT_SERVER_AUTH_TOKEN_FILE"]]
-        assert secrets[config.train.push_token_file] == server_token, profile
+        assert secrets[config.push.token_file] == server_token, profile
 
 
 def deployed_settings(text: str) -> set[str]:

@@ -95,18 +95,16 @@ class ModelConfig:
 
 
 @dataclass
-class RouteCacheConfig:
-    """``route_cache.*``: the route cache service (R3 without a replay_file).
+class ClientSecurityConfig:
+    """How the trainer reaches a service: the same keys for every outgoing connection.
 
     Attributes:
-        target: ``host:port``.
         tls: speak TLS, trusting the system's roots unless ``ca_file`` is set.
-        ca_file: the CA of the route cache's certificate (PEM; turns TLS on).
+        ca_file: the CA of the service's certificate (PEM; turns TLS on).
         cert_file, key_file: this trainer's certificate and key, for mutual TLS.
-        token_file: a file holding the bearer token the route cache expects.
+        token_file: a file holding the bearer token the service expects.
     """
 
-    target: str = ""
     tls: bool = False
     ca_file: str = ""
     cert_file: str = ""
@@ -121,6 +119,27 @@ class RouteCacheConfig:
             tls=self.tls, ca_file=self.ca_file, cert_file=self.cert_file,
             key_file=self.key_file, token_file=self.token_file,
         )  # fmt: skip
+
+
+@dataclass
+class RouteCacheConfig(ClientSecurityConfig):
+    """``route_cache.*``: the route cache service (R3 without a replay_file): ``target``
+    (``host:port``) and how to reach it (``ClientSecurityConfig``'s keys)."""
+
+    target: str = ""
+
+
+@dataclass
+class PushConfig(ClientSecurityConfig):
+    """``push.*``: the rollout servers that load each export through ``UpdateWeights``.
+
+    Attributes:
+        targets: comma-separated ``host:port``; each loads the folder (shared storage: they
+            must be able to read it) and bumps its policy version. None pushes nothing.
+        The rest: how to reach them (``ClientSecurityConfig``'s keys).
+    """
+
+    targets: str | None = None
 
 
 @dataclass
@@ -146,11 +165,6 @@ class TrainConfig:
         export_dir: Export the weights in the Hugging Face layout the rollout server loads to
             ``export_dir/step_NNNNNN`` every ``export_every`` steps (and after the last step);
             ``export_dir/latest`` names the newest. None exports nothing.
-        push_weights_to: Comma-separated rollout servers (``host:port``) that load each
-            export through ``UpdateWeights`` (a folder they can read: shared storage); each
-            load bumps their policy version. None pushes nothing.
-        push_ca_file: TLS to those servers, trusting this CA (PEM); empty: plaintext.
-        push_token_file: A file holding the bearer token those servers expect.
         checkpoint_dir: Save model, optimizer, step and RNG states to
             ``checkpoint_dir/step_NNNNNN.pt`` every ``checkpoint_every`` steps (and after the
             last step). None saves nothing.
@@ -172,9 +186,6 @@ class TrainConfig:
     dtype: Dtype = Dtype.FLOAT32
     export_dir: str | None = None
     export_every: int = 1
-    push_weights_to: str | None = None
-    push_ca_file: str = ""
-    push_token_file: str = ""
     checkpoint_dir: str | None = None
     checkpoint_every: int = 1
     resume: bool = True
@@ -183,12 +194,6 @@ class TrainConfig:
     def mini_batch_size_or_micro(self) -> int:
         """Samples per optimizer step."""
         return self.mini_batch_size or self.micro_batch_size
-
-    def push_security(self):
-        """How to reach the rollout servers, a ``routereplay.rpc.security.ClientSecurity``."""
-        from routereplay.rpc.security import ClientSecurity
-
-        return ClientSecurity(ca_file=self.push_ca_file, token_file=self.push_token_file)
 
 
 @dataclass
@@ -287,6 +292,7 @@ class TrainerConfig:
     router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
     route_cache: RouteCacheConfig = field(default_factory=RouteCacheConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    push: PushConfig = field(default_factory=PushConfig)
     data: DataConfig = field(default_factory=DataConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -347,8 +353,8 @@ class TrainerConfig:
 
     def _validate_feed(self) -> None:
         data = self.data
-        if self.train.push_weights_to and not self.train.export_dir:
-            raise ConfigError("train.push_weights_to needs train.export_dir (what is pushed)")
+        if self.push.targets and not self.train.export_dir:
+            raise ConfigError("push.targets needs train.export_dir (what is pushed)")
         if data.source is not DataSource.FEED:
             return
         if not self.route_cache.target:

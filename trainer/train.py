@@ -20,7 +20,7 @@ export (a collective the lead writes out) and writes its own checkpoint file (``
 The input is an iterable of ``BatchPlan``: sample ids from the command line, or, with
 ``data.source=feed``, the route cache's ready feed (``trainer.data.source.FeedPlans``): the lead
 reads whole GRPO groups and hands every rank the batch, and acknowledges them after the
-batch's optimizer step. With ``train.push_weights_to`` each export is loaded by those rollout
+batch's optimizer step. With ``push.targets`` each export is loaded by those rollout
 servers (``UpdateWeights``), so their next samples come from the new policy; the step's
 report then names the versions (``policy_versions``) and the rollout versions the batch was
 generated with (``feed``).
@@ -184,10 +184,11 @@ def train(
             used.extend(stepper.routes_used)
             if cfg.export_dir and (step + 1) % cfg.export_every == 0:
                 folder = export_weights(config, model, step, dp)
-                if lead and cfg.push_weights_to:
+                if lead and config.push.targets:
                     from trainer.model.export import push_weights
 
-                    versions = push_weights(cfg.push_weights_to, folder, cfg.push_security())
+                    push = config.push
+                    versions = push_weights(push.targets, folder, push.security())
                     report["policy_versions"] = versions
                     log.info("rollout servers now at policy versions %s", versions)
                 exported = step

@@ -109,7 +109,7 @@ async def _train_and_push(model_dir, cache_target, server_target, ids, work_dir:
     args = ["-m", "trainer", f"model.path={model_dir}", f"route_cache.target={cache_target}",
             "router_replay.mode=R3", f"train.batch_size={len(ids)}", "train.micro_batch_size=2",
             "train.lr=1e-2", f"train.export_dir={work_dir / 'export'}",
-            f"train.push_weights_to={server_target}", "--ids", ",".join(ids),
+            f"push.targets={server_target}", "--ids", ",".join(ids),
             "--steps", "1", "--report", str(work_dir / "report.json")]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("WORLD_SIZE", None)

@@ -224,7 +224,7 @@ def test_a_route_cache_that_wants_a_token_gets_the_configured_one(
         (["data.source=file"], "data.source='file'"),
         (["data.source=feed", "route_cache.target="], "needs route_cache.target"),
         (["data.source=feed", "data.group_size=3"], "must be >= 1 and divide"),
-        (["train.push_weights_to=localhost:1"], "needs train.export_dir"),
+        (["push.targets=localhost:1"], "needs train.export_dir"),
     ],
 )
 def test_bad_feed_settings_are_refused(overrides, message):
