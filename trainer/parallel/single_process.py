@@ -1,4 +1,5 @@
-"""Process groups for one trainer process (no parallelism yet: every group has size 1)."""
+"""A world of one rank: the single-process trainer and the tests that build one model in-process
+(every group has size 1; torchrun worlds are in ``world``)."""
 
 from __future__ import annotations
 
