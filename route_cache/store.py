@@ -159,11 +159,14 @@ class StoredBlock:
 
 @dataclass
 class StoredRecord:
+    """A record as read; ``layers``: the MoE layer selection it was read with (None: all)."""
+
     sample_id: str
     group_id: str
     geometry: Geometry
     blocks: list[StoredBlock] = field(default_factory=list)
     format: int = FORMAT_VERSION
+    layers: tuple[int, ...] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -487,6 +490,7 @@ def _parse_record(
             geometry["model_id"],
         ),
         format=version,
+        layers=layers,
     )
     if layers is not None:
         check_layer_selection(layers, record.geometry.num_moe_layers, "layers.indices")

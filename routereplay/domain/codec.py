@@ -43,6 +43,18 @@ class EncodedRoutes:
     num_rows: int
 
 
+@dataclass(frozen=True)
+class BlockHeader:
+    """What a writer announces of a block before sending its bytes: the rows it holds
+    (``[row_start, row_start + num_rows)`` of the record), their encoding, size and checksum."""
+
+    row_start: int
+    num_rows: int
+    encoding: Encoding
+    encoded_size: int
+    checksum: int
+
+
 def checksum(data: bytes | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data)
 

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from routereplay.domain.codec import (
+    BlockHeader,
     EncodedRoutes,
     Encoding,
     LayerParts,
@@ -132,13 +133,9 @@ def _enum_name(enum, value: int) -> str:
         return str(value)
 
 
-def check_block(block: record_pb2.RouteBlock, geometry: Geometry, row_start: int, num_rows: int):
-    """Refuse a block header whose rows, dtype or encoding disagree with the record."""
-    if block.row_start != row_start or block.num_rows != num_rows:
-        raise InvalidArgument(
-            f"block covers rows [{block.row_start}, {block.row_start + block.num_rows}); "
-            f"the tokens need rows [{row_start}, {row_start + num_rows})"
-        )
+def block_header_from_pb(block: record_pb2.RouteBlock, geometry: Geometry) -> BlockHeader:
+    """A write's block header. Its dtype is the geometry's (the domain derives it from
+    ``num_experts``), so the message's is checked here and not carried further."""
     if block.dtype != _DTYPES[geometry.dtype.itemsize]:
         raise InvalidArgument(
             f"block.dtype is {_enum_name(record_pb2.RouteDtype, block.dtype)}; "
@@ -146,9 +143,13 @@ def check_block(block: record_pb2.RouteBlock, geometry: Geometry, row_start: int
         )
     if block.encoding not in _ENCODINGS_BACK:
         raise InvalidArgument(f"block.encoding {block.encoding} is not a known encoding")
-    limit = num_rows * geometry.row_bytes
-    if block.encoded_size > limit + 1024:  # a zstd frame may exceed raw by a header
-        raise InvalidArgument(f"block.encoded_size {block.encoded_size} exceeds raw size {limit}")
+    return BlockHeader(
+        block.row_start,
+        block.num_rows,
+        _ENCODINGS_BACK[block.encoding],
+        block.encoded_size,
+        block.checksum,
+    )
 
 
 def encoded_from_pb(block: record_pb2.RouteBlock, data: bytes) -> EncodedRoutes:
@@ -207,6 +208,16 @@ class ChunkCollector:
 
     def add(self, chunk: record_pb2.RouteChunk) -> bytes | None:
         """Add a chunk; returns the block's bytes on its last chunk."""
+        last = self.check(chunk)
+        self._parts.append(chunk.data)
+        if not last:
+            return None
+        data = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
+        self._parts = []
+        return data
+
+    def check(self, chunk: record_pb2.RouteChunk) -> bool:
+        """Refuse a chunk out of place; True when it is the block's last."""
         if self.done:
             raise InvalidArgument(f"chunk after the last chunk of block {self.block_index}")
         if chunk.block != self.block_index:
@@ -219,17 +230,14 @@ class ChunkCollector:
         self._received += len(chunk.data)
         if self._received > self.size:
             raise InvalidArgument(f"chunks carry more than block.encoded_size={self.size} bytes")
-        self._parts.append(chunk.data)
         if not chunk.last:
-            return None
+            return False
         if self._received != self.size:
             raise InvalidArgument(
                 f"last chunk ends at {self._received} bytes; block.encoded_size is {self.size}"
             )
         self.done = True
-        data = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
-        self._parts = []
-        return data
+        return True
 
 
 def write_requests(

@@ -1,0 +1,363 @@
+"""The route cache's core, free of gRPC: writes, appends, reads and the ready feed on domain
+objects, with the checks and limits that guard them.
+
+A write or append arrives as a ``BlockWrite`` (the header: ids, geometry, tokens, turns, and
+how its route block is encoded) and the block's bytes as pieces in order. Nothing is stored
+until every check has passed: the header against the record's own validators, the bytes
+against the header's size and checksum, the decoded routes against the geometry. The servicer
+in ``server.py`` only converts messages to these calls and back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily
+
+from route_cache.config import Config
+from route_cache.feed import ReadyFeed, check_entry_id
+from route_cache.store import RouteStore, StoredBlock, StoredRecord
+from routereplay.domain.codec import BlockHeader, EncodedRoutes, LayerParts, decode_routes
+from routereplay.domain.record import (
+    Geometry,
+    Missing,
+    Turn,
+    check_layer_selection,
+    check_routes,
+    check_sample_id,
+    check_token_ids,
+    check_turns,
+)
+from routereplay.errors import (
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from routereplay.rpc.ready import ReadyEntry, ReadyPage
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "route_cache"
+# A zstd block may exceed the raw size of its rows by its frame headers.
+_ZSTD_SLACK = 1024
+
+
+@dataclass(frozen=True)
+class BlockWrite:
+    """A write (rows ``[0, T - 1)`` for T tokens) or, with ``append``, an append of N tokens
+    (rows ``[row_offset, row_offset + N)``, ``row_offset`` the stored row count), before its
+    route bytes.
+
+    ``announce``: publish the record to the ready feed once stored (a write that is not
+    followed by more turns; an append marked final).
+    """
+
+    sample_id: str
+    geometry: Geometry
+    token_ids: np.ndarray
+    turns: list[Turn]
+    block: BlockHeader
+    group_id: str = ""
+    append: bool = False
+    row_offset: int = 0
+    announce: bool = True
+
+    @property
+    def token_start(self) -> int:
+        """The record's index of ``token_ids[0]``: an append's first new token follows the
+        stored ``row_offset + 1`` tokens."""
+        return self.row_offset + 1 if self.append else 0
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.token_ids.size) - (0 if self.append else 1)
+
+
+@dataclass(frozen=True)
+class Stored:
+    """What a write or append left: the record's row count, and whether it was a retry."""
+
+    sample_id: str
+    num_rows: int
+    duplicate: bool
+
+
+class CacheMetrics:
+    """The route cache's own counters, beside the per-call ones of ``ServiceMetrics``.
+
+    ``route_bytes_served`` counts the route bytes of the records read (encoded, the selected
+    layers only): what a trainer's reads cost the route cache, to hold against the stored
+    bytes of the records read.
+    """
+
+    def __init__(self, registry: CollectorRegistry, feed: ReadyFeed | None):
+        self.route_bytes_served = Counter(
+            "route_bytes_served", "Encoded route bytes sent in read responses",
+            namespace=NAMESPACE, registry=registry,
+        )  # fmt: skip
+        self.route_bytes_received = Counter(
+            "route_bytes_received", "Encoded route bytes received in writes and appends",
+            namespace=NAMESPACE, registry=registry,
+        )  # fmt: skip
+        self.committed = Counter(
+            "records_committed", "Writes and appends committed (duplicate: a retry, unchanged)",
+            ["call", "duplicate"], namespace=NAMESPACE, registry=registry,
+        )  # fmt: skip
+        self.refused = Counter(
+            "records_refused", "Writes and appends refused, by status code",
+            ["call", "code"], namespace=NAMESPACE, registry=registry,
+        )  # fmt: skip
+        if feed is not None:
+            registry.register(_BacklogCollector(feed))
+
+
+class _BacklogCollector:
+    """The ready feed's backlog per consumer group, asked of Redis at each scrape."""
+
+    def __init__(self, feed: ReadyFeed):
+        self.feed = feed
+
+    def collect(self):
+        lag = GaugeMetricFamily(
+            f"{NAMESPACE}_ready_backlog", "Ready entries not yet delivered to the consumer group",
+            labels=["consumer_group"],
+        )  # fmt: skip
+        pending = GaugeMetricFamily(
+            f"{NAMESPACE}_ready_pending", "Ready entries delivered and not acknowledged",
+            labels=["consumer_group"],
+        )  # fmt: skip
+        try:
+            groups = self.feed.backlog()
+        except Exception:  # noqa: BLE001 - a scrape must not fail while Redis is away
+            log.warning("ready feed backlog unavailable", exc_info=True)
+            groups = []
+        for group, unread, unacked in groups:
+            if unread is not None:
+                lag.add_metric([group], unread)
+            pending.add_metric([group], unacked)
+        yield lag
+        yield pending
+
+
+class RouteCache:
+    """Args: the store; the configuration (its limits); the ready feed, or None when it is
+    disabled; the registry its metrics go to (a private one when None)."""
+
+    def __init__(
+        self,
+        store: RouteStore,
+        config: Config,
+        feed: ReadyFeed | None = None,
+        registry: CollectorRegistry | None = None,
+    ):
+        self.store = store
+        self.config = config
+        self.feed = feed
+        self.metrics = CacheMetrics(registry or CollectorRegistry(), feed)
+
+    # Writes ------------------------------------------------------------------------------
+
+    def write(self, write: BlockWrite, data: Iterable[bytes]) -> Stored:
+        """Store a new record from ``write`` and its route bytes, or find it already stored
+        (a retry: ``duplicate``).
+
+        Raises:
+            InvalidArgument: the header or the bytes are wrong (nothing is stored).
+            ResourceExhausted: more pieces than ``max_write_chunks``.
+            AlreadyExists: a different record has this id.
+        """
+        return self._counted("append" if write.append else "write", self._store, write, data)
+
+    def _counted(self, call: str, store, write: BlockWrite, data: Iterable[bytes]) -> Stored:
+        try:
+            stored = store(write, data)
+        except Exception as exc:
+            self.metrics.refused.labels(call, getattr(exc, "status", "INTERNAL")).inc()
+            raise
+        self.metrics.committed.labels(call, str(stored.duplicate).lower()).inc()
+        return stored
+
+    def _store(self, write: BlockWrite, data: Iterable[bytes]) -> Stored:
+        block = self._receive(write, data)
+        if write.append:
+            duplicate, rows = self.store.append(write.sample_id, write.geometry, block)
+        else:
+            rows = block.routes.num_rows
+            duplicate = self.store.write(write.sample_id, write.group_id, write.geometry, block)
+        if self.feed is not None and write.announce:
+            # A duplicate is announced again: the first announcement may have been lost. The
+            # writer hears back only after this, so its retries make delivery at least once.
+            if write.append:  # the whole record's turns: one more read, on final appends
+                record = self.store.stat(write.sample_id).record
+                group_id, turns = record.group_id, record.turns
+            else:
+                group_id, turns = write.group_id, write.turns
+            versions = tuple(t.policy_version for t in turns)
+            self.feed.publish(ReadyEntry("", write.sample_id, group_id, rows + 1, versions))
+        return Stored(write.sample_id, rows, duplicate)
+
+    def _receive(self, write: BlockWrite, data: Iterable[bytes]) -> StoredBlock:
+        """Check the header, receive the route bytes and check the routes they hold."""
+        self._check_header(write)
+        pieces = []
+        for piece in data:
+            if len(pieces) == self.config.max_write_chunks:
+                raise ResourceExhausted(
+                    f"the stream sent more than {self.config.max_write_chunks} chunks, the "
+                    "server's limit (max_write_chunks): send larger chunks; nothing was stored"
+                )
+            pieces.append(piece)
+        joined = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        if len(joined) != write.block.encoded_size:
+            raise InvalidArgument(
+                f"the route bytes hold {len(joined)} bytes; block.encoded_size is "
+                f"{write.block.encoded_size}"
+            )
+        self.metrics.route_bytes_received.inc(len(joined))
+        header = write.block
+        encoded = EncodedRoutes(header.encoding, joined, header.checksum, header.num_rows)
+        try:
+            routes = decode_routes(encoded, write.geometry)
+        except DataLoss as exc:
+            raise InvalidArgument(f"{exc}: the routes changed in transit") from None
+        check_routes(routes, write.geometry, header.num_rows, header.row_start)
+        return StoredBlock(header.row_start, write.token_start, write.token_ids, write.turns,
+                           encoded)  # fmt: skip
+
+    def _check_header(self, write: BlockWrite) -> None:
+        check_sample_id(write.sample_id)
+        if write.group_id:
+            check_sample_id(write.group_id, "group_id")
+        geometry, block = write.geometry, write.block
+        geometry.validate()
+        check_token_ids(write.token_ids)
+        if write.token_ids.size == 0:
+            raise InvalidArgument("token_ids is empty")
+        check_turns(write.turns, write.token_start, write.token_start + int(write.token_ids.size))
+        if (block.row_start, block.num_rows) != (write.row_offset, write.num_rows):
+            raise InvalidArgument(
+                f"block covers rows [{block.row_start}, {block.row_start + block.num_rows}); "
+                f"the tokens need rows [{write.row_offset}, {write.row_offset + write.num_rows})"
+            )
+        limit = block.num_rows * geometry.row_bytes
+        if block.encoded_size > limit + _ZSTD_SLACK:
+            raise InvalidArgument(
+                f"block.encoded_size {block.encoded_size} exceeds raw size {limit}"
+            )
+        if block.encoded_size > self.config.max_record_bytes:
+            raise InvalidArgument(
+                f"block.encoded_size {block.encoded_size} exceeds the server's limit "
+                f"of {self.config.max_record_bytes} bytes"
+            )
+
+    # Reads -------------------------------------------------------------------------------
+
+    def read(self, sample_id: str, layers: Sequence[int] | None = None) -> StoredRecord:
+        """One record, of the MoE layers selected (positions in its geometry; None: all)."""
+        check_sample_id(sample_id)
+        record = self.store.read(sample_id, _selection(layers))
+        self._served(record)
+        return record
+
+    def read_many(
+        self, sample_ids: Sequence[str], layers: Sequence[int] | None = None,
+        skip_missing: bool = False,
+    ) -> Iterator[StoredRecord | Missing]:  # fmt: skip
+        """Records in the order asked, streamed as they come from Redis.
+
+        Raises:
+            NotFound: an id has no record (unless ``skip_missing``: a ``Missing`` in its place).
+        """
+        ids = self._ids(sample_ids, "sample_ids", check_sample_id)
+        for sample_id, record in zip(ids, self.store.read_many(ids, _selection(layers)),
+                                     strict=True):  # fmt: skip
+            if record is not None:
+                self._served(record)
+                yield record
+            elif skip_missing:
+                yield Missing(sample_id)
+            else:
+                raise NotFound(f"no record for sample_id {sample_id!r}")
+
+    def _served(self, record: StoredRecord) -> None:
+        for block in record.blocks:
+            routes = block.routes
+            parts = routes.parts if isinstance(routes, LayerParts) else (routes.data,)
+            self.metrics.route_bytes_served.inc(sum(len(p) for p in parts))
+
+    def stat(self, sample_id: str):
+        check_sample_id(sample_id)
+        return self.store.stat(sample_id)
+
+    def delete(self, sample_id: str) -> None:
+        check_sample_id(sample_id)
+        self.store.delete(sample_id)
+
+    # Ready feed --------------------------------------------------------------------------
+
+    def read_ready(
+        self,
+        group: str,
+        consumer: str,
+        max_entries: int,
+        block_ms: int = 0,
+        pending_cursor: str = "",
+        claim_idle_ms: int = 0,
+        claim_cursor: str = "",
+        start_from_latest: bool = False,
+    ) -> ReadyPage:
+        """See ``ReadyFeed.read``; the arguments checked against the server's limits."""
+        feed = self._feed()
+        check_sample_id(group, "consumer_group")
+        check_sample_id(consumer, "consumer")
+        if not 1 <= max_entries <= self.config.max_batch:
+            raise InvalidArgument(
+                f"max_entries is {max_entries}; it must be in [1, {self.config.max_batch}]"
+            )
+        if block_ms > self.config.ready_max_block_ms:
+            raise InvalidArgument(
+                f"block_ms is {block_ms}; the limit is {self.config.ready_max_block_ms}"
+            )
+        if pending_cursor:
+            check_entry_id(pending_cursor, "pending_cursor")
+        if claim_cursor:
+            check_entry_id(claim_cursor, "claim_cursor")
+        return feed.read(group, consumer, max_entries, block_ms, pending_cursor, claim_idle_ms,
+                         claim_cursor, start_from_latest)  # fmt: skip
+
+    def ack_ready(self, group: str, entry_ids: Sequence[str]) -> int:
+        feed = self._feed()
+        check_sample_id(group, "consumer_group")
+        return feed.ack(group, self._ids(entry_ids, "entry_ids", check_entry_id))
+
+    def _ids(self, values: Sequence[str], name: str, check) -> list[str]:
+        """A non-empty list of at most ``max_batch`` ids, each passing ``check``."""
+        ids = list(values)
+        if not ids:
+            raise InvalidArgument(f"{name} is empty")
+        if len(ids) > self.config.max_batch:
+            raise InvalidArgument(
+                f"{name} has {len(ids)} ids; the limit is {self.config.max_batch}"
+            )
+        for i, value in enumerate(ids):
+            check(value, f"{name}[{i}]")
+        return ids
+
+    def _feed(self) -> ReadyFeed:
+        if self.feed is None:
+            raise FailedPrecondition(
+                "the ready feed is disabled on this route cache (--ready-stream is empty)"
+            )
+        return self.feed
+
+
+def _selection(layers: Sequence[int] | None) -> tuple[int, ...] | None:
+    """A layer selection checked for order here, and against each record's geometry when it
+    is read; None when absent (every layer)."""
+    return None if layers is None else check_layer_selection(layers, name="layers.indices")
