@@ -8,6 +8,9 @@ distribution (uniform, Zipf-like per layer), in the same run against the same Re
 - raw gRPC: the same bytes streamed in the same 1 MiB chunks, with the same concurrency and
   channel options, to a trivial bytes-in/bytes-out gRPC service that keeps them in memory and
   streams them back in one batch call (``benchmarks/raw_grpc.py``): the transport's floor;
+- gRPC + Redis: the same trivial service keeping the bytes in Redis (one SET per record, one
+  GET per record on read, the next GET overlapping the send): the floor of any route cache
+  made of these two parts, with no checks, checksums or layout;
 - service: the records written one by one through the route cache (validated, checksummed,
   chunked over gRPC, committed by Lua) and read back in one ReadBatch stream (checksums
   verified, decoded to numpy); and the same batch read with a layer selection of a quarter of
@@ -18,7 +21,8 @@ core alone and this process on the others: the service's own cost without the cl
 Redis competing for its core.
 
 Prints and records median throughput over repeats, the service/redis-py ratio (target: at
-least 0.5 for write and batch read) and the service/raw gRPC ratio, and bytes per token of
+least 0.5 for write and batch read), the service/raw gRPC ratio (target 0.8) and the
+service/gRPC + Redis ratio (what the route cache's own work costs), and bytes per token of
 the routes as int32, int16, raw uint8 and this project's stored forms (target: at most raw
 uint8).
 
@@ -54,7 +58,8 @@ MIB = 2**20
 DISTRIBUTIONS = {"uniform": 0.0, "zipf": 1.0}
 
 
-def bench_case(args, raw_client, grpc_client, cache, writers, geometry, tokens, dist, rng):
+def bench_case(args, raw_client, grpc_client, floor_client, cache, writers, geometry, tokens,
+               dist, rng):  # fmt: skip
     batch = 8 if tokens <= 4096 else 4
     # Two distinct records, cycled: generating 32K-token routes is slower than storing them.
     pool = [synthetic_record("x", geometry, tokens, rng, skew=DISTRIBUTIONS[dist]) for _ in (0, 1)]
@@ -91,14 +96,16 @@ def bench_case(args, raw_client, grpc_client, cache, writers, geometry, tokens, 
 
     grpc_keys = [str(i) for i in range(batch)]  # reused by every case: bounded server memory
 
-    def grpc_write():
-        assert sum(writers.map(grpc_client.write, grpc_keys, chunked)) == route_bytes
+    for name, client in (("grpc", grpc_client), ("floor", floor_client)):
 
-    def grpc_read():
-        assert sum(len(c) for c in grpc_client.read_batch(grpc_keys)) == route_bytes
+        def grpc_write(client=client):
+            assert sum(writers.map(client.write, grpc_keys, chunked)) == route_bytes
 
-    result["grpc_write_mibs"] = route_bytes / median_time(grpc_write, args.repeats) / MIB
-    result["grpc_read_mibs"] = route_bytes / median_time(grpc_read, args.repeats) / MIB
+        def grpc_read(client=client):
+            assert sum(len(c) for c in client.read_batch(grpc_keys)) == route_bytes
+
+        result[f"{name}_write_mibs"] = route_bytes / median_time(grpc_write, args.repeats) / MIB
+        result[f"{name}_read_mibs"] = route_bytes / median_time(grpc_read, args.repeats) / MIB
 
     stage = range(geometry.num_moe_layers // 4)  # one stage of a 4-stage pipeline
     stage_bytes = route_bytes * len(stage) // geometry.num_moe_layers
@@ -142,24 +149,32 @@ def bench_case(args, raw_client, grpc_client, cache, writers, geometry, tokens, 
     result["stage_read_ratio_grpc"] = (
         result["service_raw_stage_read_mibs"] / result["grpc_read_mibs"]
     )
+    for op in ("write", "read"):
+        result[f"floor_{op}_ratio_grpc"] = result[f"floor_{op}_mibs"] / result[f"grpc_{op}_mibs"]
+        result[f"{op}_ratio_floor"] = result[f"service_raw_{op}_mibs"] / result[f"floor_{op}_mibs"]
     return result
 
 
 def table(results: list[dict]) -> str:
     lines = [
         "| geometry | tokens | routes | **service / raw gRPC write / read** "
-        "| **stage read / raw gRPC read** | service / redis-py write / read "
-        "| raw gRPC write / read | service write / read / stage read | redis-py write / read "
+        "| **stage read / raw gRPC read** | gRPC + Redis / raw gRPC write / read "
+        "| service / gRPC + Redis write / read | service / redis-py write / read "
+        "| raw gRPC write / read | gRPC + Redis write / read "
+        "| service write / read / stage read | redis-py write / read "
         "| service zstd write / read / stage read |",
-        "|---" * 10 + "|",
+        "|---" * 13 + "|",
     ]
     for r in results:
         lines.append(
             f"| {r['geometry']} | {r['tokens']} | {r['dist']} "
             f"| **{r['write_ratio_grpc']:.2f} / {r['read_ratio_grpc']:.2f}** "
             f"| **{r['stage_read_ratio_grpc']:.2f}** "
+            f"| {r['floor_write_ratio_grpc']:.2f} / {r['floor_read_ratio_grpc']:.2f} "
+            f"| {r['write_ratio_floor']:.2f} / {r['read_ratio_floor']:.2f} "
             f"| {r['write_ratio']:.2f} / {r['read_ratio']:.2f} "
             f"| {r['grpc_write_mibs']:.0f} / {r['grpc_read_mibs']:.0f} "
+            f"| {r['floor_write_mibs']:.0f} / {r['floor_read_mibs']:.0f} "
             f"| {r['service_raw_write_mibs']:.0f} / {r['service_raw_read_mibs']:.0f} / "
             f"{r['service_raw_stage_read_mibs']:.0f} "
             f"| {r['redis_write_mibs']:.0f} / {r['redis_read_mibs']:.0f} "
@@ -185,8 +200,9 @@ def table(results: list[dict]) -> str:
 
 
 def pin(cpu: int, pids: list[int | None]) -> None:
-    """Every thread of the service processes on ``cpu``; this process and Redis elsewhere."""
-    service_pids = [p for p in pids[:2] if p is not None]
+    """Every thread of the service processes on ``cpu``; this process and Redis (the last
+    pid) elsewhere."""
+    service_pids = [p for p in pids[:-1] if p is not None]
     for pid in service_pids:
         subprocess.run(["taskset", "-a", "-p", "-c", str(cpu), str(pid)], check=True,
                        stdout=subprocess.DEVNULL)  # fmt: skip
@@ -194,9 +210,9 @@ def pin(cpu: int, pids: list[int | None]) -> None:
     if not others:
         raise SystemExit("--pin-service needs at least 2 cores")
     os.sched_setaffinity(0, others)
-    if pids[2] is not None:
+    if pids[-1] is not None:
         subprocess.run(["taskset", "-a", "-p", "-c", ",".join(map(str, sorted(others))),
-                        str(pids[2])], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+                        str(pids[-1])], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
 
 
 def embedded_pid(embedded) -> int | None:
@@ -227,16 +243,20 @@ def main() -> int:
     url = args.redis_url
     if not url:
         embedded, url = start_embedded_redis()
-    server = raw_server = None
+    server = raw_server = floor_server = None
     results = []
     try:
         server, target = start_service(
             "route_cache", "--redis-url", url, "--ttl-s", "600", quiet=True
         )
         raw_server, raw_target = start_service("benchmarks.raw_grpc", quiet=True)
+        floor_server, floor_target = start_service(
+            "benchmarks.raw_grpc", "--redis-url", url, quiet=True
+        )
         if args.pin_service is not None:
-            pin(args.pin_service, [server.pid, raw_server.pid, embedded_pid(embedded)])
-        grpc_client = RawClient(raw_target)
+            pin(args.pin_service,
+                [server.pid, raw_server.pid, floor_server.pid, embedded_pid(embedded)])  # fmt: skip
+        grpc_client, floor_client = RawClient(raw_target), RawClient(floor_target)
         raw_client = redis.Redis.from_url(url)
         redis_version = raw_client.info("server").get("redis_version")
         rng = np.random.default_rng(0)
@@ -248,16 +268,19 @@ def main() -> int:
                 (QWEN3_30B_A3B, DEEPSEEK_V3), (4096,) if args.quick else (4096, 32768),
                 DISTRIBUTIONS,
             ):  # fmt: skip
-                r = bench_case(args, raw_client, grpc_client, cache, writers, geometry, tokens,
-                               dist, rng)  # fmt: skip
+                r = bench_case(args, raw_client, grpc_client, floor_client, cache, writers,
+                               geometry, tokens, dist, rng)  # fmt: skip
                 results.append(r)
                 print(f"{r['geometry']} {tokens} {dist}: service/redis-py write "
                       f"{r['write_ratio']:.2f}, read {r['read_ratio']:.2f}; service/raw gRPC "
                       f"write {r['write_ratio_grpc']:.2f}, "
-                      f"read {r['read_ratio_grpc']:.2f}")  # fmt: skip
+                      f"read {r['read_ratio_grpc']:.2f}; service/gRPC + Redis write "
+                      f"{r['write_ratio_floor']:.2f}, "
+                      f"read {r['read_ratio_floor']:.2f}")  # fmt: skip
         grpc_client.close()
+        floor_client.close()
     finally:
-        for proc in (server, raw_server):
+        for proc in (server, raw_server, floor_server):
             if proc is not None:
                 stop_process(proc)
         if embedded is not None:
@@ -280,9 +303,12 @@ def main() -> int:
         "against one redis-py pipeline of SETs of the same bytes, and against the same bytes "
         f"in the same chunks as {args.writers} concurrent streams to a trivial bytes-in/bytes-out "
         "gRPC service on the same server plumbing and channel options, which keeps them in "
-        "memory (`benchmarks/raw_grpc.py`). Read: one ReadBatch stream (checksums verified, "
-        "decoded to numpy) against one pipeline of GETs and one raw gRPC stream of the stored "
-        "chunks. Stage read: the same ReadBatch with a layer selection of the first quarter "
+        "memory (`benchmarks/raw_grpc.py`), and to the same service keeping them in Redis "
+        "(gRPC + Redis: one SET per record; the floor of any route cache made of these two "
+        "parts). Read: one ReadBatch stream (checksums verified, decoded to numpy) against one "
+        "pipeline of GETs, one raw gRPC stream of the stored chunks, and the gRPC + Redis "
+        "service's stream (one GET per record, the next overlapping the send). Stage read: "
+        "the same ReadBatch with a layer selection of the first quarter "
         "of the MoE layers (one stage of 4), in MiB/s of the bytes it reads, over the raw gRPC "
         "read's MiB/s. Targets: service / raw gRPC >= 0.8; batch read / redis-py >= 0.5 at "
         "32K tokens; stored <= uint8.\n\n" + table(results)

@@ -2,12 +2,16 @@
 
 Built with the route cache's own server plumbing (``make_server``: the same interceptor,
 limits, HTTP/2 transport options and health service) and no protobuf: messages are raw
-bytes. ``Write`` streams chunks in and keeps them in memory under the key sent in the call's
-metadata; ``ReadBatch`` takes newline-separated keys and streams every stored chunk back. No
-checks, no copies beyond what gRPC itself does: what the route cache adds on top of this is
-its own cost.
+bytes. ``Write`` streams chunks in and keeps them under the key sent in the call's metadata;
+``ReadBatch`` takes newline-separated keys and streams every stored chunk back. No checks, no
+copies beyond what gRPC itself does: what the route cache adds on top of this is its own cost.
 
-``python -m benchmarks.raw_grpc --host H --port P`` serves until SIGTERM;
+Two floors: chunks kept in memory (the transport alone), or, with ``--redis-url``, joined and
+SET in Redis on write and each key's value fetched with GET and sent back in the same chunks
+on read, the next key's GET overlapping this one's sending as the route cache's batch reads
+do (the transport and Redis: what any route cache built on these two pays).
+
+``python -m benchmarks.raw_grpc --host H --port P [--redis-url URL]`` serves until SIGTERM;
 ``RawClient`` is its client.
 """
 
@@ -16,9 +20,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from route_cache.store import connect
 from routereplay.rpc.grpc_server import (
     ServerLimits,
     channel_options,
@@ -49,9 +55,34 @@ class RawStore:
             yield from self.chunks[key]
 
 
-def serve(host: str, port: int) -> None:
+class RedisRawStore:
+    """Chunks by key, joined into one Redis value; the route cache's socket read size."""
+
+    def __init__(self, url: str, chunk_bytes: int = 1 << 20):
+        self.client = connect(url, cluster=False)
+        self.chunk_bytes = chunk_bytes
+
+    def write(self, request_iterator: Iterator[bytes], context) -> bytes:
+        key = "raw-grpc:" + dict(context.invocation_metadata())["key"]
+        data = b"".join(request_iterator)
+        self.client.set(key, data)
+        return len(data).to_bytes(8, "little")
+
+    def read_batch(self, request: bytes, context) -> Iterator[bytes]:
+        keys = ["raw-grpc:" + k.decode() for k in request.split(b"\n")]
+        with ThreadPoolExecutor(max_workers=1) as prefetch:
+            pending = prefetch.submit(self.client.get, keys[0])
+            for i in range(len(keys)):
+                view = memoryview(pending.result())
+                if i + 1 < len(keys):
+                    pending = prefetch.submit(self.client.get, keys[i + 1])
+                for offset in range(0, len(view), self.chunk_bytes):
+                    yield bytes(view[offset : offset + self.chunk_bytes])
+
+
+def serve(host: str, port: int, redis_url: str = "") -> None:
     server, health = make_server(ServerLimits(), [SERVICE])
-    store = RawStore()
+    store = RedisRawStore(redis_url) if redis_url else RawStore()
     handlers = {
         "Write": grpc.stream_unary_rpc_method_handler(store.write),
         "ReadBatch": grpc.unary_stream_rpc_method_handler(store.read_batch),
@@ -88,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--redis-url", default="", help="keep the bytes in this Redis")
     args = parser.parse_args(argv)
-    serve(args.host, args.port)
+    serve(args.host, args.port, args.redis_url)
     return 0
 
 

@@ -193,8 +193,14 @@ def record_key(sample_id: str) -> str:
     return f"rr:{{{sample_id}}}"
 
 
+# Records are megabytes: redis-py's default 64 KiB socket reads cost about a tenth of a batch
+# read (GETs of 12 MiB values: 699 MiB/s at 64 KiB, 773 at 256 KiB, 813 at 1 MiB, one run).
+SOCKET_READ_BYTES = 256 * 1024
+
+
 def connect(url: str, cluster: bool, **kwargs) -> redis.Redis | redis.cluster.RedisCluster:
     """A redis-py client for a single server or a cluster; the rest of the code is the same."""
+    kwargs.setdefault("socket_read_size", SOCKET_READ_BYTES)
     if cluster:
         return redis.cluster.RedisCluster.from_url(url, **kwargs)
     return redis.Redis.from_url(url, **kwargs)
