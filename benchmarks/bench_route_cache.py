@@ -16,9 +16,9 @@ distribution (uniform, Zipf-like per layer), in the same run against the same Re
   verified, decoded to numpy); and the same batch read with a layer selection of a quarter of
   the MoE layers (what one stage of a 4-stage pipeline reads), in MiB/s of the bytes it reads.
 
-With ``--pin-service CPU`` both gRPC services (the route cache and the raw one) run on that
-core alone and this process on the others: the service's own cost without the client and
-Redis competing for its core.
+With ``--pin-service CPU`` the three gRPC services (the route cache and both bare ones) run
+on that core alone and this process on the others: the service's own cost without the client
+and Redis competing for its core.
 
 Prints and records median throughput over repeats, the service/redis-py ratio (target: at
 least 0.5 for write and batch read), the service/raw gRPC ratio (target 0.8) and the
@@ -286,7 +286,8 @@ def main() -> int:
         if embedded is not None:
             embedded.stop()
     pinned = (
-        f" **Pinned**: both gRPC services on core {args.pin_service} alone (`taskset -a`), "
+        f" **Pinned**: the three gRPC services (route cache, bare, bare + Redis) on core "
+        f"{args.pin_service} alone (`taskset -a`), "
         "the benchmark client and Redis on the other cores."
         if args.pin_service is not None
         else " Client, services and Redis share the machine's cores."
