@@ -92,7 +92,7 @@ class Measured:
     # cache_read, for results of before the benchmark measured it)
     stage_fanout: float = 1.0  # route bytes served per byte stored with the trainer's stage
     # reads, the largest over bench_layouts' layouts (1.0, the design's, where it has not run)
-    fanout_source: str = "the design's (no layout_reads results)"
+    fanout_source: str = "the design's value: bench_layouts.py has not run in this checkout"
 
     @property
     def stage_read(self) -> float:
