@@ -17,10 +17,13 @@ DOCS = ROOT / "docs" / "benchmarks.md"
 RESULTS = ROOT / "results"
 
 
-def median_time(fn, repeats: int) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` runs (these machines are noisy)."""
+def median_time(fn, repeats: int, setup=None) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs (these machines are noisy);
+    ``setup()``, untimed, before each."""
     times = []
     for _ in range(repeats):
+        if setup is not None:
+            setup()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
