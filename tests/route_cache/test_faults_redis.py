@@ -12,10 +12,10 @@ import redis
 
 from route_cache.config import Config
 from route_cache.server import RouteCacheServer
-from route_cache.store import RouteStore, connect, record_key
+from route_cache.store import STAGING_TTL_MS, RouteStore, connect, record_key
 from routereplay.dev.synthetic import synthetic_record
 from routereplay.domain.record import Missing
-from routereplay.errors import NotFound, Unavailable
+from routereplay.errors import NotFound, ResourceExhausted, Unavailable
 from routereplay.rpc.client import RetryPolicy, RouteCacheClient
 from tests.conftest import RedisProcess, start_cluster_with_replicas
 from tests.route_cache.conftest import SMALL
@@ -253,3 +253,29 @@ def test_wait_refuses_to_acknowledge_a_write_no_replica_confirms(redis_node):
     finally:
         server.stop(0)
         store.client.close()
+
+
+def test_a_payload_redis_refuses_leaves_only_an_expiring_staging_hash():
+    """Redis at its memory limit refuses the record's routes (sent after the staging hash is
+    created with its expiry): RESOURCE_EXHAUSTED, no record, the staging hash expires; once
+    Redis has room the retry stores the record whole."""
+    node = RedisProcess("--maxmemory", "4mb", "--maxmemory-policy", "noeviction").start()
+    client = connect(node.url, cluster=False)
+    store = RouteStore(client)
+    server = RouteCacheServer(Config(host="127.0.0.1", port=0, grace_s=1), store).start()
+    record = synthetic_record("oom", SMALL, 400_000, np.random.default_rng(5))  # 8 MB routes
+    try:
+        with RouteCacheClient(f"127.0.0.1:{server.port}") as cache:
+            with pytest.raises(ResourceExhausted, match="memory limit"):
+                cache.write(record)
+            assert client.exists(record_key(record.sample_id)) == 0
+            staged = list(client.scan_iter(match=f"{record_key(record.sample_id)}:stage:*"))
+            assert len(staged) <= 1
+            assert all(0 < client.pttl(key) <= STAGING_TTL_MS for key in staged)
+            client.config_set("maxmemory", 0)
+            assert cache.write(record).duplicate is False
+            assert_same(cache.read(record.sample_id), record)
+    finally:
+        server.stop(0)
+        client.close()
+        node.stop()
