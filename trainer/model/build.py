@@ -182,7 +182,7 @@ def build_model(
             layout (else initialised from the seed, the same on every rank).
         model_id: Identifier stored in ``geometry`` (default: the folder's name).
         **config_overrides: Extra ``TransformerConfig`` fields
-            (``parallel.model_overrides`` gives a layout's, virtual stages among them).
+            (``world.model_overrides`` gives a layout's, virtual stages among them).
 
     Returns:
         The ``TrainerModel``.
