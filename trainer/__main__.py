@@ -2,9 +2,10 @@
 
 Runs N RL steps in one process (world size 1, gloo) and prints the consistency report of each
 step. Under ``torchrun`` (``WORLD_SIZE`` set) every process is one rank of the ``parallel.*``
-layout: data, tensor or expert parallel (``torchrun --nproc-per-node 2 -m trainer ...
-parallel.dp=2``, or ``parallel.tp=2 parallel.sequence_parallel=true``, or ``parallel.ep=2``);
-each DP rank trains its share of every batch and one rank prints and writes the reports.
+layout: data, tensor, expert or pipeline parallel (``torchrun --nproc-per-node 2 -m trainer
+... parallel.dp=2``, or ``parallel.tp=2 parallel.sequence_parallel=true``, ``parallel.ep=2``,
+``parallel.pp=2``); each DP rank trains its share of every batch and one rank prints and writes
+the reports.
 Samples come from the route cache (``route_cache.target`` and the ids) or from a records file
 (``router_replay.replay_file`` or ``data.records_file``; every record in it when no ids are
 given). With ``data.source=feed`` there are no ids: batches of whole GRPO groups come from

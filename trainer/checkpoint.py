@@ -19,9 +19,10 @@ rank 0 writes it and every rank loads it: weights, optimizer state and RNG strea
 on every DP rank. A job whose rank was killed mid-step and that was restarted also ends bitwise
 equal (``tests/trainer/test_resume.py``).
 
-Under tensor or expert parallelism each rank holds its own shard of the weights and optimizer
-state and its own RNG streams, so every rank writes its own file,
-``step_NNNNNN.<shard>.pt`` (``shard`` names its TP, EP and DP ranks), and loads its own; the
+Under tensor, expert or pipeline parallelism each rank holds its own shard of the weights and
+optimizer state and its own RNG streams, so every rank writes its own file,
+``step_NNNNNN.<shard>.pt`` (``shard`` names its pipeline stage, when there are several, and its
+TP, EP and DP ranks), and loads its own; the
 step is named in ``latest`` only once every rank's file is written (the caller's barrier), so a
 resume never mixes steps. A resume in another layout finds no file of its name and says so.
 """

@@ -3,7 +3,7 @@
 The names follow what users of RL frameworks know: ``router_replay.mode`` in ``disabled``,
 ``R2``, ``R3``; ``router_replay.record_file``; ``router_replay.replay_file``. Example::
 
-    trainer config.yaml router_replay.mode=R3 train.seed=3
+    python -m trainer --config config.yaml router_replay.mode=R3 train.seed=3
 
 An override's value is parsed as YAML (``3`` is an int, ``true`` a bool, ``null`` None).
 Unknown keys and invalid values fail before anything runs, naming the key.

@@ -13,9 +13,10 @@ checkpoint in ``checkpoint_dir``, the loop restores it and skips the steps it ha
 
 Data parallel (``dp``, a ``trainer.parallel.dp.DataParallel``): every rank gets the same plans,
 fetches and trains its own share of each batch, and returns the whole batch's reports; the lead (DP
-rank 0, TP rank 0) logs them and writes the record file, the report JSON, TensorBoard, exports
-and checkpoints. Under tensor or expert parallelism every rank gathers the full weights for an
-export (a collective the lead writes out) and writes its own checkpoint file (``checkpoint``).
+rank 0, TP rank 0, the first stage) logs them and writes the record file, the report JSON,
+TensorBoard, exports and checkpoints. Under tensor, expert or pipeline parallelism every rank
+gathers its stage's full weights for an export (a collective the lead writes out) and writes
+its own checkpoint file (``checkpoint``).
 
 The input is an iterable of ``BatchPlan``: sample ids from the command line, or, with
 ``data.source=feed``, the route cache's ready feed (``trainer.data.source.FeedPlans``): the lead

@@ -1,5 +1,6 @@
-"""The Rollout contract's conversions, both ways: ``routereplay.v1.rollout`` messages to the
-domain types of ``routereplay.domain.rollout`` and back (the server's edge and the clients')."""
+"""The Rollout contract's conversions, both ways: ``rollout.proto``'s messages (``rollout_pb2``)
+to the domain types of ``routereplay.domain.rollout`` and back (the server's edge and the
+clients')."""
 
 from __future__ import annotations
 

@@ -3,17 +3,16 @@
     torchrun --standalone --nproc-per-node N -m tests.trainer.sharded_worker \
         --layout tp2sp --model-dir DIR --out FILE
 
-Every rank loads its share of the Hugging Face checkpoint (``build_model``, or
-``build_model``, a chunk per virtual stage) and runs the same 4 samples as 2 micro-batches
-through megatron's own schedule, forward only (1F1B or interleaved with PP, no pipelining
-without), natural routing. Each rank gathers its vocabulary slices of the logits and its
-sequence shards of the routing maps over its TP group, and sends them to rank 0, which runs
-transformers on each sample alone and writes, as JSON to ``--out``: the largest |logit
-difference| over every rank holding logits, whether argmax agrees, and per MoE layer the tokens
-whose top-k expert set differs from transformers' on any rank holding that layer. Before
-that, each rank gathers its share back (``shard_weights.full_weights``): rank 0 records
-whether every gathered tensor equals the checkpoint's bit for bit and whether the ranks
-together gave back every tensor of it.
+Every rank loads its share of the Hugging Face checkpoint (``build_model``: one chunk, or one
+per virtual stage) and runs the same 4 samples as 2 micro-batches through megatron's own
+schedule, forward only (1F1B or interleaved with PP, no pipelining without), natural routing.
+Each rank gathers its vocabulary slices of the logits and its sequence shards of the routing
+maps over its TP group, and sends them to rank 0, which runs transformers on each sample alone
+and writes, as JSON to ``--out``: the largest |logit difference| over every rank holding
+logits, whether argmax agrees, and per MoE layer the tokens whose top-k expert set differs from
+transformers' on any rank holding that layer. Before that, each rank gathers its share back
+(``shard_weights.full_weights``): rank 0 records whether every gathered tensor equals the
+checkpoint's bit for bit and whether the ranks together gave back every tensor of it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Build the served Hugging Face Qwen3-MoE as a megatron-core ``GPTModel``, replay installed."""
+"""Build the served Hugging Face MoE checkpoint (any family ``hf_config`` maps) as megatron-core
+``GPTModel`` chunks, replay installed."""
 
 from __future__ import annotations
 
@@ -169,8 +170,8 @@ def build_model(
     model_id: str | None = None,
     **config_overrides: Any,
 ) -> TrainerModel:
-    """Build this rank's megatron ``GPTModel`` chunks from a local Hugging Face Qwen3-MoE
-    checkpoint folder: its pipeline stage, one chunk per virtual stage.
+    """Build this rank's megatron ``GPTModel`` chunks from a local Hugging Face MoE checkpoint
+    folder (any family ``hf_config`` maps): its pipeline stage, one chunk per virtual stage.
 
     Args:
         model_dir: Folder with ``config.json`` and safetensors weights.
@@ -182,7 +183,7 @@ def build_model(
             layout (else initialised from the seed, the same on every rank).
         model_id: Identifier stored in ``geometry`` (default: the folder's name).
         **config_overrides: Extra ``TransformerConfig`` fields
-            (``parallel.model_overrides`` gives a layout's, virtual stages among them).
+            (``world.model_overrides`` gives a layout's, virtual stages among them).
 
     Returns:
         The ``TrainerModel``.

@@ -222,7 +222,7 @@ SINGLE = DataParallel()
 
 
 def from_world(world) -> DataParallel:
-    """The DP group of a ``parallel.World``."""
+    """The DP group of a ``world.World``."""
     from megatron.core import parallel_state
 
     layout = world.layout
