@@ -23,7 +23,8 @@ figure is arithmetic on those, nothing is measured here:
   capacity (an upper bound: one client, loopback, no replication);
 - a fetching trainer rank holds its data-parallel share of a step's records as fetched (uint8,
   its stage's MoE layers), then its local rows (its CP chunk and SP share, its stage's layers)
-  as int16 and megatron's per-router int64 tensors.
+  as int32 (the trainer's host dtype while resharding) and megatron's per-router int64
+  tensors.
 
 Usage: python benchmarks/scaling_model.py [--tokens-per-s N] [--rollout-gpus 64] [...]
 """
@@ -186,7 +187,7 @@ def scale(model: Model, fleet: Fleet, measured: Measured) -> dict:
         "rank_samples": rank_samples,
         "stage_layers": stage_layers,
         "rank_fetched_bytes": fetched,
-        "rank_int16_bytes": 2 * local_routes,
+        "rank_int32_bytes": 4 * local_routes,
         "rank_int64_bytes": 8 * local_routes,
         "rank_fetch_s": fetched / (measured.stage_read * MIB),
     }
@@ -237,8 +238,8 @@ def markdown(rows: list[dict], fleet: Fleet, measured: Measured, models) -> str:
          lambda r: f"{r['dp']}; {r['rank_samples']}"),
         ("**a fetching rank's records as fetched (uint8, its stage's layers)**",
          lambda r: f"**{r['rank_fetched_bytes'] / GIB:.2f} GiB** ({r['stage_layers']} layers)"),
-        ("its local routes as int16; as int64 router tensors",
-         lambda r: f"{r['rank_int16_bytes'] / GIB:.2f}; {r['rank_int64_bytes'] / GIB:.2f} GiB"),
+        ("its local routes as int32; as int64 router tensors",
+         lambda r: f"{r['rank_int32_bytes'] / GIB:.2f}; {r['rank_int64_bytes'] / GIB:.2f} GiB"),
         ("fetching them at one process's layer-selected read rate",
          lambda r: f"{r['rank_fetch_s']:.1f} s"),
     ]  # fmt: skip
