@@ -24,6 +24,7 @@ import numpy as np
 
 from benchmarks.common import write_section
 from trainer.reshard import (
+    ROUTE_DTYPE,
     Layout,
     PipelineSplit,
     RankCoords,
@@ -33,6 +34,7 @@ from trainer.reshard import (
 )
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
+HOST = np.dtype(ROUTE_DTYPE).name  # the routes' dtype on the host while resharding
 LAYOUTS = {
     "TP1 (pack only)": (Layout(), RankCoords()),
     "TP2+SP": (Layout(tp=2, sequence_parallel=True), RankCoords(tp_rank=1)),
@@ -111,7 +113,7 @@ def main() -> None:
         results["layouts"][name] = {
             "reshard_s_median": statistics.median(shard),
             "reshard_int64_s_median": statistics.median(full),
-            "local_bytes_int16": out_bytes[0],
+            "local_bytes": out_bytes[0],
             "local_bytes_int64": out_bytes[1],
             "ratio_to_copy": statistics.median(shard) / results["copy_s_median"],
             "ratio_int64_to_copy": statistics.median(full) / results["copy_s_median"],
@@ -121,7 +123,7 @@ def main() -> None:
     copy_ms = 1000 * results["copy_s_median"]
     rows = [
         f"| {name} | {1000 * r['reshard_s_median']:.1f} | {r['ratio_to_copy']:.2f} | "
-        f"{r['local_bytes_int16'] / 2**20:.0f} | {1000 * r['reshard_int64_s_median']:.1f} | "
+        f"{r['local_bytes'] / 2**20:.0f} | {1000 * r['reshard_int64_s_median']:.1f} | "
         f"{r['ratio_int64_to_copy']:.2f} |"
         for name, r in results["layouts"].items()
     ]
@@ -134,10 +136,10 @@ def main() -> None:
             f"({nbytes / 2**20:.0f} MiB of uint8 routes), packed into micro-batches of at most "
             f"{args.budget} tokens; medians of {args.repeats} runs. Baseline: a plain copy of "
             f"the same bytes in the same run, **{copy_ms:.1f} ms**. 'reshard' = dynamic "
-            "batching + packing + this stage's layers + CP chunks + SP share into int16; "
+            f"batching + packing + this stage's layers + CP chunks + SP share into {HOST}; "
             "'+ int64' adds megatron's per-router int64 tensors (8x the bytes of uint8).",
             "",
-            "| layout (rank shown) | reshard ms | x copy | local MiB (int16) | + int64 ms "
+            f"| layout (rank shown) | reshard ms | x copy | local MiB ({HOST}) | + int64 ms "
             "| x copy |",
             "|---|---|---|---|---|---|",
             *rows,
