@@ -39,7 +39,7 @@ from routereplay.errors import (
     NotFound,
     ResourceExhausted,
 )
-from routereplay.rpc.ready import ReadyEntry, ReadyPage
+from routereplay.rpc.ready import ReadyEntry, ReadyPage, ReadyRead
 
 log = logging.getLogger(__name__)
 
@@ -301,35 +301,24 @@ class RouteCache:
 
     # Ready feed --------------------------------------------------------------------------
 
-    def read_ready(
-        self,
-        group: str,
-        consumer: str,
-        max_entries: int,
-        block_ms: int = 0,
-        pending_cursor: str = "",
-        claim_idle_ms: int = 0,
-        claim_cursor: str = "",
-        start_from_latest: bool = False,
-    ) -> ReadyPage:
-        """See ``ReadyFeed.read``; the arguments checked against the server's limits."""
+    def read_ready(self, read: ReadyRead) -> ReadyPage:
+        """See ``ReadyFeed.read``; the request checked against the server's limits."""
         feed = self._feed()
-        check_sample_id(group, "consumer_group")
-        check_sample_id(consumer, "consumer")
-        if not 1 <= max_entries <= self.config.max_batch:
+        check_sample_id(read.consumer_group, "consumer_group")
+        check_sample_id(read.consumer, "consumer")
+        if not 1 <= read.max_entries <= self.config.max_batch:
             raise InvalidArgument(
-                f"max_entries is {max_entries}; it must be in [1, {self.config.max_batch}]"
+                f"max_entries is {read.max_entries}; it must be in [1, {self.config.max_batch}]"
             )
-        if block_ms > self.config.ready_max_block_ms:
+        if read.block_ms > self.config.ready_max_block_ms:
             raise InvalidArgument(
-                f"block_ms is {block_ms}; the limit is {self.config.ready_max_block_ms}"
+                f"block_ms is {read.block_ms}; the limit is {self.config.ready_max_block_ms}"
             )
-        if pending_cursor:
-            check_entry_id(pending_cursor, "pending_cursor")
-        if claim_cursor:
-            check_entry_id(claim_cursor, "claim_cursor")
-        return feed.read(group, consumer, max_entries, block_ms, pending_cursor, claim_idle_ms,
-                         claim_cursor, start_from_latest)  # fmt: skip
+        if read.pending_cursor:
+            check_entry_id(read.pending_cursor, "pending_cursor")
+        if read.claim_cursor:
+            check_entry_id(read.claim_cursor, "claim_cursor")
+        return feed.read(read)
 
     def ack_ready(self, group: str, entry_ids: Sequence[str]) -> int:
         feed = self._feed()

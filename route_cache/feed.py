@@ -25,7 +25,7 @@ import redis
 
 from route_cache.store import unavailable_on_connection_errors
 from routereplay.errors import InvalidArgument
-from routereplay.rpc.ready import ReadyEntry, ReadyPage
+from routereplay.rpc.ready import ReadyEntry, ReadyPage, ReadyRead
 
 log = logging.getLogger(__name__)
 
@@ -72,18 +72,9 @@ class ReadyFeed:
             )
         return _text(entry_id)
 
-    def read(
-        self,
-        group: str,
-        consumer: str,
-        count: int,
-        block_ms: int = 0,
-        pending_cursor: str = "",
-        claim_idle_ms: int = 0,
-        claim_cursor: str = "",
-        start_from_latest: bool = False,
-    ) -> ReadyPage:
-        """Entries for ``consumer`` of ``group``, from the first of three stages that has any:
+    def read(self, read: ReadyRead) -> ReadyPage:
+        """Entries for ``read.consumer`` of ``read.consumer_group``, from the first of three
+        stages that has any:
 
         1. with ``pending_cursor``: this consumer's pending entries after that id;
         2. with ``claim_idle_ms``: entries pending that long with any consumer, now its own
@@ -93,7 +84,10 @@ class ReadyFeed:
         The group is created on first use (with the stream, if need be), reading from the
         stream's first entry, or from its end with ``start_from_latest``.
         """
-        claim_cursor = claim_cursor or "0-0"
+        group, consumer, count = read.consumer_group, read.consumer, read.max_entries
+        pending_cursor, claim_idle_ms = read.pending_cursor, read.claim_idle_ms
+        start_from_latest, block_ms = read.start_from_latest, read.block_ms
+        claim_cursor = read.claim_cursor or "0-0"
         with unavailable_on_connection_errors():
             if pending_cursor:
                 found = _stream_entries(

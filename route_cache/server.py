@@ -27,6 +27,7 @@ from routereplay.rpc.wire import (
     layer_selection_to_pb,
     part_chunks_to_pb,
     ready_page_to_pb,
+    ready_read_from_pb,
     tokens_from_pb,
     turn_from_pb,
     turn_to_pb,
@@ -90,17 +91,7 @@ class RouteCacheServicer(route_cache_pb2_grpc.RouteCacheServicer):
         return route_cache_pb2.DeleteRecordResponse()
 
     def ReadReady(self, request, context):
-        page = self.cache.read_ready(
-            request.consumer_group,
-            request.consumer,
-            request.max_entries,
-            request.block_ms,
-            request.pending_cursor,
-            request.claim_idle_ms,
-            request.claim_cursor,
-            request.start_from_latest,
-        )
-        return ready_page_to_pb(page)
+        return ready_page_to_pb(self.cache.read_ready(ready_read_from_pb(request)))
 
     def AckReady(self, request, context):
         acknowledged = self.cache.ack_ready(request.consumer_group, request.entry_ids)

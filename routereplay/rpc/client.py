@@ -29,7 +29,7 @@ from routereplay.domain.record import (
 )
 from routereplay.errors import BY_STATUS, RouteReplayError
 from routereplay.rpc.grpc_server import channel_options
-from routereplay.rpc.ready import ReadyPage
+from routereplay.rpc.ready import ReadyPage, ReadyRead
 from routereplay.rpc.security import PLAINTEXT, ClientSecurity, secure_aio_channel, secure_channel
 from routereplay.rpc.wire import (
     DEFAULT_CHUNK_BYTES,
@@ -39,6 +39,7 @@ from routereplay.rpc.wire import (
     layer_selection_to_pb,
     read_records,
     ready_page_from_pb,
+    ready_read_to_pb,
     turn_from_pb,
     write_requests,
 )
@@ -124,28 +125,6 @@ def _info(stat) -> RecordInfo:
         [turn_from_pb(t, i) for i, t in enumerate(stat.turns)],
         stat.stored_bytes,
         stat.ttl_ms,
-    )
-
-
-def _ready_request(
-    consumer_group: str,
-    consumer: str,
-    max_entries: int,
-    block_ms: int,
-    pending_cursor: str,
-    claim_idle_ms: int,
-    claim_cursor: str,
-    start_from_latest: bool,
-) -> route_cache_pb2.ReadReadyRequest:
-    return route_cache_pb2.ReadReadyRequest(
-        consumer_group=consumer_group,
-        consumer=consumer,
-        max_entries=max_entries,
-        block_ms=block_ms,
-        pending_cursor=pending_cursor,
-        claim_idle_ms=claim_idle_ms,
-        claim_cursor=claim_cursor,
-        start_from_latest=start_from_latest,
     )
 
 
@@ -287,10 +266,10 @@ class RouteCacheClient(_Base):
 
         A retried read (UNAVAILABLE) re-reads this consumer's pending entries, so entries a
         lost reply delivered are not stranded: expect repeats; ``ReadyConsumer`` drops them."""
-        request = _ready_request(
+        request = ready_read_to_pb(ReadyRead(
             consumer_group, consumer, max_entries, block_ms, pending_cursor,
             claim_idle_ms, claim_cursor, start_from_latest,
-        )  # fmt: skip
+        ))  # fmt: skip
         timeout = self.timeout_s + block_ms / 1000
         for attempt in range(self.retry.attempts):
             try:
@@ -400,10 +379,10 @@ class AsyncRouteCacheClient(_Base):
         claim_cursor: str = "",
         start_from_latest: bool = False,
     ) -> ReadyPage:
-        request = _ready_request(
+        request = ready_read_to_pb(ReadyRead(
             consumer_group, consumer, max_entries, block_ms, pending_cursor,
             claim_idle_ms, claim_cursor, start_from_latest,
-        )  # fmt: skip
+        ))  # fmt: skip
         timeout = self.timeout_s + block_ms / 1000
         for attempt in range(self.retry.attempts):
             try:

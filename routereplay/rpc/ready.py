@@ -42,6 +42,22 @@ class ReadyEntry:
 
 
 @dataclass(frozen=True)
+class ReadyRead:
+    """One ``read_ready`` request: what ``consumer`` of ``consumer_group`` asks the feed for
+    (see the ReadReady call in the proto, and ``ReadyFeed.read`` in the route cache, for the
+    three stages a read goes through)."""
+
+    consumer_group: str
+    consumer: str
+    max_entries: int = 256
+    block_ms: int = 0
+    pending_cursor: str = ""
+    claim_idle_ms: int = 0
+    claim_cursor: str = ""
+    start_from_latest: bool = False
+
+
+@dataclass(frozen=True)
 class ReadyPage:
     """One ``read_ready`` answer.
 

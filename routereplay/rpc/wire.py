@@ -20,7 +20,7 @@ from routereplay.domain.codec import (
 )
 from routereplay.domain.record import Geometry, Missing, Record, Turn, TurnAppend
 from routereplay.errors import InvalidArgument
-from routereplay.rpc.ready import ReadyEntry, ReadyPage
+from routereplay.rpc.ready import ReadyEntry, ReadyPage, ReadyRead
 from routereplay.v1 import record_pb2, route_cache_pb2
 
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -357,6 +357,32 @@ def _record_from_info(info: route_cache_pb2.RecordInfo, blocks: list[np.ndarray]
         turns=[turn_from_pb(t, i) for i, t in enumerate(info.turns)],
         group_id=info.group_id,
         layers=layers,
+    )
+
+
+def ready_read_to_pb(read: ReadyRead) -> route_cache_pb2.ReadReadyRequest:
+    return route_cache_pb2.ReadReadyRequest(
+        consumer_group=read.consumer_group,
+        consumer=read.consumer,
+        max_entries=read.max_entries,
+        block_ms=read.block_ms,
+        pending_cursor=read.pending_cursor,
+        claim_idle_ms=read.claim_idle_ms,
+        claim_cursor=read.claim_cursor,
+        start_from_latest=read.start_from_latest,
+    )
+
+
+def ready_read_from_pb(pb: route_cache_pb2.ReadReadyRequest) -> ReadyRead:
+    return ReadyRead(
+        pb.consumer_group,
+        pb.consumer,
+        pb.max_entries,
+        pb.block_ms,
+        pb.pending_cursor,
+        pb.claim_idle_ms,
+        pb.claim_cursor,
+        pb.start_from_latest,
     )
 
 
