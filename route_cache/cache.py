@@ -20,7 +20,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from route_cache.config import Config
 from route_cache.feed import ReadyFeed, check_entry_id
-from route_cache.store import RouteStore, StoredBlock, StoredRecord
+from route_cache.store import RecordStat, RouteStore, StoredBlock, StoredRecord
 from routereplay.domain.codec import BlockHeader, EncodedRoutes, LayerParts, decode_routes
 from routereplay.domain.record import (
     Geometry,
@@ -98,7 +98,7 @@ class CacheMetrics:
 
     def __init__(self, registry: CollectorRegistry, feed: ReadyFeed | None):
         self.route_bytes_served = Counter(
-            "route_bytes_served", "Encoded route bytes sent in read responses",
+            "route_bytes_served", "Encoded route bytes served by reads (the selected layers only)",
             namespace=NAMESPACE, registry=registry,
         )  # fmt: skip
         self.route_bytes_received = Counter(
@@ -291,7 +291,7 @@ class RouteCache:
             parts = routes.parts if isinstance(routes, LayerParts) else (routes.data,)
             self.metrics.route_bytes_served.inc(sum(len(p) for p in parts))
 
-    def stat(self, sample_id: str):
+    def stat(self, sample_id: str) -> RecordStat:
         check_sample_id(sample_id)
         return self.store.stat(sample_id)
 
