@@ -30,9 +30,11 @@ from tests.trainer.helpers import (
     record_natural_routes,
 )
 from trainer.data.align import align_routes, routes_from_recorded
+from trainer.data.batch import PaddedBatch
 from trainer.model.build import build_model
 from trainer.model.hf_config import UnsupportedConfig, read_hf_config, transformer_config
 from trainer.rl.optim import AdamW
+from trainer.rl.schedule import Schedule
 
 
 def _records(batch, routes, geometry):
@@ -277,3 +279,32 @@ def test_reported_natural_choice_is_the_routers_own(family, family_model_dir, pg
     for j, r in enumerate(built.routers):
         (ids,) = natural.calls[j]
         assert torch.equal(one_hot(ids, built.geometry.num_experts), maps[r.layer])
+
+
+def test_padding_leaves_the_expert_bias_counts_alone(family_model_dir, pg_collection):
+    """The RL step's schedule hands megatron the padding mask: the same samples padded to two
+    lengths count the same tokens per expert (the expert-bias update's input), and those counts
+    are the routing maps' sums over the real tokens alone."""
+    built = build_model(
+        family_model_dir("glm4_moe"), routing_replay=True, pg_collection=pg_collection
+    )
+    schedule = Schedule(built)
+    samples = random_batch(3, [12, 9], "right")
+    tokens = [samples.sample_tokens(b).numpy() for b in range(samples.batch_size)]
+
+    def counts(max_length):
+        batch = PaddedBatch.from_samples(samples.sample_ids, tokens, pad_id=1,
+                                         max_length=max_length)  # fmt: skip
+        for r in built.routers:
+            r.router.local_tokens_per_expert.zero_()
+        with capture_routing(built.routers) as (maps, _):
+            schedule.run([batch], lambda m, logits: (logits.float().mean(), {}),
+                         forward_only=False)  # fmt: skip
+        real = batch.valid.T.reshape(-1)  # megatron's token order: [seq, rows]
+        for r in built.routers:
+            used = maps[r.layer][0][real].sum(0).float()
+            assert torch.equal(r.router.local_tokens_per_expert, used)
+        return [r.router.local_tokens_per_expert.clone() for r in built.routers]
+
+    for short, long in zip(counts(12), counts(20), strict=True):
+        assert torch.equal(short, long)

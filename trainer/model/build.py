@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from routereplay.domain.record import Geometry
-from trainer.model import cpu_compat, replay
+from trainer.model import cpu_compat, megatron_fixes, replay
 from trainer.model.hf_config import (
     UnsupportedConfig,
     gpt_model_args,
@@ -121,13 +121,15 @@ def megatron_config(
     model_dir: str | Path, routing_replay: bool, load_weights: bool, overrides: dict[str, Any]
 ) -> tuple[dict[str, Any], Any]:
     """The checkpoint's ``config.json`` and the ``TransformerConfig`` built from it (with the
-    CPU patches applied first, the pipeline split and a replay configuration checked).
+    CPU patches and megatron fixes applied first, the pipeline split and a replay configuration
+    checked).
 
     Raises:
         LayoutError: A pipeline split that does not place the model's layers.
         UnsupportedConfig: A setting replay cannot run with.
     """
     cpu_compat.apply()
+    megatron_fixes.apply()
     hf_config = read_hf_config(model_dir)
     settings: dict[str, Any] = {"use_cpu_initialization": not torch.cuda.is_available()}
     if load_weights:

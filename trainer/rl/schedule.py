@@ -101,6 +101,17 @@ class Schedule:
         self.pp_group = pp_group
         self.func = get_forward_backward_func()
 
+    def _padding_mask(self, chunk, batch: PaddedBatch) -> torch.Tensor:
+        """bool ``[rows, seq]``, True on padding (this chunk's sequence-parallel share): megatron
+        leaves those tokens out of its routers' counts (the expert-bias update, the aux and z
+        losses), so a batch counts the same however it is padded. megatron-core 0.16 cuts the
+        mask into the sequence-parallel share on the first pipeline stage only; a later stage
+        gets its share here."""
+        padding = ~batch.valid
+        if chunk.pre_process or not chunk.config.sequence_parallel:
+            return padding
+        return padding.chunk(self.tp_group.size(), dim=1)[self.tp_group.rank()].contiguous()
+
     def run(
         self,
         batches: Sequence[PaddedBatch],
@@ -135,7 +146,8 @@ class Schedule:
                     stack.enter_context(built.controls[v].forward(per_chunk[v][m]))
                 if observe and built.controls is not None:
                     stack.enter_context(built.controls[v].observe(result.routes[m]))
-                out = model(batch.token_ids, batch.position_ids(), batch.attention_mask())
+                out = model(batch.token_ids, batch.position_ids(), batch.attention_mask(),
+                            padding_mask=self._padding_mask(model, batch))  # fmt: skip
             return out, functools.partial(loss_func, m)
 
         def loss_func(m, logits):
