@@ -6,7 +6,8 @@ Arranged by concern, in the order a step uses them:
   model reads (``batch``), and aligned to per-router replay indices (``align``).
 - ``model``: the Hugging Face checkpoint as a megatron-core ``GPTModel`` (``hf_config``,
   ``hf_weights``, ``build``), router replay installed (``replay``), and the weights back out
-  (``export``, ``shard_weights``); ``cpu_compat`` lets megatron-core run on a CPU-only torch.
+  (``export``, ``shard_weights``); ``cpu_compat`` lets megatron-core run on a CPU-only torch,
+  ``megatron_fixes`` mends its bugs the trainer meets.
 - ``rl``: the objective (``objective``), the passes on megatron's schedules (``schedule``), one
   RL step and its consistency report (``step``, ``metrics``), the optimizer (``optim``).
 - ``parallel``: the world's process groups (``world``, ``single_process``) and what

@@ -37,10 +37,10 @@ def test_tp2sp_ep2_trains_like_one_rank(family, family_model_dir, tmp_path):
     from tests.trainer.hf_rollout import random_prompts, rollout_records
 
     model_dir = family_model_dir(family)
-    # Even sample lengths (6 + 8, 8 + 8): both layouts pad every micro-batch alike. Padding rows
-    # count towards the expert bias (docs/trainer.md, "Expert bias under replay"), so with
-    # odd lengths TP2's extra padding row would move GLM-4.5's bias by a different step.
-    prompts = random_prompts(2, [6, 8], 512, seed=3)
+    # Samples of 13 and 16 tokens (5 + 8, 8 + 8): TP2 + SP pads each micro-batch to an even
+    # length, one rank does not. Padding stays out of the expert-bias counts (docs/trainer.md,
+    # "Expert bias under replay"), so GLM-4.5's bias must still move exactly as on one rank.
+    prompts = random_prompts(2, [5, 8], 512, seed=3)
     recs = rollout_records(model_dir, prompts, group_size=2, new_tokens=8, seed=0)
     records = save_records(tmp_path / "rollout.npz", recs)
     (tmp_path / "one").mkdir()
