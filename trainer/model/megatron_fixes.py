@@ -7,7 +7,8 @@
    ``routing_map & ~padding_mask``, which broadcasts the mask along the experts and fails for
    any model with ``moe_router_enable_expert_bias`` (DeepSeek-V3's and GLM-4.5's routers). The
    replacement masks by token, as the aux-loss and z-loss paths of the same file do; without a
-   mask it is megatron's own code.
+   mask it is megatron's own code. Fixed upstream the same way (Megatron-LM issue 6111, pull
+   request 6114); drop this once a release has it.
 """
 
 from __future__ import annotations
