@@ -32,22 +32,33 @@ TP2SP_EP2 = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"
              "parallel.etp=1"]  # fmt: skip
 
 
-@pytest.mark.parametrize("family", OTHER_FAMILIES)
-def test_tp2sp_ep2_trains_like_one_rank(family, family_model_dir, tmp_path):
+def _against_one_rank(model_dir, prompt_lengths, tmp_path, layout, nproc):
+    """Rollout records of 2 prompts of these lengths (2 samples each, 8 new tokens), trained in
+    R3 on one rank (exports under ``tmp_path / "one"``) and in ``layout`` (``"run"``).
+
+    Returns:
+        (the layout's process, one rank's step reports, the layout's step reports).
+    """
     from tests.trainer.hf_rollout import random_prompts, rollout_records
 
+    prompts = random_prompts(2, prompt_lengths, 512, seed=3)
+    recs = rollout_records(model_dir, prompts, group_size=2, new_tokens=8, seed=0)
+    records = save_records(tmp_path / "rollout.npz", recs)
+    (tmp_path / "one").mkdir()
+    (tmp_path / "run").mkdir()
+    _, want = _trainer(model_dir, records, tmp_path / "one" / "r.json", "R3")
+    proc, got = _trainer(model_dir, records, tmp_path / "run" / "r.json", "R3", *layout,
+                         nproc=nproc)  # fmt: skip
+    return proc, want, got
+
+
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
+def test_tp2sp_ep2_trains_like_one_rank(family, family_model_dir, tmp_path):
     model_dir = family_model_dir(family)
     # Even sample lengths (6 + 8, 8 + 8): both layouts pad every micro-batch alike, so the export
     # is compared whole (with odd lengths Qwen2-MoE's weights drift by a mean of 1.03e-7, past
     # the 1e-7 tolerance, with or without the padding mask). Padding differently: below.
-    prompts = random_prompts(2, [6, 8], 512, seed=3)
-    recs = rollout_records(model_dir, prompts, group_size=2, new_tokens=8, seed=0)
-    records = save_records(tmp_path / "rollout.npz", recs)
-    (tmp_path / "one").mkdir()
-    (tmp_path / "tp2sp_ep2").mkdir()
-    _, want = _trainer(model_dir, records, tmp_path / "one" / "r.json", "R3")
-    proc, got = _trainer(model_dir, records, tmp_path / "tp2sp_ep2" / "r.json", "R3",
-                         *TP2SP_EP2, nproc=2)  # fmt: skip
+    proc, want, got = _against_one_rank(model_dir, [6, 8], tmp_path, TP2SP_EP2, nproc=2)
     assert proc.stdout.count("step 1 [R3]") == 1, proc.stdout[-3000:]  # one rank logs
     assert len(got) == len(want) == 2
     for ref, step in zip(want, got, strict=True):
@@ -60,10 +71,10 @@ def test_tp2sp_ep2_trains_like_one_rank(family, family_model_dir, tmp_path):
             assert step["gap"][name]["mean_abs"] == pytest.approx(gap["mean_abs"], abs=GAP_ATOL)
     # The float32 trainer's natural routing on the first step's weights is the rollout's.
     assert set(want[0]["agreement"]["exact"]) == {1.0}
-    _check_export(tmp_path / "tp2sp_ep2", tmp_path / "one", model_dir, family)
+    _check_export(tmp_path / "run", tmp_path / "one", model_dir, family)
     # The expert bias moves by whole steps of moe_router_bias_update_rate (1e-3, the weight
     # tolerance): the counts summed over the TP ranks' tokens must move it exactly as one rank.
-    ours, theirs = _exported(tmp_path / "tp2sp_ep2"), _exported(tmp_path / "one")
+    ours, theirs = _exported(tmp_path / "run"), _exported(tmp_path / "one")
     source = load_hf_state_dict(model_dir)
     biases = [n for n in theirs if n.endswith("e_score_correction_bias")]
     assert len(biases) == (3 if family == "glm4_moe" else 0)
@@ -83,17 +94,8 @@ def test_padding_moves_no_expert_bias(layout, nproc, family_model_dir, tmp_path)
     stages every micro-batch to one shape. Padding is left out of the routers' counts (the
     schedule passes megatron its ``padding_mask``; on stage 1 this rank's sequence share), so
     the bias moves as one rank's, exactly."""
-    from tests.trainer.hf_rollout import random_prompts, rollout_records
-
     model_dir = family_model_dir("glm4_moe")
-    prompts = random_prompts(2, [5, 8], 512, seed=3)
-    recs = rollout_records(model_dir, prompts, group_size=2, new_tokens=8, seed=0)
-    records = save_records(tmp_path / "rollout.npz", recs)
-    (tmp_path / "one").mkdir()
-    (tmp_path / "run").mkdir()
-    _, want = _trainer(model_dir, records, tmp_path / "one" / "r.json", "R3")
-    _, got = _trainer(model_dir, records, tmp_path / "run" / "r.json", "R3", *layout,
-                      nproc=nproc)  # fmt: skip
+    _, want, got = _against_one_rank(model_dir, [5, 8], tmp_path, layout, nproc)
     for ref, step in zip(want, got, strict=True):
         assert step["replay_followed"] == ref["replay_followed"]
         assert step["loss"] == pytest.approx(ref["loss"], abs=LOSS_ATOL)
