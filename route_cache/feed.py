@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import redis
 
-from route_cache.store import unavailable_on_connection_errors
+from route_cache.store import domain_errors_from_redis
 from routereplay.errors import InvalidArgument
 from routereplay.rpc.ready import ReadyEntry, ReadyPage, ReadyRead
 
@@ -66,7 +66,7 @@ class ReadyFeed:
             "num_tokens": entry.num_tokens,
             "policy_versions": ",".join(str(v) for v in entry.policy_versions),
         }
-        with unavailable_on_connection_errors():
+        with domain_errors_from_redis():
             entry_id = self.client.xadd(
                 self.stream, fields, maxlen=self.maxlen or None, approximate=True
             )
@@ -88,7 +88,7 @@ class ReadyFeed:
         pending_cursor, claim_idle_ms = read.pending_cursor, read.claim_idle_ms
         start_from_latest, block_ms = read.start_from_latest, read.block_ms
         claim_cursor = read.claim_cursor or "0-0"
-        with unavailable_on_connection_errors():
+        with domain_errors_from_redis():
             if pending_cursor:
                 found = _stream_entries(
                     self._in_group(
@@ -140,7 +140,7 @@ class ReadyFeed:
 
     def ack(self, group: str, entry_ids: Sequence[str]) -> int:
         """Acknowledge entries of ``group``. Returns how many were pending."""
-        with unavailable_on_connection_errors():
+        with domain_errors_from_redis():
             return int(self.client.xack(self.stream, group, *entry_ids))
 
     def _in_group(self, group: str, start_from_latest: bool, call: Callable):

@@ -259,7 +259,7 @@ class RouteStore:
             "geometry": geometry_json, "group": group_id, "rows": rows, "tokens": rows + 1,
             f"b@{block.row_start}": desc,
         }  # fmt: skip
-        with unavailable_on_connection_errors():
+        with domain_errors_from_redis():
             # The staging hash is born with its expiry (one MULTI of its small fields); the
             # payload follows outside the MULTI, where Redis takes megabyte arguments without
             # queueing them (12 MB: 4.9 ms against 9.4 inside a MULTI).
@@ -291,7 +291,7 @@ class RouteStore:
         desc, payload = _block_fields(block, geometry)
         offset = block.row_start
         pairs = [item for name_value in payload.items() for item in name_value]
-        with unavailable_on_connection_errors():
+        with domain_errors_from_redis():
             status, rows = self._replicated(
                 self._append,
                 keys=[record_key(sample_id)],
@@ -339,7 +339,7 @@ class RouteStore:
 
     def _refuse_old_format(self, sample_id: str, what: str) -> None:
         """Raise FailedPrecondition when the record is in the old storage format."""
-        with unavailable_on_connection_errors():
+        with domain_errors_from_redis():
             stored = self.client.hget(record_key(sample_id), "geometry")
         if stored is not None and json.loads(stored).get("format") == OLD_FORMAT_VERSION:
             raise FailedPrecondition(old_format_message(sample_id, what))
@@ -379,7 +379,7 @@ class RouteStore:
                     yield _parse_record(sample_id, fields, layers=layers) if fields else None
 
     def _fetch(self, window: Sequence[str], layers: tuple[int, ...] | None) -> list[dict]:
-        with unavailable_on_connection_errors():
+        with domain_errors_from_redis():
             pipe = self.client.pipeline(transaction=False)
             for sample_id in window:
                 if layers is None:
@@ -396,7 +396,7 @@ class RouteStore:
     def stat(self, sample_id: str) -> RecordStat:
         """Everything but the payload: geometry, counts, turns, size and time to live."""
         key = record_key(sample_id)
-        with unavailable_on_connection_errors():
+        with domain_errors_from_redis():
             names = self.client.hkeys(key)
             if not names:
                 raise NotFound(f"no record for sample_id {sample_id!r}")
@@ -413,12 +413,12 @@ class RouteStore:
         return RecordStat(record, int(fields[b"tokens"]), int(usage or 0), int(ttl))
 
     def delete(self, sample_id: str) -> None:
-        with unavailable_on_connection_errors():
+        with domain_errors_from_redis():
             if not self.client.delete(record_key(sample_id)):
                 raise NotFound(f"no record for sample_id {sample_id!r}")
 
 
-class unavailable_on_connection_errors:
+class domain_errors_from_redis:
     """Turns redis-py's connection failures into Unavailable (gRPC UNAVAILABLE), and Redis
     refusing a write at its memory limit into ResourceExhausted."""
 
