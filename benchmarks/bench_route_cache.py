@@ -49,6 +49,7 @@ from raw_grpc import RawClient  # noqa: E402
 
 from route_cache.embedded import start_embedded_redis  # noqa: E402
 from route_cache.store import record_key  # noqa: E402
+from routereplay.allocator import keep_large_buffers  # noqa: E402
 from routereplay.dev.launch import start_service, stop_process  # noqa: E402
 from routereplay.dev.synthetic import DEEPSEEK_V3, QWEN3_30B_A3B, synthetic_record  # noqa: E402
 from routereplay.domain.codec import Encoding, encode_routes  # noqa: E402
@@ -250,6 +251,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.repeats = 2
+    keep_large_buffers()  # this process reads as a trainer does, and trainers set it too
     embedded = None
     url = args.redis_url
     if not url:

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from route_cache.store import connect
+from routereplay.allocator import keep_large_buffers
 from routereplay.rpc.grpc_server import (
     ServerLimits,
     channel_options,
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--redis-url", default="", help="keep the bytes in this Redis")
     args = parser.parse_args(argv)
+    keep_large_buffers()  # as the route cache does: the same process setup
     serve(args.host, args.port, args.redis_url)
     return 0
 

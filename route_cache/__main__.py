@@ -9,11 +9,13 @@ from route_cache.config import parse_config
 from route_cache.embedded import start_embedded_redis
 from route_cache.server import RouteCacheServer
 from route_cache.store import RouteStore, connect
+from routereplay.allocator import keep_large_buffers
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = parse_config(argv)
+    keep_large_buffers()
     embedded = None
     url = config.redis_url
     if not url:

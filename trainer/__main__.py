@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from routereplay.allocator import keep_large_buffers
+
 
 def parse(argv: list[str] | None):
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__.split("\n")[0])
@@ -58,6 +60,7 @@ def sample_ids(spec: str | None, config) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    keep_large_buffers()
     torch.set_num_threads(args.threads)
     from trainer.config import DataSource, load_config
     from trainer.data.source import plan_batches
