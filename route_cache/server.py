@@ -7,6 +7,8 @@ import logging
 import threading
 from collections.abc import Iterator
 
+import grpc
+
 from route_cache.cache import NAMESPACE, BlockWrite, RouteCache, Stored
 from route_cache.config import Config
 from route_cache.feed import ReadyFeed
@@ -20,12 +22,15 @@ from routereplay.rpc.security import add_port
 from routereplay.rpc.wire import (
     DEFAULT_CHUNK_BYTES,
     ChunkCollector,
+    ChunkFirst,
     block_header_from_pb,
     block_to_pb,
+    chunk_of,
     geometry_from_pb,
     geometry_to_pb,
     layer_selection_to_pb,
-    part_chunks_to_pb,
+    message_part,
+    part_chunk_messages,
     ready_page_to_pb,
     ready_read_from_pb,
     tokens_from_pb,
@@ -118,7 +123,7 @@ def _route_bytes(header, request_iterator) -> Iterator[bytes]:
     """The bytes of the stream's chunks, in order, refusing any out of place."""
     collector = ChunkCollector(0, header.block.encoded_size)
     while True:
-        chunk = _next_part(request_iterator, "chunk").chunk
+        chunk = chunk_of(_next_part(request_iterator, "chunk"))
         last = collector.check(chunk)
         yield chunk.data
         if last:
@@ -140,8 +145,9 @@ def _selection(request) -> list[int] | None:
 
 def _record_responses(
     record: StoredRecord, layer_parts: bool
-) -> Iterator[route_cache_pb2.ReadResponse]:
-    """A record's header, then each block's encoded bytes as 1 MiB chunks: the client
+) -> Iterator[route_cache_pb2.ReadResponse | bytes]:
+    """A record's header, then each block's encoded bytes as 1 MiB chunks (serialized chunk
+    messages, which the server sends as they are): the client
     verifies the checksums and decodes. Layer parts go as stored (the selected ones, back to
     back); a reader that asked for neither parts nor a selection gets each block whole."""
     layers = record.layers
@@ -164,24 +170,49 @@ def _record_responses(
     yield route_cache_pb2.ReadResponse(record=info)
     for index, encoded in enumerate(routes):
         parts = encoded.parts if isinstance(encoded, LayerParts) else (encoded.data,)
-        for chunk in part_chunks_to_pb(parts, index, DEFAULT_CHUNK_BYTES):
-            yield route_cache_pb2.ReadResponse(chunk=chunk)
+        yield from part_chunk_messages(parts, index, DEFAULT_CHUNK_BYTES)
 
 
 def _next_part(request_iterator, part: str):
     request = next(request_iterator, None)
     if request is None:
         raise InvalidArgument("the stream ended before the chunk marked last: nothing was stored")
-    if request.WhichOneof("part") != part:
-        raise InvalidArgument(f"expected a {part} message, got {request.WhichOneof('part')}")
+    if message_part(request) != part:
+        raise InvalidArgument(f"expected a {part} message, got {message_part(request)}")
     return request
 
 
 def _first_part(request_iterator, part: str):
     request = next(request_iterator, None)
-    if request is None or request.WhichOneof("part") != part:
+    if request is None or message_part(request) != part:
         raise InvalidArgument(f"the first message of the stream must be the {part}")
     return request
+
+
+class _Handlers:
+    """Collects the method handlers the generated ``add_RouteCacheServicer_to_server``
+    registers."""
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.service, self.handlers = service, handlers
+
+
+def _add_servicer(servicer: RouteCacheServicer, server) -> None:
+    """The generated registration, with write and append streams parsed by ``ChunkFirst``
+    (their chunks as views of the received messages)."""
+    collected = _Handlers()
+    route_cache_pb2_grpc.add_RouteCacheServicer_to_server(servicer, collected)
+    handlers = dict(collected.handlers)
+    for method, message in (("WriteRecord", route_cache_pb2.WriteRecordRequest),
+                            ("AppendTurn", route_cache_pb2.AppendTurnRequest)):  # fmt: skip
+        handlers[method] = handlers[method]._replace(request_deserializer=ChunkFirst(message))
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(collected.service, handlers),)
+    )
+    server.add_registered_method_handlers(collected.service, handlers)
 
 
 def _watch_redis(store: RouteStore, health_servicer, interval_s: float, stop: threading.Event):
@@ -213,7 +244,7 @@ class RouteCacheServer:
         )
         self.cache = RouteCache(store, config, self.feed, self.metrics.registry)
         self.servicer = RouteCacheServicer(self.cache)
-        route_cache_pb2_grpc.add_RouteCacheServicer_to_server(self.servicer, self.grpc_server)
+        _add_servicer(self.servicer, self.grpc_server)
         self.port = add_port(self.grpc_server, f"{config.host}:{config.port}", config.security)
         self._stop_watch = threading.Event()
 

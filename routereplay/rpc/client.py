@@ -33,6 +33,7 @@ from routereplay.rpc.ready import ReadyPage, ReadyRead
 from routereplay.rpc.security import PLAINTEXT, ClientSecurity, secure_aio_channel, secure_channel
 from routereplay.rpc.wire import (
     DEFAULT_CHUNK_BYTES,
+    ChunkFirst,
     RecordAssembler,
     append_requests,
     geometry_from_pb,
@@ -109,6 +110,22 @@ def _batch_request(sample_ids, skip_missing: bool, selection) -> route_cache_pb2
     )
 
 
+def _stub(channel) -> route_cache_pb2_grpc.RouteCacheStub:
+    """The generated stub (sync or asyncio channel), its reads' chunks parsed as views of
+    the received messages (``ChunkFirst``)."""
+    stub = route_cache_pb2_grpc.RouteCacheStub(channel)
+    service = route_cache_pb2.DESCRIPTOR.services_by_name["RouteCache"].full_name
+    for method, request in (("ReadRecord", route_cache_pb2.ReadRecordRequest),
+                            ("ReadBatch", route_cache_pb2.ReadBatchRequest)):  # fmt: skip
+        setattr(stub, method, channel.unary_stream(
+            f"/{service}/{method}",
+            request_serializer=request.SerializeToString,
+            response_deserializer=ChunkFirst(route_cache_pb2.ReadResponse),
+            _registered_method=True,
+        ))  # fmt: skip
+    return stub
+
+
 def _write_result(response) -> WriteResult:
     return WriteResult(
         response.sample_id, response.num_tokens, response.num_rows, response.duplicate
@@ -161,7 +178,7 @@ class RouteCacheClient(_Base):
     def __init__(self, target: str, **kwargs):
         super().__init__(target, **kwargs)
         self.channel = secure_channel(target, self.security, channel_options())
-        self.stub = route_cache_pb2_grpc.RouteCacheStub(self.channel)
+        self.stub = _stub(self.channel)
 
     def close(self) -> None:
         self.channel.close()
@@ -293,7 +310,7 @@ class AsyncRouteCacheClient(_Base):
     def __init__(self, target: str, **kwargs):
         super().__init__(target, **kwargs)
         self.channel = secure_aio_channel(target, self.security, channel_options())
-        self.stub = route_cache_pb2_grpc.RouteCacheStub(self.channel)
+        self.stub = _stub(self.channel)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -110,7 +110,8 @@ class _Meter:
 
     def sent(self, response) -> None:
         if self.metrics is not None and response is not None:
-            self.metrics.sent(self.method, response.ByteSize())
+            size = len(response) if isinstance(response, bytes) else response.ByteSize()
+            self.metrics.sent(self.method, size)
 
     def failed(self, exc: BaseException, context=None) -> None:
         self.code = _status_code(exc)
@@ -159,7 +160,7 @@ def _request_parser(deserializer):
     HTTP/2 stream open, so enough garbage from one client stalls its whole connection."""
     if deserializer is None:
         return lambda raw: raw
-    message = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
+    message = getattr(getattr(deserializer, "__self__", deserializer), "DESCRIPTOR", None)
     name = message.full_name if message is not None else "request message"
 
     def parse(raw: bytes):
@@ -295,7 +296,8 @@ class AioErrorInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _wrap(handler, unary, streaming, parse, parse_stream):
-    """``handler`` taking bytes, its behavior wrapped for its kind."""
+    """``handler`` taking bytes, its behavior wrapped for its kind; its responses may be
+    messages or messages already serialized (bytes, sent as they are)."""
     kinds = {
         "unary_unary": (unary, parse),
         "stream_unary": (unary, parse_stream),
@@ -305,8 +307,18 @@ def _wrap(handler, unary, streaming, parse, parse_stream):
     for kind, (wrap, convert) in kinds.items():
         behavior = getattr(handler, kind)
         if behavior is not None:
-            return handler._replace(request_deserializer=None, **{kind: wrap(behavior, convert)})
+            return handler._replace(
+                request_deserializer=None,
+                response_serializer=_serialized_or(handler.response_serializer),
+                **{kind: wrap(behavior, convert)},
+            )
     return handler
+
+
+def _serialized_or(serializer):
+    if serializer is None:
+        return None
+    return lambda response: response if isinstance(response, bytes) else serializer(response)
 
 
 def _options(limits: ServerLimits) -> list[tuple[str, int]]:

@@ -2,11 +2,19 @@
 
 Protobuf stays at this edge: the codec, the store and the trainer never see a message.
 Route bytes move as chunks of one block's encoded bytes, never per token.
+
+Chunk messages (a ``RouteChunk`` as field 2 of ``WriteRecordRequest``, ``AppendTurnRequest``
+and ``ReadResponse``) are most of the bytes a call moves. They are encoded and parsed here by
+hand: encoding copies the route bytes once, where protobuf copies them into the chunk, into
+its parent and into the serialized string; parsing hands out a view of the received message
+(``ChunkView``) instead of two copies. Any other message, or a chunk message in another
+valid encoding, goes through protobuf.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -156,6 +164,120 @@ def encoded_from_pb(block: record_pb2.RouteBlock, data: bytes) -> EncodedRoutes:
     return EncodedRoutes(_ENCODINGS_BACK[block.encoding], data, block.checksum, block.num_rows)
 
 
+@dataclass(frozen=True)
+class ChunkView:
+    """A parsed ``RouteChunk`` whose ``data`` is a view of the message it came in."""
+
+    block: int
+    offset: int
+    data: memoryview | bytes
+    last: bool
+
+
+# Tags (field number << 3 | wire type) of the chunk message layout.
+_CHUNK_TAG = b"\x12"  # field 2, length-delimited: the RouteChunk in its parent
+_BLOCK, _OFFSET, _DATA, _LAST = 0x08, 0x10, 0x1A, 0x20  # RouteChunk fields 1-4
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(raw, pos: int, max_bytes: int = 10) -> tuple[int, int]:
+    """The varint at ``pos`` and the position after it; IndexError past the end or past
+    ``max_bytes`` (protobuf's limits: 10 bytes, 5 for a tag)."""
+    value = shift = 0
+    for i in range(pos, pos + max_bytes):
+        byte = raw[i]
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value & 0xFFFFFFFFFFFFFFFF, i + 1  # a 10th byte's high bits are dropped
+        shift += 7
+    raise IndexError(f"varint longer than {max_bytes} bytes")
+
+
+def encode_chunk_message(
+    block: int, offset: int, pieces: Sequence[bytes | memoryview], last: bool
+) -> bytes:
+    """The serialized parent message holding ``RouteChunk(block, offset, data=the pieces
+    joined, last)``, byte for byte what protobuf writes; the pieces are copied once."""
+    size = sum(len(p) for p in pieces)
+    head = b""
+    if block:
+        head += bytes([_BLOCK]) + _varint(block)
+    if offset:
+        head += bytes([_OFFSET]) + _varint(offset)
+    if size:
+        head += bytes([_DATA]) + _varint(size)
+    tail = bytes([_LAST, 1]) if last else b""
+    inner = len(head) + size + len(tail)
+    return b"".join([_CHUNK_TAG, _varint(inner), head, *pieces, tail])
+
+
+def parse_chunk_message(raw: bytes) -> ChunkView | None:
+    """The chunk of a serialized chunk message, its data a view of ``raw``; None when
+    ``raw`` is not exactly one chunk field of varint and length-delimited fields (anything
+    else, valid or not, is left to protobuf)."""
+    if raw[:1] != _CHUNK_TAG:
+        return None
+    try:
+        size, pos = _read_varint(raw, 1)
+        if pos + size != len(raw):
+            return None
+        block = offset = 0
+        data, last = b"", False
+        while pos < len(raw):
+            tag, pos = _read_varint(raw, pos, max_bytes=5)
+            if not 0 < tag >> 3 < 1 << 29:  # no such field number: protobuf refuses it
+                return None
+            if tag & 7 == 0:
+                value, pos = _read_varint(raw, pos)
+                if tag == _BLOCK:
+                    block = value & 0xFFFFFFFF  # uint32, as protobuf truncates it
+                elif tag == _OFFSET:
+                    offset = value
+                elif tag == _LAST:
+                    last = value != 0
+            elif tag & 7 == 2:
+                length, pos = _read_varint(raw, pos)
+                if pos + length > len(raw):
+                    return None
+                if tag == _DATA:
+                    data = memoryview(raw)[pos : pos + length]
+                pos += length
+            else:
+                return None
+    except IndexError:
+        return None
+    return ChunkView(block, offset, data, last)
+
+
+class ChunkFirst:
+    """The deserializer of a message type that carries route chunks: chunk messages by
+    ``parse_chunk_message``, everything else by protobuf."""
+
+    def __init__(self, message_type):
+        self.message_type = message_type
+        self.DESCRIPTOR = message_type.DESCRIPTOR
+
+    def __call__(self, raw: bytes):
+        return parse_chunk_message(raw) or self.message_type.FromString(raw)
+
+
+def message_part(message) -> str | None:
+    """Which of a route message's ``part`` oneof is set ("chunk" for a ``ChunkView``)."""
+    return "chunk" if isinstance(message, ChunkView) else message.WhichOneof("part")
+
+
+def chunk_of(message) -> ChunkView | record_pb2.RouteChunk:
+    return message if isinstance(message, ChunkView) else message.chunk
+
+
 def chunks_to_pb(data: bytes, block: int, chunk_bytes: int) -> Iterator[record_pb2.RouteChunk]:
     """Slice a block's encoded bytes into chunks; the last one is marked (even when empty)."""
     view = memoryview(data)
@@ -169,9 +291,9 @@ def chunks_to_pb(data: bytes, block: int, chunk_bytes: int) -> Iterator[record_p
         )
 
 
-def part_chunks_to_pb(parts, block: int, chunk_bytes: int) -> Iterator[record_pb2.RouteChunk]:
-    """``chunks_to_pb`` of ``parts`` back to back, without joining them first: each chunk's
-    bytes are copied once, from the parts they span."""
+def part_chunk_messages(parts, block: int, chunk_bytes: int) -> Iterator[bytes]:
+    """``parts`` back to back as serialized chunk messages of ``chunk_bytes`` (the last one
+    marked), each chunk's bytes copied once from the parts it spans."""
     total = sum(len(p) for p in parts)
     views = iter(memoryview(p) for p in parts)
     current, offset = memoryview(b""), 0
@@ -187,10 +309,7 @@ def part_chunks_to_pb(parts, block: int, chunk_bytes: int) -> Iterator[record_pb
             pieces.append(piece)
             size += len(piece)
             current = current[len(piece) :]
-        data = bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
-        yield record_pb2.RouteChunk(
-            block=block, offset=offset, data=data, last=offset + size >= total
-        )
+        yield encode_chunk_message(block, offset, pieces, last=offset + size >= total)
         offset += size
         if offset >= total:
             return
@@ -212,7 +331,7 @@ class ChunkCollector:
         self._parts.append(chunk.data)
         if not last:
             return None
-        data = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
+        data = b"".join(self._parts)  # bytes even from views (one part: no copy of bytes)
         self._parts = []
         return data
 
@@ -287,7 +406,7 @@ class RecordAssembler:
 
     def feed(self, response: route_cache_pb2.ReadResponse) -> Record | Missing | None:
         """Returns a record (or a missing id) when ``response`` completes one."""
-        part = response.WhichOneof("part")
+        part = message_part(response)
         if part == "missing_sample_id":
             return Missing(response.missing_sample_id)
         if part == "record":
@@ -296,7 +415,7 @@ class RecordAssembler:
         elif part == "chunk":
             if self._collector is None:
                 raise InvalidArgument("route chunk before its record header")
-            data = self._collector.add(response.chunk)
+            data = self._collector.add(chunk_of(response))
             if data is None:
                 return None
             index = self._collector.block_index
