@@ -25,12 +25,12 @@ from routereplay.rpc.wire import (
     ChunkFirst,
     block_header_from_pb,
     block_to_pb,
+    chunk_messages,
     chunk_of,
     geometry_from_pb,
     geometry_to_pb,
     layer_selection_to_pb,
     message_part,
-    part_chunk_messages,
     ready_page_to_pb,
     ready_read_from_pb,
     tokens_from_pb,
@@ -170,7 +170,7 @@ def _record_responses(
     yield route_cache_pb2.ReadResponse(record=info)
     for index, encoded in enumerate(routes):
         parts = encoded.parts if isinstance(encoded, LayerParts) else (encoded.data,)
-        yield from part_chunk_messages(parts, index, DEFAULT_CHUNK_BYTES)
+        yield from chunk_messages(parts, index, DEFAULT_CHUNK_BYTES)
 
 
 def _next_part(request_iterator, part: str):

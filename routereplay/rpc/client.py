@@ -41,6 +41,7 @@ from routereplay.rpc.wire import (
     read_records,
     ready_page_from_pb,
     ready_read_to_pb,
+    serialized,
     turn_from_pb,
     write_requests,
 )
@@ -111,14 +112,19 @@ def _batch_request(sample_ids, skip_missing: bool, selection) -> route_cache_pb2
 
 
 def _stub(channel) -> route_cache_pb2_grpc.RouteCacheStub:
-    """The generated stub (sync or asyncio channel), its reads' chunks parsed as views of
-    the received messages (``ChunkFirst``)."""
+    """The generated stub (sync or asyncio channel), with the route chunks of writes sent as
+    ``write_requests`` serialized them and those of reads parsed as views of the received
+    messages (``ChunkFirst``)."""
     stub = route_cache_pb2_grpc.RouteCacheStub(channel)
-    service = route_cache_pb2.DESCRIPTOR.services_by_name["RouteCache"].full_name
+    path = f"/{route_cache_pb2.DESCRIPTOR.services_by_name['RouteCache'].full_name}/"
+    write = {"request_serializer": serialized,
+             "response_deserializer": route_cache_pb2.WriteResponse.FromString}  # fmt: skip
+    stub.WriteRecord = channel.stream_unary(path + "WriteRecord", **write, _registered_method=True)
+    stub.AppendTurn = channel.stream_unary(path + "AppendTurn", **write, _registered_method=True)
     for method, request in (("ReadRecord", route_cache_pb2.ReadRecordRequest),
                             ("ReadBatch", route_cache_pb2.ReadBatchRequest)):  # fmt: skip
         setattr(stub, method, channel.unary_stream(
-            f"/{service}/{method}",
+            path + method,
             request_serializer=request.SerializeToString,
             response_deserializer=ChunkFirst(route_cache_pb2.ReadResponse),
             _registered_method=True,

@@ -269,6 +269,11 @@ class ChunkFirst:
         return parse_chunk_message(raw) or self.message_type.FromString(raw)
 
 
+def serialized(message) -> bytes:
+    """A request serializer for streams that mix messages and serialized chunk messages."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
 def message_part(message) -> str | None:
     """Which of a route message's ``part`` oneof is set ("chunk" for a ``ChunkView``)."""
     return "chunk" if isinstance(message, ChunkView) else message.WhichOneof("part")
@@ -278,22 +283,9 @@ def chunk_of(message) -> ChunkView | record_pb2.RouteChunk:
     return message if isinstance(message, ChunkView) else message.chunk
 
 
-def chunks_to_pb(data: bytes, block: int, chunk_bytes: int) -> Iterator[record_pb2.RouteChunk]:
-    """Slice a block's encoded bytes into chunks; the last one is marked (even when empty)."""
-    view = memoryview(data)
-    offsets = range(0, max(len(data), 1), chunk_bytes)
-    for offset in offsets:
-        yield record_pb2.RouteChunk(
-            block=block,
-            offset=offset,
-            data=bytes(view[offset : offset + chunk_bytes]),
-            last=offset + chunk_bytes >= len(data),
-        )
-
-
-def part_chunk_messages(parts, block: int, chunk_bytes: int) -> Iterator[bytes]:
+def chunk_messages(parts, block: int, chunk_bytes: int) -> Iterator[bytes]:
     """``parts`` back to back as serialized chunk messages of ``chunk_bytes`` (the last one
-    marked), each chunk's bytes copied once from the parts it spans."""
+    marked, even when empty), each chunk's bytes copied once from the parts it spans."""
     total = sum(len(p) for p in parts)
     views = iter(memoryview(p) for p in parts)
     current, offset = memoryview(b""), 0
@@ -362,7 +354,9 @@ class ChunkCollector:
 def write_requests(
     record: Record, encoded: EncodedRoutes, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     more_turns: bool = False,
-) -> Iterator[route_cache_pb2.WriteRecordRequest]:  # fmt: skip
+) -> Iterator[route_cache_pb2.WriteRecordRequest | bytes]:  # fmt: skip
+    """The header message, then the chunk messages already serialized (``chunk_messages``):
+    send them with a serializer that passes bytes through (``serialized``)."""
     header = route_cache_pb2.RecordHeader(
         sample_id=record.sample_id,
         group_id=record.group_id,
@@ -373,14 +367,14 @@ def write_requests(
         more_turns=more_turns,
     )
     yield route_cache_pb2.WriteRecordRequest(header=header)
-    for chunk in chunks_to_pb(encoded.data, 0, chunk_bytes):
-        yield route_cache_pb2.WriteRecordRequest(chunk=chunk)
+    yield from chunk_messages([encoded.data], 0, chunk_bytes)
 
 
 def append_requests(
     append: TurnAppend, encoded: EncodedRoutes, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     final: bool = False,
-) -> Iterator[route_cache_pb2.AppendTurnRequest]:  # fmt: skip
+) -> Iterator[route_cache_pb2.AppendTurnRequest | bytes]:  # fmt: skip
+    """As ``write_requests``, for an append."""
     header = route_cache_pb2.AppendHeader(
         sample_id=append.sample_id,
         geometry=geometry_to_pb(append.geometry),
@@ -391,8 +385,7 @@ def append_requests(
         final=final,
     )
     yield route_cache_pb2.AppendTurnRequest(header=header)
-    for chunk in chunks_to_pb(encoded.data, 0, chunk_bytes):
-        yield route_cache_pb2.AppendTurnRequest(chunk=chunk)
+    yield from chunk_messages([encoded.data], 0, chunk_bytes)
 
 
 class RecordAssembler:

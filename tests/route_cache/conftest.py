@@ -62,3 +62,11 @@ def raw_keys(client, pattern: str) -> list[bytes]:
     if isinstance(client, redis.cluster.RedisCluster):
         return list(client.scan_iter(match=pattern, target_nodes=client.ALL_NODES))
     return list(client.scan_iter(match=pattern))
+
+
+def as_messages(requests) -> list:
+    """A ``write_requests`` or ``append_requests`` stream as protobuf messages (its chunks
+    come serialized), for the generated stubs."""
+    requests = list(requests)
+    kind = type(requests[0])  # the header's message type
+    return [kind.FromString(r) if isinstance(r, bytes) else r for r in requests]

@@ -31,7 +31,7 @@ from routereplay.errors import DataLoss, InvalidArgument
 from routereplay.rpc.client import RouteCacheClient
 from routereplay.rpc.wire import append_requests, write_requests
 from routereplay.v1 import record_pb2, route_cache_pb2, route_cache_pb2_grpc
-from tests.route_cache.conftest import SMALL, WIDE
+from tests.route_cache.conftest import SMALL, WIDE, as_messages
 
 FUZZ = settings(
     max_examples=60,
@@ -235,7 +235,8 @@ def mutated_streams(draw, kind: str):
     if kind == "write":
         sample_id = fresh_id()
         record = synthetic_record(sample_id, geometry, tokens, rng, skew=1.0)
-        requests = list(write_requests(record, encode_routes(record.routes, encoding), chunk_bytes))
+        requests = as_messages(write_requests(record, encode_routes(record.routes, encoding),
+                                               chunk_bytes))  # fmt: skip
     else:
         sample_id, base_tokens, _ = kind  # an append to this stored record
         routes = synthetic_routes(geometry, tokens, rng, skew=1.0)
@@ -243,7 +244,8 @@ def mutated_streams(draw, kind: str):
             sample_id, geometry, base_tokens - 1, rng.integers(0, 1000, tokens, dtype=np.int32),
             routes, [Turn(base_tokens, base_tokens + tokens, base_tokens + 1, 1)],
         )  # fmt: skip
-        requests = list(append_requests(append, encode_routes(routes, encoding), chunk_bytes))
+        encoded = encode_routes(routes, encoding)
+        requests = as_messages(append_requests(append, encoded, chunk_bytes))
     requests = [type(r).FromString(r.SerializeToString()) for r in requests]  # mutable copies
     for what in draw(st.lists(st.sampled_from(MUTATIONS), min_size=1, max_size=3)):
         chunk_at = [i for i, r in enumerate(requests) if r.WhichOneof("part") == "chunk"]

@@ -25,7 +25,7 @@ from routereplay.rpc.grpc_server import LIVENESS
 from routereplay.rpc.wire import write_requests
 from routereplay.v1 import route_cache_pb2_grpc
 from tests.conftest import RedisProcess
-from tests.route_cache.conftest import SMALL, raw_keys
+from tests.route_cache.conftest import SMALL, as_messages, raw_keys
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -64,7 +64,7 @@ def slow(requests, after: int, reached: threading.Event, pause_s: float):
 def test_killed_mid_stream_leaves_nothing_and_a_retry_stores_it_whole(redis_node, sid):
     rng = np.random.default_rng(7)
     record = synthetic_record(sid(), SMALL, 4000, rng)
-    requests = list(write_requests(record, encode_routes(record.routes), chunk_bytes=4096))
+    requests = as_messages(write_requests(record, encode_routes(record.routes), chunk_bytes=4096))
     assert len(requests) > 10
     cache = CacheProcess(redis_node.url).start()
     reached = threading.Event()
@@ -103,7 +103,7 @@ def test_killed_mid_stream_leaves_nothing_and_a_retry_stores_it_whole(redis_node
 def test_sigterm_lets_an_in_flight_stream_finish(redis_node, sid):
     rng = np.random.default_rng(8)
     record = synthetic_record(sid(), SMALL, 2000, rng)
-    requests = list(write_requests(record, encode_routes(record.routes), chunk_bytes=4096))
+    requests = as_messages(write_requests(record, encode_routes(record.routes), chunk_bytes=4096))
     cache = CacheProcess(redis_node.url).start()
     reached = threading.Event()
     results = []

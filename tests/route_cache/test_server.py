@@ -17,7 +17,7 @@ from routereplay.errors import AlreadyExists, FailedPrecondition, NotFound
 from routereplay.rpc.client import AsyncRouteCacheClient, RouteCacheClient
 from routereplay.rpc.wire import write_requests
 from routereplay.v1 import record_pb2, route_cache_pb2, route_cache_pb2_grpc
-from tests.route_cache.conftest import SMALL, WIDE, raw_keys
+from tests.route_cache.conftest import SMALL, WIDE, as_messages, raw_keys
 
 
 def assert_same(got, want):
@@ -166,7 +166,7 @@ def stub(cache):
 
 
 def messages(record, encoding=Encoding.RAW, chunk_bytes=512):
-    return list(write_requests(record, encode_routes(record.routes, encoding), chunk_bytes))
+    return as_messages(write_requests(record, encode_routes(record.routes, encoding), chunk_bytes))
 
 
 def refused(stub, requests, code, match):
