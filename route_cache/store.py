@@ -11,9 +11,14 @@ it lives in one slot, commits atomically, expires as a unit and reads in one rou
     r@<row_start>:<j>  its routes of MoE layer index j (``codec.LayerParts``: raw
                     ``[rows, k]`` or one zstd frame), each with its checksum in b@<row_start>
 
-Per-layer fields let a read of a layer selection fetch (one Lua script, one round trip) and
-send only those layers' bytes. Storage format 1 (before per-layer fields) kept one field
-``r@<row_start>`` of the whole block: such records are still read whole, and refused for a
+Per-layer fields let a read of a layer selection fetch and send only those layers' bytes:
+HKEYS, then one HMGET of the fields it needs (a Lua script that picks the fields inside Redis
+copies the values twice more: 5.1 against 0.8 ms for a quarter of a 12 MB record). Committed
+fields never change, so the two steps see a consistent record: an append in between adds
+blocks the read leaves out, a delete in between reads as no record.
+
+Storage format 1 (before per-layer fields) kept one field ``r@<row_start>`` of the whole
+block: such records are still read whole, and refused for a
 layer selection or an append (FailedPrecondition: they expire after their TTL, or are deleted
 and written again).
 
@@ -106,29 +111,6 @@ if offset < rows and redis.call('HGET', KEYS[1], ARGV[5]) == ARGV[6] then
   return {1, rows}
 end
 return {-1, rows}
-"""
-
-# KEYS: record. ARGV: the selected MoE layer indices. Every field but the route parts of
-# other layers, as a flat name, value list (HMGET in slices: Lua's unpack has a stack limit).
-_READ_LAYERS = """
-local names = redis.call('HKEYS', KEYS[1])
-local want = {}
-for i = 1, #ARGV do want[ARGV[i]] = true end
-local pick = {}
-for _, name in ipairs(names) do
-  local layer = string.match(name, '^r@%d+:(%d+)$')
-  if layer == nil or want[layer] then pick[#pick + 1] = name end
-end
-local out = {}
-for first = 1, #pick, 1000 do
-  local last = math.min(first + 999, #pick)
-  local values = redis.call('HMGET', KEYS[1], unpack(pick, first, last))
-  for i = first, last do
-    out[#out + 1] = pick[i]
-    out[#out + 1] = values[i - first + 1]
-  end
-end
-return out
 """
 
 # What redis-py raises when the server cannot be reached or a cluster is failing over
@@ -379,19 +361,33 @@ class RouteStore:
                     yield _parse_record(sample_id, fields, layers=layers) if fields else None
 
     def _fetch(self, window: Sequence[str], layers: tuple[int, ...] | None) -> list[dict]:
+        """The fields of each record in ``window`` (``{}``: no record); with ``layers``, all
+        but the route parts of other layers."""
+        keys = [record_key(sample_id) for sample_id in window]
         with domain_errors_from_redis():
             pipe = self.client.pipeline(transaction=False)
-            for sample_id in window:
+            for key in keys:
                 if layers is None:
-                    pipe.hgetall(record_key(sample_id))
+                    pipe.hgetall(key)
                 else:
-                    # A plain EVAL command: redis-py's cluster pipeline has no script
-                    # methods, but routes EVAL by its key like any command.
-                    pipe.execute_command("EVAL", _READ_LAYERS, 1, record_key(sample_id), *layers)
+                    pipe.hkeys(key)
             results = pipe.execute()
-        if layers is None:
-            return results
-        return [dict(zip(flat[::2], flat[1::2], strict=True)) for flat in results]
+            if layers is None:
+                return results
+            wanted = [_selected_fields(names, layers) for names in results]
+            pipe = self.client.pipeline(transaction=False)
+            for key, names in zip(keys, wanted, strict=True):
+                if names:
+                    pipe.hmget(key, names)
+            values = iter(pipe.execute())
+        records = []
+        for names in wanted:
+            fields = {}
+            if names:
+                fields = {n: v for n, v in zip(names, next(values), strict=True) if v is not None}
+            # Deleted between the two steps: HMGET answers nil for every field.
+            records.append(fields if fields.get(b"geometry") is not None else {})
+        return records
 
     def stat(self, sample_id: str) -> RecordStat:
         """Everything but the payload: geometry, counts, turns, size and time to live."""
@@ -434,6 +430,14 @@ class domain_errors_from_redis:
                 "stored"
             ) from exc
         return False
+
+
+def _selected_fields(names: list[bytes], layers: tuple[int, ...]) -> list[bytes]:
+    """Of a record's field names, all but the route parts (``r@<row>:<j>``) of layers not in
+    ``layers``, and but whole-block route fields (old format: refused for a selection)."""
+    wanted = {b"%d" % j for j in layers}
+    return [name for name in names
+            if not name.startswith(b"r@") or name.partition(b":")[2] in wanted]  # fmt: skip
 
 
 def _geometry_json(geometry: Geometry) -> str:

@@ -95,6 +95,44 @@ def test_read_many_keeps_the_order_and_marks_missing(store, rng, sid):
     ]
 
 
+def _between_the_steps(monkeypatch, action):
+    """Run ``action`` between a layer-selected read's HKEYS and its HMGET: the interleaving
+    of a concurrent writer, injected at the one point where it matters."""
+    from route_cache import store as store_module
+
+    pick = store_module._selected_fields
+
+    def interleaved(names, layers):
+        action()
+        return pick(names, layers)
+
+    monkeypatch.setattr(store_module, "_selected_fields", interleaved)
+
+
+def test_a_layer_read_sees_the_record_as_it_was_when_an_append_lands_midway(
+    store, rng, sid, monkeypatch
+):
+    sample = sid()
+    store.write(sample, "", SMALL, block(rng, 0, 10))
+    whole = store.read(sample)
+    _between_the_steps(monkeypatch, lambda: store.append(sample, SMALL, block(rng, 9, 5)))
+    got = store.read(sample, layers=(1,))
+    assert got.num_rows == 9 and [b.row_start for b in got.blocks] == [0]
+    assert got.blocks[0].routes.parts == whole.blocks[0].routes.select((1,)).parts
+    monkeypatch.undo()
+    assert store.read(sample).num_rows == 14  # the append did land
+
+
+def test_a_layer_read_finds_no_record_when_a_delete_lands_midway(store, rng, sid, monkeypatch):
+    gone, kept = sid(), sid()
+    for sample in (gone, kept):
+        store.write(sample, "", SMALL, block(rng, 0, 10))
+    _between_the_steps(monkeypatch, lambda: store.client.delete(record_key(gone)))
+    got = list(store.read_many([gone, kept, sid()], layers=(0, 2)))  # and one never written
+    assert got[0] is None and got[1].sample_id == kept and got[1].layers == (0, 2)
+    assert got[2] is None
+
+
 def test_stat_and_delete(store, rng, sid):
     sample = sid()
     store.write(sample, "", SMALL, block(rng, 0, 10))
