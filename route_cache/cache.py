@@ -213,7 +213,7 @@ class RouteCache:
                     "server's limit (max_write_chunks): send larger chunks; nothing was stored"
                 )
             pieces.append(piece)
-        joined = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        joined = b"".join(pieces)  # the pieces may be views of the received messages
         if len(joined) != write.block.encoded_size:
             raise InvalidArgument(
                 f"the route bytes hold {len(joined)} bytes; block.encoded_size is "

@@ -146,10 +146,10 @@ def _selection(request) -> list[int] | None:
 def _record_responses(
     record: StoredRecord, layer_parts: bool
 ) -> Iterator[route_cache_pb2.ReadResponse | bytes]:
-    """A record's header, then each block's encoded bytes as 1 MiB chunks (serialized chunk
-    messages, which the server sends as they are): the client
-    verifies the checksums and decodes. Layer parts go as stored (the selected ones, back to
-    back); a reader that asked for neither parts nor a selection gets each block whole."""
+    """A record's header, then each block's encoded bytes as 1 MiB chunks (chunk messages
+    serialized here, which the server sends as they are): the client verifies the checksums
+    and decodes. Layer parts go as stored (the selected ones, back to back); a reader that
+    asked for neither parts nor a selection gets each block whole."""
     layers = record.layers
     routes = [b.routes for b in record.blocks]
     if not (layer_parts or layers is not None):
