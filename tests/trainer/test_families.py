@@ -281,6 +281,43 @@ def test_reported_natural_choice_is_the_routers_own(family, family_model_dir, pg
         assert torch.equal(one_hot(ids, built.geometry.num_experts), maps[r.layer])
 
 
+def test_padding_leaves_the_aux_loss_alone(tiny_model_dir, pg_collection):
+    """With megatron's load-balancing loss turned on (the trainer leaves it off), the padding
+    mask keeps padding out of it: per MoE layer it equals the Switch formula over the real
+    tokens' router logits alone, for the same samples padded to two lengths."""
+    from megatron.core.transformer.moe import moe_utils
+
+    built = build_model(tiny_model_dir, routing_replay=True, pg_collection=pg_collection,
+                        moe_router_load_balancing_type="aux_loss",
+                        moe_aux_loss_coeff=0.01)  # fmt: skip
+    schedule = Schedule(built)
+    samples = random_batch(3, [12, 9], "right")
+    tokens = [samples.sample_tokens(b).numpy() for b in range(samples.batch_size)]
+    experts, k = built.geometry.num_experts, built.geometry.topk
+
+    def switch_loss(logits: torch.Tensor) -> torch.Tensor:
+        """E / (k T^2) * sum_i (tokens routed to i) * (sum of i's probabilities)."""
+        probs = torch.softmax(logits.float(), dim=-1)
+        counts = one_hot(probs.topk(k, dim=-1).indices, experts).sum(0).float()
+        return experts / (k * len(probs) ** 2) * (counts * probs.sum(0)).sum()
+
+    def losses(max_length):
+        batch = PaddedBatch.from_samples(samples.sample_ids, tokens, pad_id=1,
+                                         max_length=max_length)  # fmt: skip
+        moe_utils.clear_aux_losses_tracker()
+        with capture_routing(built.routers) as (_, logits):
+            schedule.run([batch], lambda m, out: (out.float().mean(), {}),
+                         forward_only=False)  # fmt: skip
+        tracked = moe_utils.get_moe_layer_wise_logging_tracker()["load_balancing_loss"]
+        real = batch.valid.T.reshape(-1)  # megatron's token order: [seq, rows]
+        got = torch.stack([tracked["values"][r.layer] for r in built.routers])
+        want = torch.stack([switch_loss(logits[r.layer][0][real]) for r in built.routers])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+        return got
+
+    torch.testing.assert_close(losses(12), losses(20), rtol=1e-5, atol=0)
+
+
 def test_padding_leaves_the_expert_bias_counts_alone(family_model_dir, pg_collection):
     """The RL step's schedule hands megatron the padding mask: the same samples padded to two
     lengths count the same tokens per expert (the expert-bias update's input), and those counts
