@@ -1,7 +1,7 @@
 """Records in Redis or Redis Cluster, through one code path.
 
 Layout: a record is ONE hash key, ``rr:{<sample_id>}`` (the braces are a Cluster hash tag), so
-it lives in one slot, commits atomically, expires as a unit and reads in one round trip:
+it lives in one slot, commits atomically, expires as a unit and reads whole in one round trip:
 
     geometry        JSON of the geometry (and the storage format version)
     group           the group id
@@ -18,9 +18,8 @@ fields never change, so the two steps see a consistent record: an append in betw
 blocks the read leaves out, a delete in between reads as no record.
 
 Storage format 1 (before per-layer fields) kept one field ``r@<row_start>`` of the whole
-block: such records are still read whole, and refused for a
-layer selection or an append (FailedPrecondition: they expire after their TTL, or are deleted
-and written again).
+block: such records are still read whole, and refused for a layer selection or an append
+(FailedPrecondition: they expire after their TTL, or are deleted and written again).
 
 A new record is first written whole into a staging hash ``rr:{<sample_id>}:stage:<random>``
 (created with a short expiry by one MULTI, then given the payload), then committed by a small Lua
@@ -335,9 +334,9 @@ class RouteStore:
     def read_many(
         self, sample_ids: Sequence[str], layers: tuple[int, ...] | None = None
     ) -> Iterator[StoredRecord | None]:
-        """Records in the order asked (None for unknown ids), ``batch_window`` per round trip,
-        so a large batch streams instead of sitting in memory whole. The next window is
-        fetched while the caller consumes this one.
+        """Records in the order asked (None for unknown ids), ``batch_window`` per fetch (one
+        round trip, two with ``layers``), so a large batch streams instead of sitting in
+        memory whole. The next window is fetched while the caller consumes this one.
 
         Args:
             layers: MoE layer indices (checked ascending by the caller): only their route
@@ -433,8 +432,9 @@ class domain_errors_from_redis:
 
 
 def _selected_fields(names: list[bytes], layers: tuple[int, ...]) -> list[bytes]:
-    """Of a record's field names, all but the route parts (``r@<row>:<j>``) of layers not in
-    ``layers``, and but whole-block route fields (old format: refused for a selection)."""
+    """The fields a layer-selected read fetches: all but route fields, and the route parts
+    (``r@<row>:<j>``) of ``layers``. An old-format record's whole-block route fields are left
+    out: it is refused for a selection."""
     wanted = {b"%d" % j for j in layers}
     return [name for name in names
             if not name.startswith(b"r@") or name.partition(b":")[2] in wanted]  # fmt: skip
