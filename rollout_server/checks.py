@@ -53,6 +53,9 @@ def check_sampling(engine: Engine, options: SamplingOptions, prompt_len: int, na
         raise InvalidArgument(f"{name}.top_p is {options.top_p}; it must be in (0, 1]")
     if options.top_k < -1:
         raise InvalidArgument(f"{name}.top_k is {options.top_k}; it must be >= -1 (0 or -1: off)")
+    for i, stop in enumerate(options.stop):
+        if not stop:  # vLLM refuses it too, which the client would see as INTERNAL
+            raise InvalidArgument(f"{name}.stop[{i}] is empty; a stop string needs a character")
     if options.seed is not None and not engine.seed_allowed:
         raise InvalidArgument(
             f"{name}.seed is not supported by this engine: a per-request seed with chunked "

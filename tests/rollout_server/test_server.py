@@ -211,6 +211,7 @@ def test_client_cancel_stops_generation_and_stores_nothing(rollout, cache_reader
         (dict(prompt=[5, 100000]), InvalidArgument, "prompt.token_ids[1]"),
         (dict(options=SamplingOptions(seed=7)), InvalidArgument, "sampling.seed"),
         (dict(options=SamplingOptions(top_p=0)), InvalidArgument, "sampling.top_p"),
+        (dict(options=SamplingOptions(stop=["x", ""])), InvalidArgument, "sampling.stop[1]"),
         (dict(sample_id="has space"), InvalidArgument, "sample_id"),
     ],
 )
