@@ -39,8 +39,9 @@ from rollout_server.config import Config  # noqa: E402
 from rollout_server.engine import VLLMEngine  # noqa: E402
 from rollout_server.server import RolloutServer  # noqa: E402
 from routereplay.dev.launch import start_service, stop_process  # noqa: E402
-from routereplay.dev.tiny_model import BENCH_SIZE, TINY_SIZE, build_tiny_model  # noqa: E402
+from routereplay.dev.tiny_model import BENCH_SIZE, build_tiny_model  # noqa: E402
 from routereplay.domain.rollout import SampleDelta, SampleDone, SampleFailed, SamplingOptions  # noqa: E402
+from routereplay.families.base import TINY_SIZE  # noqa: E402
 from routereplay.rpc.rollout_client import AsyncRolloutClient  # noqa: E402
 from trainer.data.source import CacheSource  # noqa: E402
 from trainer.reshard import (  # noqa: E402

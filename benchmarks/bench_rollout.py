@@ -32,8 +32,9 @@ from route_cache.config import Config as CacheConfig
 from route_cache.embedded import start_embedded_redis
 from route_cache.server import RouteCacheServer
 from route_cache.store import RouteStore, connect
-from routereplay.dev.tiny_model import BENCH_SIZE, TINY_SIZE, build_tiny_model
+from routereplay.dev.tiny_model import BENCH_SIZE, build_tiny_model
 from routereplay.domain.rollout import SampleDelta, SampleDone, SamplingOptions
+from routereplay.families.base import TINY_SIZE
 from routereplay.rpc.rollout_client import AsyncRolloutClient
 
 SENTENCES = [

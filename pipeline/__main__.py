@@ -33,14 +33,10 @@ import redis
 
 from pipeline.report import MODES, figure, mode_lines
 from routereplay.dev.launch import start_service, stop_process
-from routereplay.dev.tiny_model import (
-    DEFAULT_FAMILY,
-    FAMILIES,
-    REALISTIC_ROUTER_SPREAD,
-    build_tiny_model,
-)
+from routereplay.dev.tiny_model import REALISTIC_ROUTER_SPREAD, build_tiny_model
 from routereplay.domain.record import check_routes
 from routereplay.domain.rollout import SampleDelta, SampleDone, SampleFailed, SamplingOptions
+from routereplay.families import DEFAULT_FAMILY, FAMILIES
 from routereplay.rpc.client import RouteCacheClient
 from routereplay.rpc.rollout_client import AsyncRolloutClient
 
@@ -243,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=4, help="samples per prompt (GRPO group size)")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per sample")
     parser.add_argument("--model", default="", help="a local HF MoE checkpoint (default: tiny)")
-    parser.add_argument("--model-family", default=DEFAULT_FAMILY, choices=FAMILIES,
+    parser.add_argument("--model-family", default=DEFAULT_FAMILY, choices=tuple(FAMILIES),
                         help="family of the embedded tiny model")  # fmt: skip
     parser.add_argument("--realistic-margins", action="store_true", help="embedded tiny model "
                         "with a trained model's narrow router margins")  # fmt: skip

@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from routereplay.dev.launch import free_ports
+from routereplay.families import DEFAULT_FAMILY, FAMILIES
 
 
 def redis_server_binary() -> str:
@@ -174,8 +175,8 @@ def tiny_model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-moe"), seed=0)
 
 
-# The other families of routereplay.dev.tiny_model (qwen3_moe is tiny_model_dir).
-OTHER_FAMILIES = ("qwen2_moe", "mixtral", "glm4_moe")
+# Every family but the default (whose tests use tiny_model_dir).
+OTHER_FAMILIES = tuple(family for family in FAMILIES if family != DEFAULT_FAMILY)
 
 
 @pytest.fixture(scope="session")

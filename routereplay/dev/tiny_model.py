@@ -3,17 +3,9 @@
 For tests and local runs without a model download: 4 decoder layers, hidden
 size 128, vocabulary 512, float32, random weights, and a byte-level BPE
 tokenizer trained on a small built-in corpus. The same seed gives byte-identical
-files. One family per ``model_type`` (``FAMILIES``):
-
-- ``qwen3_moe`` (default): layer 0 dense, layers 1-3 MoE with 8 experts, top-2,
-  qk-norm, ``norm_topk_prob``.
-- ``qwen2_moe``: as above plus a shared expert with its sigmoid gate, qkv bias,
-  ``norm_topk_prob`` false, no qk-norm.
-- ``mixtral``: every layer MoE (8 experts, top-2), softmax over the top-k logits.
-- ``glm4_moe`` (GLM-4.5): DeepSeek-V3's router (sigmoid scores, a random
-  ``e_score_correction_bias`` used for selection only, 16 experts in 4 groups of
-  which 2 are kept, top-4, ``routed_scaling_factor`` 2.5), a shared expert,
-  ``first_k_dense_replace`` 1, partial rotary (half the head), qk-norm, qkv bias.
+files. One family per ``model_type``: its module in ``routereplay.families`` gives the
+tiny model's config and sizes (the default, ``qwen3_moe``: layer 0 dense, layers 1-3 MoE with
+8 experts, top-2, qk-norm, ``norm_topk_prob``).
 
 ``--realistic-margins`` narrows the routers' top-k margins to a trained model's
 (``REALISTIC_ROUTER_SPREAD``); by default they are wide, so float32 engines agree exactly.
@@ -27,10 +19,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
-VOCAB_SIZE = 512
+from routereplay.families import DEFAULT_FAMILY, FAMILIES
+from routereplay.families.base import VOCAB_SIZE, MoESize
+
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 
@@ -71,28 +64,6 @@ Questions and answers. What is two plus two? Four. What colour is the sky? Blue.
 """
 
 
-@dataclass(frozen=True)
-class MoESize:
-    """Sizes of a generated Qwen3-MoE (layer 0 is dense, the others MoE).
-
-    The defaults are the tiny test model; ``BENCH_SIZE`` is large enough for timings to mean
-    something on a CPU.
-    """
-
-    hidden_size: int = 128
-    intermediate_size: int = 256
-    moe_intermediate_size: int = 64
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 32  # vLLM's CPU attention kernel needs head_dim >= 32
-    num_experts: int = 8
-    num_experts_per_tok: int = 2
-
-
-TINY_SIZE = MoESize()
-# GLM-4.5's group-limited routing needs more experts than 8: 4 groups of 4, top-4.
-_GLM_TINY_SIZE = MoESize(num_experts=16, num_experts_per_tok=4)
 BENCH_SIZE = MoESize(
     hidden_size=1024,
     intermediate_size=1024,
@@ -143,10 +114,6 @@ def _narrow_margins(weight, spread: float) -> None:
     weight.sub_(mean).mul_(spread).add_(shared)
 
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
-DEFAULT_FAMILY = "qwen3_moe"
-
-
 def family_config(family: str, size: MoESize | None, token_ids: dict[str, int]):
     """The transformers config of a tiny ``family`` model.
 
@@ -158,76 +125,10 @@ def family_config(family: str, size: MoESize | None, token_ids: dict[str, int]):
     Returns:
         A ``transformers.PretrainedConfig`` of that family.
     """
-    import transformers
-
     if family not in FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; choose one of {FAMILIES}")
-    if size is None:
-        size = _GLM_TINY_SIZE if family == "glm4_moe" else TINY_SIZE
-    common = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=size.hidden_size,
-        num_hidden_layers=size.num_hidden_layers,
-        num_attention_heads=size.num_attention_heads,
-        num_key_value_heads=size.num_key_value_heads,
-        head_dim=size.head_dim,
-        num_experts_per_tok=size.num_experts_per_tok,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        dtype="float32",
-        **token_ids,
-    )
-    if family == "qwen3_moe":
-        # Field order as before families existed, so the default files stay byte-identical.
-        return transformers.Qwen3MoeConfig(
-            vocab_size=VOCAB_SIZE,
-            **asdict(size),
-            mlp_only_layers=[0],
-            decoder_sparse_step=1,
-            norm_topk_prob=True,
-            max_position_embeddings=2048,
-            tie_word_embeddings=False,
-            dtype="float32",
-            **token_ids,
-        )
-    if family == "qwen2_moe":
-        return transformers.Qwen2MoeConfig(
-            **common,
-            intermediate_size=size.intermediate_size,
-            moe_intermediate_size=size.moe_intermediate_size,
-            shared_expert_intermediate_size=2 * size.moe_intermediate_size,
-            num_experts=size.num_experts,
-            mlp_only_layers=[0],
-            decoder_sparse_step=1,
-            norm_topk_prob=False,
-            qkv_bias=True,
-        )
-    if family == "mixtral":
-        # Mixtral's experts use intermediate_size; it has no dense layer.
-        return transformers.MixtralConfig(
-            **common,
-            intermediate_size=size.moe_intermediate_size,
-            num_local_experts=size.num_experts,
-        )
-    return transformers.Glm4MoeConfig(
-        **common,
-        intermediate_size=size.intermediate_size,
-        moe_intermediate_size=size.moe_intermediate_size,
-        n_routed_experts=size.num_experts,
-        n_shared_experts=1,
-        # DeepSeek-V3's grouping: each kept group holds 2 of the top-k (megatron ranks groups
-        # by the sum of their top k / topk_group scores, transformers and vLLM by their top 2):
-        # 4 groups, 2 kept for the tiny top-4; 8 groups, 4 kept for BENCH_SIZE's top-8.
-        n_group=size.num_experts_per_tok,
-        topk_group=size.num_experts_per_tok // 2,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
-        first_k_dense_replace=1,
-        partial_rotary_factor=0.5,
-        use_qk_norm=True,
-        attention_bias=True,
-        num_nextn_predict_layers=0,
-    )
+        raise ValueError(f"unknown model family {family!r}; choose one of {tuple(FAMILIES)}")
+    spec = FAMILIES[family]
+    return spec.tiny_config(size or spec.tiny_size, token_ids)
 
 
 def build_tiny_model(
@@ -291,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--family", choices=FAMILIES, default=DEFAULT_FAMILY)
+    parser.add_argument("--family", choices=tuple(FAMILIES), default=DEFAULT_FAMILY)
     parser.add_argument(
         "--realistic-margins",
         action="store_true",

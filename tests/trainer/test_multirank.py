@@ -28,7 +28,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def tiny8_model_dir(tmp_path_factory):
     """The tiny model with 8 layers (dense layer 0): 2 layers per chunk for PP2 x VP2."""
-    from routereplay.dev.tiny_model import TINY_SIZE, build_tiny_model
+    from routereplay.dev.tiny_model import build_tiny_model
+    from routereplay.families.base import TINY_SIZE
 
     size = dataclasses.replace(TINY_SIZE, num_hidden_layers=8)
     return build_tiny_model(tmp_path_factory.mktemp("tiny8"), seed=0, size=size)

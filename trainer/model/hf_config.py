@@ -4,9 +4,10 @@ Every field below was needed for logit parity with transformers on the CPU in fl
 docs/trainer.md): a wrong qkv layout, ``rotary_interleaved``, ``qk_layernorm``, rotary base,
 fc1 order, ``moe_router_pre_softmax``, norm epsilon or ``kv_channels`` each broke it.
 
-Each supported ``model_type`` lists every ``config.json`` key its mapping understands
-(``_KEYS``); a checkpoint with any other key is refused before anything is built, naming the
-key, since an unknown key may change the model's maths.
+What is particular to a family (its known keys, refusals and fields) lives in its module in
+``routereplay.families``; this module applies the rules all families share. A checkpoint with
+a key its family does not list is refused before anything is built, naming the key, since an
+unknown key may change the model's maths.
 """
 
 from __future__ import annotations
@@ -21,40 +22,8 @@ import torch.nn.functional as F
 
 from routereplay.domain.model_geometry import geometry_from_config
 from routereplay.domain.record import Geometry
-
-# Keys every family shares, which either feed the mapping below or do not change the maths
-# (token ids, bookkeeping, inference-only switches, the aux-loss coefficient the trainer's own
-# configuration replaces).
-_COMMON_KEYS = frozenset({
-    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
-    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range",
-    "output_router_logits", "router_aux_loss_coef", "output_attentions",
-    "output_hidden_states", "return_dict", "vocab_size", "hidden_size", "intermediate_size",
-    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "rope_parameters",
-    "rope_theta", "rope_scaling", "attention_dropout", "hidden_act", "num_experts_per_tok",
-})  # fmt: skip
-_QWEN_KEYS = frozenset({
-    "moe_intermediate_size", "num_experts", "num_local_experts", "mlp_only_layers",
-    "decoder_sparse_step", "norm_topk_prob", "use_sliding_window", "sliding_window",
-    "max_window_layers", "layer_types",
-})  # fmt: skip
-_KEYS: dict[str, frozenset[str]] = {
-    "qwen3_moe": _COMMON_KEYS | _QWEN_KEYS | {"attention_bias"},
-    "qwen2_moe": _COMMON_KEYS | _QWEN_KEYS | {"qkv_bias", "shared_expert_intermediate_size"},
-    "mixtral": _COMMON_KEYS | {"num_local_experts", "sliding_window", "router_jitter_noise"},
-    "glm4_moe": _COMMON_KEYS | {
-        "attention_bias", "first_k_dense_replace", "moe_intermediate_size", "n_group",
-        "topk_group", "n_routed_experts", "n_shared_experts", "norm_topk_prob",
-        "routed_scaling_factor", "use_qk_norm", "partial_rotary_factor",
-        "num_nextn_predict_layers", "moe_layer_freq",
-    },
-}  # fmt: skip
-SUPPORTED_MODEL_TYPES = tuple(_KEYS)
-
-
-class UnsupportedConfig(ValueError):
-    """The checkpoint or a trainer setting cannot be run (or replayed) faithfully."""
+from routereplay.families import Family, family_of
+from routereplay.families.base import UnsupportedConfig
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -103,33 +72,23 @@ def moe_layer_pattern(config: dict[str, Any]) -> list[int]:
     return [int(i in moe) for i in range(int(config["num_hidden_layers"]))]
 
 
-def check_supported(config: dict[str, Any]) -> None:
-    """Refuse checkpoints whose features the mapping does not reproduce, naming the key."""
-    model_type = config.get("model_type")
-    if model_type not in _KEYS:
-        raise UnsupportedConfig(
-            f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
-            + (
-                " (DeepSeek's multi-head latent attention does not build in megatron-core "
-                "0.16.1 without TransformerEngine; see docs/trainer.md)"
-                if model_type in ("deepseek_v2", "deepseek_v3")
-                else ""
-            )
-        )
-    unknown = sorted(set(config) - _KEYS[model_type])
+def check_supported(config: dict[str, Any]) -> Family:
+    """Refuse checkpoints whose features the mapping does not reproduce, naming the key.
+
+    Returns:
+        The checkpoint's ``Family``.
+    """
+    family = family_of(config)
+    unknown = sorted(set(config) - family.config_keys)
     if unknown:
         raise UnsupportedConfig(
-            f"config.json key(s) {unknown} of model_type {model_type!r} are not understood by "
-            "the megatron mapping; refusing rather than training a different model"
+            f"config.json key(s) {unknown} of model_type {family.model_type!r} are not "
+            "understood by the megatron mapping; refusing rather than training a different model"
         )
-    if config.get("use_sliding_window") or (
-        model_type == "mixtral" and config.get("sliding_window") is not None
-    ):
+    if config.get("use_sliding_window"):
         raise UnsupportedConfig("sliding_window: sliding-window attention is not mapped")
     if any(t != "full_attention" for t in config.get("layer_types") or []):
         raise UnsupportedConfig("layer_types: only full_attention layers are mapped to megatron")
-    if model_type == "qwen3_moe" and config.get("attention_bias"):
-        raise UnsupportedConfig("attention_bias=True is not mapped to megatron for qwen3_moe")
     if config.get("hidden_act", "silu") != "silu":
         raise UnsupportedConfig(f"hidden_act {config['hidden_act']!r}; only silu is mapped")
     if config.get("router_jitter_noise"):
@@ -139,26 +98,10 @@ def check_supported(config: dict[str, Any]) -> None:
             "num_nextn_predict_layers: multi-token-prediction layers are not mapped to megatron"
         )
     rope_theta(config)  # refuses rope scaling and unknown rope parameters
-    if model_type != "glm4_moe" and _partial_rotary(config) != 1.0:
-        raise UnsupportedConfig(f"partial_rotary_factor is not mapped for {model_type}")
-    if model_type == "glm4_moe":
-        _check_group_routing(config)
-
-
-def _check_group_routing(config: dict[str, Any]) -> None:
-    """Sigmoid routers: megatron always renormalises the top-k scores and ranks each group by
-    the sum of its top ``topk // group_topk`` scores, where transformers and vLLM sum the top 2."""
-    if not config.get("norm_topk_prob", True):
-        raise UnsupportedConfig(
-            "norm_topk_prob=False with sigmoid scores: megatron always renormalises them"
-        )
-    groups, kept = int(config.get("n_group") or 1), int(config.get("topk_group") or 1)
-    topk = int(config["num_experts_per_tok"])
-    if 1 < groups and kept < groups and topk // kept != 2:
-        raise UnsupportedConfig(
-            f"n_group {groups}, topk_group {kept}, num_experts_per_tok {topk}: megatron ranks "
-            f"groups by their top {topk // kept} scores, transformers and vLLM by their top 2"
-        )
+    if not family.partial_rotary and _partial_rotary(config) != 1.0:
+        raise UnsupportedConfig(f"partial_rotary_factor is not mapped for {family.model_type}")
+    family.refuse(config)
+    return family
 
 
 @dataclass(frozen=True)
@@ -253,83 +196,13 @@ def transformer_config(
 
 
 def family_fields(config: dict[str, Any]) -> dict[str, Any]:
-    """The ``TransformerConfig`` fields particular to this checkpoint's family (qk-norm, qkv
-    bias, shared experts, score function, expert bias, group routing, scaling, rotary share);
-    the weight mapping reads which tensors exist from the same fields."""
-    check_supported(config)
-    return _FAMILY_FIELDS[config["model_type"]](config)
-
-
-def _qwen3_moe(config: dict[str, Any]) -> dict[str, Any]:
-    return dict(
-        qk_layernorm=True,
-        add_qkv_bias=False,
-        moe_ffn_hidden_size=int(config["moe_intermediate_size"]),
-        moe_router_score_function="softmax",
-        # norm_topk_prob: softmax over the top-k logits (= renormalised top-k probabilities);
-        # without it, softmax over all experts first.
-        moe_router_pre_softmax=not bool(config.get("norm_topk_prob", False)),
-    )
-
-
-def _qwen2_moe(config: dict[str, Any]) -> dict[str, Any]:
-    fields = _qwen3_moe(config)
-    fields.update(qk_layernorm=False, add_qkv_bias=bool(config.get("qkv_bias", True)))
-    shared = int(config.get("shared_expert_intermediate_size") or 0)
-    if shared:
-        # One shared expert, its output scaled by sigmoid(x @ shared_expert_gate).
-        fields.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
-    return fields
-
-
-def _mixtral(config: dict[str, Any]) -> dict[str, Any]:
-    return dict(
-        qk_layernorm=False,
-        add_qkv_bias=False,
-        # Mixtral's experts are intermediate_size wide; it has no dense layer.
-        moe_ffn_hidden_size=int(config["intermediate_size"]),
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=False,  # softmax over the top-k logits
-    )
-
-
-def _glm4_moe(config: dict[str, Any]) -> dict[str, Any]:
-    """GLM-4.5: DeepSeek-V3's router with ordinary attention."""
-    moe_ffn = int(config["moe_intermediate_size"])
-    groups, kept = int(config.get("n_group") or 1), int(config.get("topk_group") or 1)
-    fields = dict(
-        qk_layernorm=bool(config.get("use_qk_norm", False)),
-        add_qkv_bias=bool(config.get("attention_bias", False)),
-        moe_ffn_hidden_size=moe_ffn,
-        # sigmoid(logits) + e_score_correction_bias chooses the experts; the unbiased sigmoid
-        # scores of the chosen ones, renormalised and scaled, weight them.
-        moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True,
-        moe_router_topk_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
-        # transformers and vLLM compute this router in float32 whatever the model's dtype. In
-        # bf16, megatron would round the sigmoid scores to bf16 (steps of 2^-8 near 1), tie
-        # experts and choose differently: measured 2-24% agreement with the float32 rollout
-        # per layer on the tiny model in the main job, against 94-100% with float32 routing.
-        moe_router_dtype="fp32",
-    )
-    if groups > 1 and kept < groups:
-        fields.update(moe_router_num_groups=groups, moe_router_group_topk=kept)
-    shared = int(config.get("n_shared_experts") or 0)
-    if shared:
-        fields.update(moe_shared_expert_intermediate_size=shared * moe_ffn)
-    return fields
+    """The ``TransformerConfig`` fields particular to this checkpoint's family (its module in
+    ``routereplay.families``); the weight mapping reads which tensors exist from the same
+    fields."""
+    return check_supported(config).megatron_fields(config)
 
 
 def _partial_rotary(config: dict[str, Any]) -> float:
     params = config.get("rope_parameters") or {}
     factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
     return 1.0 if factor is None else float(factor)
-
-
-# model_type -> the TransformerConfig fields of that family.
-_FAMILY_FIELDS = {
-    "qwen3_moe": _qwen3_moe,
-    "qwen2_moe": _qwen2_moe,
-    "mixtral": _mixtral,
-    "glm4_moe": _glm4_moe,
-}

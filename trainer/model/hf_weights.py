@@ -1,8 +1,8 @@
 """MoE weights between the Hugging Face layout and megatron-core's local layer spec, per family.
 
-A small explicit mapping, one name table per family read both ways. (mbridge, the maintained
-converter, cannot run on the CPU: it hard-codes TransformerEngine specs and parameter names and
-calls ``.cuda()``.)
+A small explicit mapping read both ways; each family's MoE tensor names come from its module
+in ``routereplay.families``. (mbridge, the maintained converter, cannot run on the CPU: it
+hard-codes TransformerEngine specs and parameter names and calls ``.cuda()``.)
 
 Names per decoder layer ``L`` (megatron left, Hugging Face right, ``model.layers.L.`` omitted):
 
@@ -31,34 +31,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from trainer.model.hf_config import family_fields, moe_layer_pattern, num_experts
-
-
-@dataclass(frozen=True)
-class _FamilyNames:
-    """Hugging Face names of a family's MoE tensors, relative to ``model.layers.L.``."""
-
-    moe: str  # the MoE block
-    expert_proj: tuple[str, str, str]  # an expert's gate, up and down projections
-    shared: str | None = None  # the shared expert MLP
-    shared_gate: str | None = None  # its sigmoid gate
-
-
-_DENSE_PROJ = ("gate_proj", "up_proj", "down_proj")
-_NAMES = {
-    "qwen3_moe": _FamilyNames("mlp.", _DENSE_PROJ),
-    "qwen2_moe": _FamilyNames(
-        "mlp.", _DENSE_PROJ, shared="mlp.shared_expert.", shared_gate="mlp.shared_expert_gate."
-    ),
-    "mixtral": _FamilyNames("block_sparse_moe.", ("w1", "w3", "w2")),
-    "glm4_moe": _FamilyNames("mlp.", _DENSE_PROJ, shared="mlp.shared_experts."),
-}
+from routereplay.families.base import DENSE_PROJ
+from trainer.model.hf_config import check_supported, family_fields, moe_layer_pattern, num_experts
 
 
 def load_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
@@ -110,7 +89,7 @@ def _qkv_to_hf(qkv, config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def _renamed(config: dict[str, Any]) -> list[tuple[str, str]]:
     """(megatron name, Hugging Face name) of every tensor that maps one to one."""
-    fields, names = family_fields(config), _NAMES[config["model_type"]]
+    fields, names = family_fields(config), check_supported(config).weights
     pairs = [
         ("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
         ("decoder.final_layernorm.weight", "model.norm.weight"),
@@ -147,7 +126,7 @@ def _renamed(config: dict[str, Any]) -> list[tuple[str, str]]:
 def _mlps(config: dict[str, Any]) -> list[tuple[str, str, tuple[str, str, str]]]:
     """(megatron prefix, Hugging Face prefix, HF gate/up/down names) of every MLP: the dense
     ones, each expert and the shared expert."""
-    names = _NAMES[config["model_type"]]
+    names = check_supported(config).weights
     shared = "moe_shared_expert_intermediate_size" in family_fields(config)
     prefixes = []
     for layer, is_moe in enumerate(moe_layer_pattern(config)):
@@ -157,9 +136,9 @@ def _mlps(config: dict[str, Any]) -> list[tuple[str, str, tuple[str, str, str]]]
             prefixes += [(f"{mg}experts.local_experts.{e}.", f"{hf}{names.moe}experts.{e}.",
                           names.expert_proj) for e in range(num_experts(config))]  # fmt: skip
             if shared:
-                prefixes.append((f"{mg}shared_experts.", hf + names.shared, _DENSE_PROJ))
+                prefixes.append((f"{mg}shared_experts.", hf + names.shared, DENSE_PROJ))
         else:
-            prefixes.append((mg, hf + "mlp.", _DENSE_PROJ))
+            prefixes.append((mg, hf + "mlp.", DENSE_PROJ))
     return prefixes
 
 

@@ -1,0 +1,125 @@
+"""What a model family is made of: the ``Family`` record and the rules every family shares.
+
+A family is one Hugging Face ``model_type``. Its module (one per family, beside this one) holds
+everything the project knows about it apart from the torch-free geometry rule, which the
+rollout server needs too (``routereplay.domain.model_geometry``):
+
+- the ``config.json`` keys the megatron mapping understands (any other key is refused, naming
+  it, since an unknown key may change the maths) and the settings it refuses;
+- the megatron-core ``TransformerConfig`` fields particular to the family;
+- the Hugging Face names of its MoE tensors;
+- the config and sizes of its embedded tiny model.
+
+Nothing here imports torch, transformers or megatron: the trainer turns the fields into a
+``TransformerConfig``, and tiny-model configs import transformers only when called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+class UnsupportedConfig(ValueError):
+    """The checkpoint or a trainer setting cannot be run (or replayed) faithfully."""
+
+
+@dataclass(frozen=True)
+class MoESize:
+    """Sizes of a generated tiny MoE model.
+
+    The defaults are the tiny test model; ``routereplay.dev.tiny_model.BENCH_SIZE`` is large
+    enough for timings to mean something on a CPU.
+    """
+
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    moe_intermediate_size: int = 64
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32  # vLLM's CPU attention kernel needs head_dim >= 32
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+
+
+TINY_SIZE = MoESize()
+# The tiny models' vocabulary (their tokenizer is trained to at most this many entries).
+VOCAB_SIZE = 512
+
+DENSE_PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class WeightNames:
+    """Hugging Face names of a family's MoE tensors, relative to ``model.layers.L.``."""
+
+    moe: str  # the MoE block
+    expert_proj: tuple[str, str, str] = DENSE_PROJ  # an expert's gate, up and down projections
+    shared: str | None = None  # the shared expert MLP
+    shared_gate: str | None = None  # its sigmoid gate
+
+
+# Keys every family shares, which either feed the mapping or do not change the maths (token
+# ids, bookkeeping, inference-only switches, the aux-loss coefficient the trainer's own
+# configuration replaces).
+COMMON_KEYS = frozenset({
+    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
+    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range",
+    "output_router_logits", "router_aux_loss_coef", "output_attentions",
+    "output_hidden_states", "return_dict", "vocab_size", "hidden_size", "intermediate_size",
+    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "rope_parameters",
+    "rope_theta", "rope_scaling", "attention_dropout", "hidden_act", "num_experts_per_tok",
+})  # fmt: skip
+
+
+def _no_refusal(config: dict[str, Any]) -> None:
+    del config
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything the trainer and the tiny-model builder know about one ``model_type``.
+
+    Attributes:
+        model_type: The Hugging Face ``model_type`` of ``config.json``.
+        config_keys: Every ``config.json`` key the megatron mapping understands.
+        megatron_fields: ``config.json`` -> the ``TransformerConfig`` fields particular to
+            the family (qk-norm, qkv bias, shared experts, score function, expert bias, group
+            routing, scaling, expert width); the weight mapping reads which tensors exist from
+            the same fields.
+        weights: The Hugging Face names of its MoE tensors.
+        tiny_config: (sizes, token ids) -> the ``transformers`` config of a tiny model.
+        tiny_size: The sizes of its embedded tiny test model.
+        refuse: Raises ``UnsupportedConfig`` for a setting of this family that megatron would
+            compute differently (after the checks every family shares).
+        partial_rotary: Whether ``partial_rotary_factor`` is mapped (``rotary_percent``).
+    """
+
+    model_type: str
+    config_keys: frozenset[str]
+    megatron_fields: Callable[[dict[str, Any]], dict[str, Any]]
+    weights: WeightNames
+    tiny_config: Callable[[MoESize, dict[str, int]], Any]
+    tiny_size: MoESize = TINY_SIZE
+    refuse: Callable[[dict[str, Any]], None] = _no_refusal
+    partial_rotary: bool = False
+
+
+def tiny_common(size: MoESize, token_ids: dict[str, int]) -> dict[str, Any]:
+    """The ``transformers`` config arguments every tiny family model shares."""
+    return dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=size.hidden_size,
+        num_hidden_layers=size.num_hidden_layers,
+        num_attention_heads=size.num_attention_heads,
+        num_key_value_heads=size.num_key_value_heads,
+        head_dim=size.head_dim,
+        num_experts_per_tok=size.num_experts_per_tok,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        dtype="float32",
+        **token_ids,
+    )
