@@ -9,26 +9,21 @@ stored bytes of the batch's records. Off by default, like the services' endpoint
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram
 
-from routereplay.rpc.metrics import LATENCY_BUCKETS
+from routereplay.rpc.metrics import LATENCY_BUCKETS, MetricsEndpoint
 
 NAMESPACE = "trainer"
 # A tiny model's step takes a second on a CPU; a large one's minutes.
 STEP_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
-class TrainerMetrics:
-    """One run's metrics in a registry of its own.
-
-    Attributes:
-        registry: The registry ``/metrics`` serves.
-        port: The endpoint's port once ``serve`` started it (0 before).
-    """
+class TrainerMetrics(MetricsEndpoint):
+    """One run's metrics in a registry of its own, served like the services' (``serve_at``)."""
 
     def __init__(self):
-        self.registry = registry = CollectorRegistry()
-        kw = dict(namespace=NAMESPACE, registry=registry)
+        super().__init__()
+        kw = dict(namespace=NAMESPACE, registry=self.registry)
         self.steps = Counter("steps", "RL steps done", **kw)
         self.step_seconds = Histogram(
             "step_seconds", "Wall time of an RL step, fetch wait included", buckets=STEP_BUCKETS,
@@ -55,8 +50,6 @@ class TrainerMetrics:
         self.last_step = Gauge("last_step", "Number of the last step done", **kw)
         self.loss = Gauge("loss", "Last step's PPO loss", **kw)
         self.reward = Gauge("reward_mean", "Last step's mean reward", **kw)
-        self._http = None
-        self.port = 0
 
     def observe(self, report: dict, step_s: float) -> None:
         """Count one step from its report and its wall time."""
@@ -75,15 +68,3 @@ class TrainerMetrics:
         self.last_step.set(report["step"])
         self.loss.set(report["loss"])
         self.reward.set(report["reward_mean"])
-
-    def serve(self, host: str, port: int) -> TrainerMetrics:
-        """Start the HTTP endpoint (port 0: a free one, then in ``self.port``)."""
-        self._http, _ = start_http_server(port, host, registry=self.registry)
-        self.port = self._http.server_port
-        return self
-
-    def stop(self) -> None:
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            self._http = None

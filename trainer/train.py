@@ -166,7 +166,7 @@ def train(
     if config.report.metrics and lead:
         from trainer.monitoring import TrainerMetrics
 
-        metrics = TrainerMetrics().serve(config.report.metrics_host, config.report.metrics_port)
+        metrics = TrainerMetrics().serve_at(config.report.metrics_host, config.report.metrics_port)
         log.info("metrics at http://%s:%d/metrics", config.report.metrics_host, metrics.port)
     step = start - 1
     exported = saved = start - 1

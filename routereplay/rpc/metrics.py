@@ -51,7 +51,36 @@ class MetricsConfig:
     metrics_port: int = flag(9464, "port of the metrics endpoint (0: any free port)")
 
 
-class ServiceMetrics:
+class MetricsEndpoint:
+    """A registry of its own and the HTTP endpoint that serves it at ``/metrics``: the one
+    endpoint of the services and the trainer.
+
+    Attributes:
+        registry: Add metrics here (``registry=self.registry``).
+        port: The endpoint's port once ``serve_at`` started it (0 before and after).
+    """
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self._http = None
+        self.port = 0
+
+    def serve_at(self, host: str, port: int):
+        """Start the endpoint once (port 0: a free one, then in ``self.port``); returns self."""
+        if self._http is None:
+            self._http, _ = start_http_server(port, host, registry=self.registry)
+            self.port = self._http.server_port
+        return self
+
+    def stop(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+            self.port = 0
+
+
+class ServiceMetrics(MetricsEndpoint):
     """The registry of one server and the per-call metrics every service has.
 
     Attributes:
@@ -59,8 +88,8 @@ class ServiceMetrics:
     """
 
     def __init__(self, namespace: str):
+        super().__init__()
         self.namespace = namespace
-        self.registry = CollectorRegistry()
         self.calls = Counter(
             "rpc_calls", "Finished calls by method and status code (errors: code != OK)",
             ["method", "code"], namespace=namespace, registry=self.registry,
@@ -77,8 +106,6 @@ class ServiceMetrics:
             "rpc_sent_bytes", "Serialized response bytes sent, by method",
             ["method"], namespace=namespace, registry=self.registry,
         )  # fmt: skip
-        self._http = None
-        self.port = 0
 
     def observe(self, method: str, code: grpc.StatusCode, started: float) -> None:
         name = _short(method)
@@ -93,18 +120,9 @@ class ServiceMetrics:
 
     def serve(self, config: MetricsConfig) -> ServiceMetrics:
         """Start the HTTP endpoint when ``config.metrics`` is on; ``self.port`` is its port."""
-        if config.metrics and self._http is None:
-            self._http, _ = start_http_server(
-                config.metrics_port, config.metrics_host, registry=self.registry
-            )
-            self.port = self._http.server_port
+        if config.metrics:
+            self.serve_at(config.metrics_host, config.metrics_port)
         return self
-
-    def stop(self) -> None:
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            self._http = None
 
 
 def _short(method: str) -> str:
