@@ -22,6 +22,7 @@ from route_cache.config import Config
 from route_cache.feed import ReadyFeed, check_entry_id
 from route_cache.store import RecordStat, RouteStore, StoredBlock, StoredRecord
 from routereplay.domain.codec import BlockHeader, EncodedRoutes, LayerParts, decode_routes
+from routereplay.domain.feed import ReadyEntry, ReadyPage, ReadyRead
 from routereplay.domain.record import (
     Geometry,
     Missing,
@@ -39,7 +40,6 @@ from routereplay.errors import (
     NotFound,
     ResourceExhausted,
 )
-from routereplay.rpc.ready import ReadyEntry, ReadyPage, ReadyRead
 
 log = logging.getLogger(__name__)
 

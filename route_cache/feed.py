@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 import redis
 
 from route_cache.store import domain_errors_from_redis
+from routereplay.domain.feed import ReadyEntry, ReadyPage, ReadyRead
 from routereplay.errors import InvalidArgument
-from routereplay.rpc.ready import ReadyEntry, ReadyPage, ReadyRead
 
 log = logging.getLogger(__name__)
 

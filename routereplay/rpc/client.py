@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 from routereplay.domain.codec import Encoding, encode_routes
+from routereplay.domain.feed import ReadyPage, ReadyRead
 from routereplay.domain.record import (
     Geometry,
     Missing,
@@ -29,7 +30,6 @@ from routereplay.domain.record import (
 )
 from routereplay.errors import BY_STATUS, RouteReplayError
 from routereplay.rpc.grpc_server import channel_options
-from routereplay.rpc.ready import ReadyPage, ReadyRead
 from routereplay.rpc.security import PLAINTEXT, ClientSecurity, secure_aio_channel, secure_channel
 from routereplay.rpc.wire import (
     DEFAULT_CHUNK_BYTES,

@@ -26,9 +26,9 @@ from routereplay.domain.codec import (
     decode_layer_parts,
     decode_routes,
 )
+from routereplay.domain.feed import ReadyEntry, ReadyPage, ReadyRead
 from routereplay.domain.record import Geometry, Missing, Record, Turn, TurnAppend
 from routereplay.errors import InvalidArgument
-from routereplay.rpc.ready import ReadyEntry, ReadyPage, ReadyRead
 from routereplay.v1 import record_pb2, route_cache_pb2
 
 DEFAULT_CHUNK_BYTES = 1 << 20
