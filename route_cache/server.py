@@ -8,6 +8,7 @@ import threading
 from collections.abc import Iterator
 
 import grpc
+from google.protobuf.message_factory import GetMessageClass
 
 from route_cache.cache import NAMESPACE, BlockWrite, RouteCache, Stored
 from route_cache.config import Config
@@ -189,30 +190,40 @@ def _first_part(request_iterator, part: str):
     return request
 
 
-class _Handlers:
-    """Collects the method handlers the generated ``add_RouteCacheServicer_to_server``
-    registers."""
+# Requests whose route chunks are read as views of the received message (``ChunkFirst``).
+_CHUNKED_REQUESTS = {"WriteRecord": route_cache_pb2.WriteRecordRequest,
+                     "AppendTurn": route_cache_pb2.AppendTurnRequest}  # fmt: skip
 
-    def add_generic_rpc_handlers(self, handlers) -> None:
-        pass
 
-    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
-        self.service, self.handlers = service, handlers
+# (client streaming, server streaming) -> grpc's handler factory.
+_HANDLER_KINDS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
 
 
 def _add_servicer(servicer: RouteCacheServicer, server) -> None:
-    """The generated registration, with write and append streams parsed by ``ChunkFirst``
-    (their chunks as views of the received messages)."""
-    collected = _Handlers()
-    route_cache_pb2_grpc.add_RouteCacheServicer_to_server(servicer, collected)
-    handlers = dict(collected.handlers)
-    for method, message in (("WriteRecord", route_cache_pb2.WriteRecordRequest),
-                            ("AppendTurn", route_cache_pb2.AppendTurnRequest)):  # fmt: skip
-        handlers[method] = handlers[method]._replace(request_deserializer=ChunkFirst(message))
+    """Register every method of the RouteCache service, built from the proto's own descriptor
+    (the generated ``add_RouteCacheServicer_to_server`` does the same, except that write and
+    append streams here parse their chunks with ``ChunkFirst``)."""
+    service = route_cache_pb2.DESCRIPTOR.services_by_name["RouteCache"]
+    handlers = {}
+    for method in service.methods:
+        kind = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
+        request = _CHUNKED_REQUESTS.get(method.name)
+        handlers[method.name] = kind(
+            getattr(servicer, method.name),
+            request_deserializer=(
+                ChunkFirst(request) if request else GetMessageClass(method.input_type).FromString
+            ),
+            response_serializer=GetMessageClass(method.output_type).SerializeToString,
+        )
     server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(collected.service, handlers),)
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
     )
-    server.add_registered_method_handlers(collected.service, handlers)
+    server.add_registered_method_handlers(service.full_name, handlers)
 
 
 def _watch_redis(store: RouteStore, health_servicer, interval_s: float, stop: threading.Event):
