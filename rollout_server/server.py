@@ -12,13 +12,18 @@ from rollout_server.config import Config
 from rollout_server.engine import Engine
 from rollout_server.rollout import Rollout, RolloutLimits
 from rollout_server.writer import RecordWriter
-from routereplay.domain.rollout import SampleRequest
+from routereplay.domain.rollout import SampleRequest, ServerStatus, WeightsUpdate
 from routereplay.rpc.client import AsyncRouteCacheClient
 from routereplay.rpc.grpc_server import make_aio_server, set_serving_aio
 from routereplay.rpc.metrics import ServiceMetrics
-from routereplay.rpc.rollout_wire import event_to_pb, prompt_from_pb, sampling_from_pb
+from routereplay.rpc.rollout_wire import (
+    event_to_pb,
+    prompt_from_pb,
+    sampling_from_pb,
+    status_to_pb,
+    weights_update_to_pb,
+)
 from routereplay.rpc.security import add_port
-from routereplay.rpc.wire import geometry_to_pb
 from routereplay.v1 import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -75,15 +80,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         version, drain_s, load_s = await self.rollout.update_weights(
             request.path, request.policy_version
         )
-        return rollout_pb2.UpdateWeightsResponse(
-            policy_version=version, drain_seconds=drain_s, load_seconds=load_s
-        )
+        return weights_update_to_pb(WeightsUpdate(version, drain_s, load_s))
 
     async def GetStatus(self, request, context):
         rollout = self.rollout
         counters = {**rollout.counters, **rollout.writer.counters}
-        return rollout_pb2.ServerStatus(
-            geometry=geometry_to_pb(rollout.engine.geometry),
+        status = ServerStatus(
+            geometry=rollout.engine.geometry,
             policy_version=rollout.policy_version,
             max_model_len=rollout.engine.max_model_len,
             running=rollout.num_running,
@@ -91,6 +94,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             max_pending_writes=rollout.writer.max_pending,
             counters=counters,
         )
+        return status_to_pb(status)
 
 
 class _RolloutCollector:
