@@ -67,6 +67,7 @@ from routereplay.rpc.client import RetryPolicy, RouteCacheClient  # noqa: E402
 # The writers' retry budget: about 6 s of backoff, enough for a failover (about 2 s here).
 RETRY = RetryPolicy(attempts=12, initial_backoff_s=0.1, max_backoff_s=1.0)
 OP_TIMEOUT_S = 5.0
+IN_FLIGHT_S = 0.5
 
 
 @dataclass
@@ -88,6 +89,7 @@ class FaultConfig:
     drop_ack: bool = False
     max_ops: int = 5000
     seed: int = 0
+    sync_delay_s: int = 0  # repl-diskless-sync-delay (Redis's default, 5, stalls WAIT)
 
 
 # (start s, fault, its parameter): the full schedule and the test suite's compressed one.
@@ -118,8 +120,9 @@ class Environment:
 
     def _node(self) -> RedisProcess:
         """A cluster node with an append-only file, announcing its proxy's port."""
-        node = RedisProcess("--appendonly", "yes", "--appendfsync", "everysec", cluster=True,
-                            workdir=tempfile.mkdtemp(dir=self.workdir))  # fmt: skip
+        node = RedisProcess("--appendonly", "yes", "--appendfsync", "everysec",
+                            "--repl-diskless-sync-delay", str(self.config.sync_delay_s),
+                            cluster=True, workdir=tempfile.mkdtemp(dir=self.workdir))  # fmt: skip
         proxy = FaultProxy(node.port).start()
         node.extra += ["--cluster-announce-ip", "127.0.0.1",
                        "--cluster-announce-port", str(proxy.port),
@@ -224,13 +227,19 @@ def inject(env: Environment, name: str, value: float) -> dict:
         failover_s = time.monotonic() - started
         env.restart_node(victim)  # rejoins as the new master's replica, from its AOF
         wait_until(lambda: _role(victim).get("master_link_status") == "up", 30, "resync")
-        return {"node": victim.port, "failover_s": round(failover_s, 2)}
+        return {"node": victim.port, "failover_s": round(failover_s, 2),
+                "replica_linked_s": round(time.monotonic() - started, 2)}  # fmt: skip
     if name == "master_aof_restart":
         victim = env.master_of(int(value))
+        replica = env.replicas[1] if victim is env.masters[1] else env.masters[1]
+        started = time.monotonic()
         victim.kill()
         time.sleep(0.3)
         env.restart_node(victim)
-        return {"node": victim.port, "role_after": _role(victim).get("role")}
+        role = _role(victim).get("role")
+        wait_until(lambda: _role(replica).get("master_link_status") == "up", 30, "resync")
+        return {"node": victim.port, "role_after": role,
+                "replica_linked_s": round(time.monotonic() - started, 2)}  # fmt: skip
     if name == "consumer_stop":
         stopped_s = env.config.claim_idle_ms / 1000 + value
         env.consumers[0].send_signal(signal.SIGSTOP)
@@ -336,14 +345,15 @@ def figures(history: list[dict], config: FaultConfig, after_s: float = 3.0) -> d
                and not any(a <= e["t"] < b for a, b in spans)]  # fmt: skip
     base_p99 = float(np.percentile(outside, 99)) if outside else 100.0
     slow_ms = max(3 * base_p99, 250.0)
-    # An operation that failed or was slow counts against the last fault that began before
-    # it ended; a fault's recovery ends with the last such operation.
+    # An operation that failed or was slow counts against the last fault that began before it
+    # did (or within ``IN_FLIGHT_S`` after: it was in flight when the fault hit); a fault's
+    # recovery ends when the last such operation does.
     recovered = [0.0] * len(faults)
     for e in ops:
-        end = e["t"] + e["ms"] / 1000
-        if (not e["ok"] or e["ms"] > slow_ms) and faults and end >= faults[0]["t"]:
-            i = max(i for i, f in enumerate(faults) if f["t"] <= end)
-            recovered[i] = max(recovered[i], end - faults[i]["t"])
+        hit = [i for i, f in enumerate(faults) if f["t"] <= e["t"] + IN_FLIGHT_S]
+        if (not e["ok"] or e["ms"] > slow_ms) and hit:
+            end = e["t"] + e["ms"] / 1000
+            recovered[hit[-1]] = max(recovered[hit[-1]], end - faults[hit[-1]]["t"])
     per_fault = []
     for f, recovery in zip(faults, recovered, strict=True):
         during = [e for e in ops if f["t"] <= e["t"] < f["end"] + after_s]

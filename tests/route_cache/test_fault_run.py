@@ -8,10 +8,27 @@ acknowledging) must fail it, as trained twice.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+import uuid
+
 import pytest
 
-from benchmarks.bench_faults import FaultConfig, report, run
-from benchmarks.fault_history import check, digest, expected
+from benchmarks.bench_faults import ROOT, FaultConfig, report, run
+from benchmarks.fault_history import (
+    History,
+    check,
+    digest,
+    expected,
+    first_turn,
+    later_turn,
+    load_history,
+)
+from route_cache.config import Config
+from route_cache.server import RouteCacheServer
+from route_cache.store import RouteStore, connect
+from routereplay.rpc.client import RouteCacheClient
 
 SEED = 3
 
@@ -82,3 +99,54 @@ def test_short_fault_run_passes_the_checker(tmp_path):
     assert results["counts"]["samples published (final turn acknowledged)"] > 20
     assert all("error" not in f["detail"] for f in results["faults"]), results["faults"]
     assert results["availability"] >= 0.97, results["failed_by_status"]
+
+
+@pytest.mark.parametrize("drop_ack", [False, True])
+def test_the_checker_catches_a_dropped_acknowledgement(redis_node, tmp_path, drop_ack):
+    """The two consumer processes of the run over one route cache, without faults: clean,
+    they pass; with ``--drop-ack-step 1`` (consumer c1 commits its first step without
+    acknowledging it), c0 claims those samples once idle and trains them again."""
+    stream = f"rr:ready:{uuid.uuid4().hex[:8]}"
+    config = Config(host="127.0.0.1", port=0, grace_s=0, ready_stream=stream)
+    server = RouteCacheServer(config, RouteStore(connect(redis_node.url, False))).start()
+    target, start = f"127.0.0.1:{server.port}", time.time()
+    history = History(tmp_path / "writer.jsonl", "writer", start)
+    prefix = uuid.uuid4().hex[:6]
+    consumers = []
+    try:
+        with RouteCacheClient(target, timeout_s=10) as client:
+            for i in range(8):  # published before the consumers start: c1 takes some
+                sample_id = f"{prefix}-{i}"
+                client.write(first_turn(SEED, sample_id), more_turns=True)
+                history.log("write", sample=sample_id, turn=0, final=False, ok=True, ms=1)
+                for turn in (1, 2):
+                    client.append(later_turn(SEED, sample_id, turn), final=turn == 2)
+                    history.log("append", sample=sample_id, turn=turn, final=turn == 2,
+                                ok=True, ms=1)  # fmt: skip
+            for name in ("c1", "c0"):
+                args = [sys.executable, str(ROOT / "benchmarks" / "fault_consumer.py"),
+                        "--target", target, "--name", name, "--group", stream,
+                        "--history", str(tmp_path / f"{name}.jsonl"), "--start", repr(start),
+                        "--stop-file", str(tmp_path / "stop"), "--claim-idle-ms", "500",
+                        "--batch", "2", "--drain-idle-s", "1.5"]  # fmt: skip
+                if drop_ack and name == "c1":
+                    args += ["--drop-ack-step", "1"]
+                consumers.append(subprocess.Popen(args))
+                time.sleep(0.5)  # c1 reads first
+            (tmp_path / "stop").touch()
+            for proc in consumers:
+                assert proc.wait(30) == 0
+            entries = load_history(tmp_path.glob("*.jsonl"))
+            stored = {s: r for s in [f"{prefix}-{i}" for i in range(8)]
+                      for r in client.read_batch([s])}  # fmt: skip
+    finally:
+        for proc in consumers:
+            proc.kill()
+        server.stop(0)
+    found = check(entries, SEED, lambda ids: {s: stored.get(s) for s in ids}, 3)
+    if not drop_ack:
+        assert found.ok, found.lines()
+        return
+    dropped = next(e["samples"] for e in entries if e["op"] == "dropped_ack")
+    assert found.trained_twice == sorted(dropped), found.lines()
+    assert not (found.lost or found.never_trained or found.half_written)
