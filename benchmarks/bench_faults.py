@@ -363,6 +363,7 @@ def figures(history: list[dict], config: FaultConfig, after_s: float = 3.0) -> d
             "failed": sum(not e["ok"] for e in during),
             **_pcts([e["ms"] for e in during if e["ok"]]),
             "recovery_s": round(recovery, 2),
+            "after_heal_s": round(max(0.0, recovery - (f["end"] - f["t"])), 2),
         })  # fmt: skip
     published = {e["sample"]: e["t"] + e["ms"] / 1000 for e in ops if e["ok"] and e["final"]}
     delays = [e["t"] - published[e["sample"]] for e in history
@@ -514,11 +515,11 @@ def report(results: dict) -> str:
     out.append(f"latency outside faults: p50 {o['p50_ms']} ms, p99 {o['p99_ms']} ms "
                f"({o['count']} ops)")  # fmt: skip
     out.append(f"{'fault':20} {'start s':>7} {'healed s':>8} {'ops':>4} {'failed':>6} "
-               f"{'p50 ms':>7} {'p99 ms':>8} {'recovery s':>10}")  # fmt: skip
+               f"{'p50 ms':>7} {'p99 ms':>8} {'recovery s':>10} {'after heal s':>12}")  # fmt: skip
     for x in f["faults"]:
         out.append(f"{x['fault']:20} {x['start_s']:7.1f} {x['healed_s']:8.1f} {x['ops']:4} "
                    f"{x['failed']:6} {x['p50_ms'] or '-':>7} {x['p99_ms'] or '-':>8} "
-                   f"{x['recovery_s']:10.2f}   {x['detail']}")  # fmt: skip
+                   f"{x['recovery_s']:10.2f} {x['after_heal_s']:12.2f}  {x['detail']}")  # fmt: skip
     out.append(
         f"recovery target: {f['recovery_target_s']} s; publish -> trained: "
         f"p50 {f['publish_to_train_s']['p50']} s, max {f['publish_to_train_s']['max']} s"
