@@ -123,16 +123,25 @@ def test_the_checker_catches_a_dropped_acknowledgement(redis_node, tmp_path, dro
                     client.append(later_turn(SEED, sample_id, turn), final=turn == 2)
                     history.log("append", sample=sample_id, turn=turn, final=turn == 2,
                                 ok=True, ms=1)  # fmt: skip
-            for name in ("c1", "c0"):
+            for name in ("c1", "c0"):  # c1 first: it reads all 8 entries, c0 can only claim
                 args = [sys.executable, str(ROOT / "benchmarks" / "fault_consumer.py"),
                         "--target", target, "--name", name, "--group", stream,
                         "--history", str(tmp_path / f"{name}.jsonl"), "--start", repr(start),
                         "--stop-file", str(tmp_path / "stop"), "--claim-idle-ms", "500",
-                        "--batch", "2", "--drain-idle-s", "1.5"]  # fmt: skip
+                        "--batch", "2", "--drain-idle-s", "2"]  # fmt: skip
                 if drop_ack and name == "c1":
                     args += ["--drop-ack-step", "1"]
                 consumers.append(subprocess.Popen(args))
-                time.sleep(0.5)  # c1 reads first
+                deadline = time.monotonic() + 30
+                while (
+                    name == "c1"
+                    and sum(  # c1 has trained all 8 (one step dropped or not)
+                        e["op"] == "train" for e in load_history([tmp_path / "c1.jsonl"])
+                    )
+                    < 8
+                ):
+                    assert time.monotonic() < deadline, "c1 did not train the samples"
+                    time.sleep(0.1)
             (tmp_path / "stop").touch()
             for proc in consumers:
                 assert proc.wait(30) == 0
@@ -148,5 +157,5 @@ def test_the_checker_catches_a_dropped_acknowledgement(redis_node, tmp_path, dro
         assert found.ok, found.lines()
         return
     dropped = next(e["samples"] for e in entries if e["op"] == "dropped_ack")
-    assert found.trained_twice == sorted(dropped), found.lines()
+    assert found.trained_twice == sorted(dropped), "\n".join(found.lines())
     assert not (found.lost or found.never_trained or found.half_written)
