@@ -272,9 +272,9 @@ def test_redis_down_is_unavailable_and_not_serving(rng, sid):
     from route_cache.config import Config
     from route_cache.server import RouteCacheServer
     from route_cache.store import RouteStore, connect
+    from routereplay.dev.redis_nodes import RedisProcess
     from routereplay.errors import Unavailable
     from routereplay.rpc.client import RetryPolicy
-    from tests.conftest import RedisProcess
 
     node = RedisProcess().start()
     store = RouteStore(connect(node.url, False, socket_connect_timeout=0.5, socket_timeout=2))
