@@ -1,7 +1,8 @@
 """Live weight updates: records after an update match the oracle on the NEW checkpoint on every
-MoE layer (a reload that leaves prepacked experts stale fails this), prefix-cache hits do not
-bring back the old weights' routes, and a sample running across the update finishes on the old
-version and says so. The test restores the original weights for the rest of the session."""
+MoE layer (a reload without the kernel drop, which lays the new experts out wrongly, fails
+this), prefix-cache hits do not bring back the old weights' routes, and a sample running across
+the update finishes on the old version and says so. The test restores the original weights for
+the rest of the session."""
 
 from __future__ import annotations
 
