@@ -15,12 +15,12 @@ from route_cache.config import Config
 from route_cache.server import SERVICE_NAME, RouteCacheServer
 from route_cache.store import RouteStore, connect
 from routereplay.dev.launch import start_service, stop_process
+from routereplay.dev.redis_nodes import RedisProcess, start_cluster
 from routereplay.dev.synthetic import synthetic_record
 from routereplay.errors import Unavailable
 from routereplay.rpc.client import RetryPolicy, RouteCacheClient
 from routereplay.rpc.grpc_server import LIVENESS
 from routereplay.v1 import route_cache_pb2, route_cache_pb2_grpc
-from tests.conftest import RedisProcess, start_cluster
 from tests.route_cache.conftest import SMALL
 from tests.route_cache.test_process import health_until
 
