@@ -27,14 +27,14 @@ def oracle(hf_model, geometry, token_ids):
     """
     import torch
 
+    from tests.trainer.hf_rollout import hf_routers
+
     chosen: dict[int, torch.Tensor] = {}
     handles = [
-        # Every family's router returns (logits, weights, expert ids) of its own choice.
-        layer.mlp.gate.register_forward_hook(
+        router.register_forward_hook(
             lambda m, i, o, n=n: chosen.__setitem__(n, o[2].detach().clone())
         )
-        for n, layer in enumerate(hf_model.model.layers)
-        if hasattr(layer.mlp, "gate")
+        for n, router in hf_routers(hf_model).items()
     ]
     try:
         with torch.no_grad():
