@@ -15,7 +15,11 @@ from routereplay.families.base import Family, UnsupportedConfig
 FAMILIES: dict[str, Family] = {
     family.model_type: family
     for family in (
-        qwen3_moe.FAMILY, qwen2_moe.FAMILY, mixtral.FAMILY, glm4_moe.FAMILY, gpt_oss.FAMILY
+        qwen3_moe.FAMILY,
+        qwen2_moe.FAMILY,
+        mixtral.FAMILY,
+        glm4_moe.FAMILY,
+        gpt_oss.FAMILY,
     )
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

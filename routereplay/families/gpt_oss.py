@@ -93,8 +93,13 @@ def tiny_config(size: MoESize, token_ids: dict[str, int]):
         layer_types=layer_types(size.num_hidden_layers),
         attention_bias=True,
         rope_parameters={
-            "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
         },  # fmt: skip
     )
 
@@ -121,9 +126,15 @@ FAMILY = Family(
     model_type="gpt_oss",
     config_keys=COMMON_KEYS
     | {
-        "attention_bias", "layer_types", "sliding_window", "num_local_experts",
+        "attention_bias",
+        "layer_types",
+        "sliding_window",
+        "num_local_experts",
         # Keys of the released checkpoints' config.json.
-        "swiglu_limit", "experts_per_token", "initial_context_length", "quantization_config",
+        "swiglu_limit",
+        "experts_per_token",
+        "initial_context_length",
+        "quantization_config",
     },  # fmt: skip
     megatron_fields=megatron_fields,
     weights=WeightNames("mlp.", router="router", fused_experts=True),

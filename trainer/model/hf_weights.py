@@ -200,8 +200,9 @@ def _fused_to_hf(mg, config, out) -> None:
         out[hf + "gate_up_proj_bias"] = torch.stack(
             [_interleave(mg[f"{name}{e}.linear_fc1.bias"]) for e in experts]
         )
-        out[hf + "down_proj"] = torch.stack([mg[f"{name}{e}.linear_fc2.weight"].T for e in experts])
-        out[hf + "down_proj_bias"] = torch.stack([mg[f"{name}{e}.linear_fc2.bias"] for e in experts])
+        fc2 = [f"{name}{e}.linear_fc2." for e in experts]
+        out[hf + "down_proj"] = torch.stack([mg[n + "weight"].T for n in fc2])
+        out[hf + "down_proj_bias"] = torch.stack([mg[n + "bias"] for n in fc2])
 
 
 def _layers(config: dict[str, Any]) -> list[tuple[str, str]]:
