@@ -15,6 +15,13 @@ def load_hf_model(model_dir):
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            # vLLM's CPU kernel computes with gpt-oss's sinks in bfloat16 (rollout_server
+            # cpu_sinks): a no-op for the tiny model's, not for a trained step's.
+            sinks = getattr(layer.self_attn, "sinks", None)
+            if sinks is not None:
+                sinks.copy_(sinks.bfloat16().float())
     return model.eval()
 
 
