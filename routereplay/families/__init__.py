@@ -9,12 +9,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from routereplay.families import glm4_moe, mixtral, qwen2_moe, qwen3_moe
+from routereplay.families import glm4_moe, gpt_oss, mixtral, qwen2_moe, qwen3_moe
 from routereplay.families.base import Family, UnsupportedConfig
 
 FAMILIES: dict[str, Family] = {
     family.model_type: family
-    for family in (qwen3_moe.FAMILY, qwen2_moe.FAMILY, mixtral.FAMILY, glm4_moe.FAMILY)
+    for family in (
+        qwen3_moe.FAMILY,
+        qwen2_moe.FAMILY,
+        mixtral.FAMILY,
+        glm4_moe.FAMILY,
+        gpt_oss.FAMILY,
+    )
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 DEFAULT_FAMILY = "qwen3_moe"

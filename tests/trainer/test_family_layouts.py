@@ -28,6 +28,10 @@ from trainer.model.hf_weights import load_hf_state_dict
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow
 
+# gpt-oss's second-step loss: 1.04e-6 from one rank's (the first step's 1.5e-8). Its tiny model's
+# expert weights (std 0.2, for an active clamp) and sinks make activations, so summation noise,
+# larger; the step moves the rollout gap to 0.21, and the export stays within the tolerances.
+LOSS_ATOLS = {"gpt_oss": 2e-6}
 TP2SP_EP2 = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2",
              "parallel.etp=1"]  # fmt: skip
 
@@ -66,7 +70,7 @@ def test_tp2sp_ep2_trains_like_one_rank(family, family_model_dir, tmp_path):
             assert step[key] == ref[key], key
         assert step["replay_followed"] == ref["replay_followed"]
         assert set(step["replay_followed"]["exact"]) == {1.0}
-        assert step["loss"] == pytest.approx(ref["loss"], abs=LOSS_ATOL)
+        assert step["loss"] == pytest.approx(ref["loss"], abs=LOSS_ATOLS.get(family, LOSS_ATOL))
         for name, gap in ref["gap"].items():
             assert step["gap"][name]["mean_abs"] == pytest.approx(gap["mean_abs"], abs=GAP_ATOL)
     # The float32 trainer's natural routing on the first step's weights is the rollout's.
