@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from routereplay.domain.record_file import load_records, save_records
 from tests.trainer.ranks import run_each_rank
 from tests.trainer.test_dp_train import records  # noqa: F401 (fixture)
 from tests.trainer.test_model_parity import LOGIT_ATOL
@@ -137,15 +138,30 @@ def _exported(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def one_rank(tiny_model_dir, records, tmp_path_factory):  # noqa: F811
-    """Per mode, 2 steps on one rank (lr 1e-3: step 1 runs on weights step 0 moved): the
-    reports and the folder the run wrote into."""
+def unequal_records(records, tmp_path_factory):  # noqa: F811
+    """The 4 samples of ``records`` (13, 13, 16, 16 tokens, GRPO groups of 2) reordered 13, 16,
+    13, 16: with 2 samples per micro-batch over DP2, the two DP ranks of a micro-batch (the two
+    ranks of the EP group under EP2) hold 13 and 16 tokens and dispatch unequal token counts,
+    as real batches do. The allgather dispatcher crashed on it (gloo size mismatch)."""
+    recs = load_records(records)
+    assert [r.token_ids.size for r in recs] == [13, 13, 16, 16]
+    return save_records(tmp_path_factory.mktemp("unequal") / "rollout.npz",
+                        [recs[0], recs[2], recs[1], recs[3]])  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_model_dir, unequal_records, tmp_path_factory):
+    """Per mode, 2 steps on one rank (lr 1e-3: step 1 runs on weights step 0 moved) on
+    ``unequal_records``: the reports and the folder the run wrote into."""
     runs: dict[str, tuple[list[dict], Path]] = {}
 
     def get(mode: str) -> tuple[list[dict], Path]:
         if mode not in runs:
             report = tmp_path_factory.mktemp("one") / "r.json"
-            runs[mode] = (_trainer(tiny_model_dir, records, report, mode)[1], report.parent)
+            runs[mode] = (
+                _trainer(tiny_model_dir, unequal_records, report, mode)[1],
+                report.parent,
+            )
         return runs[mode]
 
     return get
@@ -160,12 +176,13 @@ def test_rl_steps_under_tp_and_ep_equal_one_rank(
     layout,
     mode,
     tiny_model_dir,
-    records,  # noqa: F811
+    unequal_records,
     one_rank,
     tmp_path,
 ):
     nproc, extra = RL_LAYOUTS[layout]
-    proc, got = _trainer(tiny_model_dir, records, tmp_path / "r.json", mode, *extra, nproc=nproc)
+    proc, got = _trainer(tiny_model_dir, unequal_records, tmp_path / "r.json", mode, *extra,
+                         nproc=nproc)  # fmt: skip
     assert proc.stdout.count(f"step 1 [{mode}]") == 1, proc.stdout[-3000:]  # one rank logs
     reference, reference_dir = one_rank(mode)
     assert len(got) == len(reference) == 2
