@@ -19,6 +19,7 @@ pytest.importorskip("megatron.core")
 from routereplay.domain.record_file import load_records
 from routereplay.errors import InvalidArgument
 from tests.trainer.helpers import capture_routing, one_hot
+from tests.trainer.tolerance import loss_atol
 from trainer.config import load_config
 from trainer.data.align import align_routes
 from trainer.data.source import BatchPlan, CacheSource, FileSource, Prefetcher, Sample
@@ -312,3 +313,6 @@ def test_replay_followed_checks_the_records_not_the_replay_ids(
     )
     assert followed["rows"] == [passes * routed] * 3
     assert max(followed["exact"]) < 0.5, followed
+    # The layout tests' loss bound (tests/trainer/tolerance.py) catches the fault too:
+    # mini-batches of 4 samples x 10 generated tokens, groups of 4.
+    assert abs(off["loss"] - report["loss"]) > loss_atol(40, 4, 512)
