@@ -26,12 +26,12 @@ Routing agreement is measured on the natural pass (the old-logprob pass in disab
 the comparison pass in R3; without a comparison pass in R3, megatron's natural top-k in the
 replayed pass). In each update pass, the routers' natural top-k is compared with the routes
 of the old-logprob pass (``update_agreement``): with replay the routes used stay those,
-whatever the optimizer did to the routers; ``disabled`` follows the drift. In R3 the
-old-logprob pass also checks that replay happened: the experts each router's routing map sent
-a token to are compared with the record's row of that token, in every replayed pass (old
-log-probs, updates, recomputes in backward): ``replay_followed``. The record's row is found
-from the model's own inputs (sample and position id of each token, cut as megatron cuts the
-embeddings), not from the replay ids, so an alignment or resharding fault lowers it.
+whatever the optimizer did to the routers; ``disabled`` follows the drift. R3 also checks
+that replay happened: the experts each router's routing map sent a token to are compared with
+the record's row of that token, in every replayed pass (old log-probs, updates, recomputes in
+backward): ``replay_followed``. The record's row is found from the model's own inputs (sample
+and position id of each token, cut as megatron cuts the embeddings), not from the replay ids,
+so an alignment or resharding fault lowers it.
 Counts are taken where the routers run, on each rank's rows and layers, and summed over every
 rank: each (row, layer) lives on exactly one rank of a data-parallel rank's model group.
 
