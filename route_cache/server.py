@@ -88,7 +88,10 @@ class RouteCacheServicer(route_cache_pb2_grpc.RouteCacheServicer):
             num_tokens=stat.num_tokens,
             num_rows=record.num_rows,
             turns=[turn_to_pb(t, with_logprobs=False) for t in record.turns],
-            blocks=[block_to_pb(b.routes, b.row_start, record.geometry) for b in record.blocks],
+            blocks=[
+                block_to_pb(b.routes, b.row_start, record.geometry, sizes)
+                for b, sizes in zip(record.blocks, stat.block_sizes, strict=True)
+            ],
             stored_bytes=stat.stored_bytes,
             ttl_ms=stat.ttl_ms,
         )

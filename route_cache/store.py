@@ -176,10 +176,29 @@ class StoredRecord:
 
 @dataclass
 class RecordStat:
-    record: StoredRecord  # blocks carry no token ids, log-probs or route bytes
+    """A record without its payload, and what it takes in Redis.
+
+    Attributes:
+        record: Its blocks carry no token ids, log-probs or route bytes.
+        num_tokens: Tokens of the record.
+        stored_bytes: Redis's own count for the whole key (``MEMORY USAGE``): route, token and
+            log-prob bytes, descriptors, field names and the hash's overhead.
+        ttl_ms: Until it expires; -1 when it never does.
+        block_sizes: Per block (``record.blocks`` order), the bytes of each stored route field
+            as encoded: one per MoE layer (storage format 2), or one for the whole block
+            (format 1).
+    """
+
+    record: StoredRecord
     num_tokens: int
     stored_bytes: int
-    ttl_ms: int  # -1: never expires
+    ttl_ms: int
+    block_sizes: list[tuple[int, ...]] = field(default_factory=list)
+
+    @property
+    def route_bytes(self) -> int:
+        """The record's route bytes as stored (encoded: RAW ids, or zstd frames)."""
+        return sum(sum(sizes) for sizes in self.block_sizes)
 
 
 def record_key(sample_id: str) -> str:
@@ -411,16 +430,27 @@ class RouteStore:
             if not names:
                 raise NotFound(f"no record for sample_id {sample_id!r}")
             wanted = [n for n in names if not n.startswith((b"t@", b"r@"))]
+            routes = [n for n in names if n.startswith(b"r@")]
             pipe = self.client.pipeline(transaction=False)
             pipe.hmget(key, wanted)
             pipe.memory_usage(key, samples=0)
             pipe.pttl(key)
-            values, usage, ttl = pipe.execute()
+            for name in routes:  # the route fields' lengths, not their bytes
+                pipe.hstrlen(key, name)
+            values, usage, ttl, *lengths = pipe.execute()
         fields = dict(zip(wanted, values, strict=True))
         if fields.get(b"geometry") is None:  # deleted between the two calls
             raise NotFound(f"no record for sample_id {sample_id!r}")
         record = _parse_record(sample_id, fields, payload=False)
-        return RecordStat(record, int(fields[b"tokens"]), int(usage or 0), int(ttl))
+        size = dict(zip(routes, lengths, strict=True))
+        block_sizes = []
+        for block in record.blocks:
+            if record.format == OLD_FORMAT_VERSION:
+                block_sizes.append((int(size.get(b"r@%d" % block.row_start, 0)),))
+            else:
+                names = [b"r@%d:%d" % (block.row_start, j) for j in block.routes.layers]
+                block_sizes.append(tuple(int(size.get(name, 0)) for name in names))
+        return RecordStat(record, int(fields[b"tokens"]), int(usage or 0), int(ttl), block_sizes)
 
     def delete(self, sample_id: str) -> None:
         with domain_errors_from_redis():

@@ -84,8 +84,9 @@ class RecordInfo:
     num_tokens: int
     num_rows: int
     turns: list[Turn]
-    stored_bytes: int
+    stored_bytes: int  # Redis's memory for the whole key (routes, tokens, metadata, overhead)
     ttl_ms: int
+    route_bytes: int  # the route bytes as stored (encoded), the sum of the blocks' sizes
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,7 @@ def _info(stat) -> RecordInfo:
         [turn_from_pb(t, i) for i, t in enumerate(stat.turns)],
         stat.stored_bytes,
         stat.ttl_ms,
+        sum(block.encoded_size for block in stat.blocks),
     )
 
 
