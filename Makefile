@@ -68,8 +68,8 @@ lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-bench: setup
-	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
+bench: setup verl
+	VERL_PYTHON=$(VERL_VENV)/bin/python $(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(CHECKOV_VENV) $(VERL_VENV) routereplay/v1 build *.egg-info

@@ -32,6 +32,12 @@ ID_FIELD = "route_cache_id"
 verl's agent loop turns extra fields into ``non_tensor_batch`` columns of the same name."""
 
 
+def served_geometry(model_dir: str) -> MoEGeometry:
+    """The geometry of the model in ``model_dir`` (its ``config.json``), named by the folder's
+    name: what the rollout side writes and the trainer side checks records against."""
+    return load_geometry(model_dir, os.path.basename(os.path.normpath(model_dir)))
+
+
 def moe_columns(
     routed_experts: Any, geometry: MoEGeometry, sample_id: str, rows: int
 ) -> np.ndarray:
@@ -140,7 +146,7 @@ class TurnWriter:
 
     Args:
         client: A ``routereplay.rpc.client.RouteCacheClient``.
-        geometry: The served model's (``routereplay.domain.model_geometry.load_geometry``).
+        geometry: The served model's (``served_geometry``).
     """
 
     def __init__(self, client, geometry: MoEGeometry):
@@ -222,9 +228,8 @@ class RouteCacheGenerate:
                     "ROUTER_REPLAY_CACHE is not set: give the route cache's host:port to the "
                     "rollout servers' environment"
                 )
-            model_dir = self.model_config.local_path
             self.route_writer = AsyncTurnWriter(
-                AsyncRouteCacheClient(target), load_geometry(model_dir, os.path.basename(model_dir))
+                AsyncRouteCacheClient(target), served_geometry(self.model_config.local_path)
             )
         return self.route_writer
 

@@ -42,7 +42,7 @@ class RouteFetcher:
         source: Where records come from: ``fetch(sample_ids) -> list[Record | None]``, e.g.
             ``worker_source(...)`` (this stage's layers, once per TP/CP group) or a
             ``trainer.data.source.CacheSource`` (whole records).
-        geometry: The trained model's (``load_geometry(model_dir)``): records of another model
+        geometry: The trained model's (``rollout.served_geometry``): records of another model
             are refused.
         missing: ``"error"`` (default) raises ``NotFound`` naming the ids; ``"native"`` leaves
             their rows zero with ``present`` False.
