@@ -28,11 +28,15 @@ MISSING_RECORD = ("error", "native")
 
 class Routes(NamedTuple):
     """``routed_experts``: verl's field (see the module docstring). ``present``: bool ``[bs]``,
-    False for samples without a record (``missing="native"``; their rows are zero and must
-    route natively: ``native_where_missing``)."""
+    False for samples without a record (``missing="native"``). ``routed``: bool per token, laid
+    out like ``input_ids`` (jagged or padded), True on the rows that hold a recorded route; the
+    others (a missing sample's, tokens past the record such as a tool's answer after the last
+    generation, padding) are zero in the field and must route natively
+    (``native_where_missing``)."""
 
     routed_experts: torch.Tensor
     present: torch.Tensor
+    routed: torch.Tensor
 
 
 class RouteFetcher:
@@ -90,24 +94,32 @@ class RouteFetcher:
             parts = [
                 self._rows(r, t, s) for r, t, s in zip(records, tokens, sample_ids, strict=True)
             ]
-            return Routes(torch.nested.as_nested_tensor(parts, layout=torch.jagged), present)
+            routed = [torch.arange(p.shape[0]) < rows for p, rows in parts]
+            return Routes(
+                torch.nested.as_nested_tensor([p for p, _ in parts], layout=torch.jagged),
+                present,
+                torch.nested.as_nested_tensor(routed, layout=torch.jagged),
+            )
         if attention_mask is None:
             raise ValueError("padded input_ids need their attention_mask")
         bs, seq = input_ids.shape
         out = torch.zeros(bs, seq, self.geometry.num_hidden_layers, self.geometry.record.topk,
                           dtype=torch.int16)  # fmt: skip
+        routed = torch.zeros(bs, seq, dtype=torch.bool)
         for b, (record, sample_id) in enumerate(zip(records, sample_ids, strict=True)):
             where = attention_mask[b].bool().nonzero().squeeze(1)
-            out[b, where] = self._rows(record, input_ids[b, where], sample_id)
-        return Routes(out, present)
+            out[b, where], rows = self._rows(record, input_ids[b, where], sample_id)
+            routed[b, where[:rows]] = True
+        return Routes(out, present, routed)
 
-    def _rows(self, record: Record | None, tokens: torch.Tensor, sample_id) -> torch.Tensor:
-        """int16 ``[len(tokens), num_hidden_layers, k]`` for one sample."""
+    def _rows(self, record: Record | None, tokens: torch.Tensor, sample_id):
+        """One sample's int16 ``[len(tokens), num_hidden_layers, k]`` and how many leading rows
+        hold a recorded route."""
         n = tokens.shape[0]
         out = torch.zeros(n, self.geometry.num_hidden_layers, self.geometry.record.topk,
                           dtype=torch.int16)  # fmt: skip
         if record is None:
-            return out
+            return out, 0
         common = min(n, record.num_tokens)
         stored = torch.from_numpy(record.token_ids[:common].astype(np.int64))
         differ = (tokens[:common].cpu() != stored).nonzero()
@@ -122,7 +134,7 @@ class RouteFetcher:
         columns = torch.tensor(record.moe_layers)
         routes = torch.from_numpy(record.routes[:rows].astype(np.int16))
         out[:rows, columns] = routes
-        return out
+        return out, rows
 
 
 def _check_model(record: Record, expected) -> None:
@@ -141,19 +153,17 @@ def _check_model(record: Record, expected) -> None:
         )
 
 
-def native_where_missing(replay_mask: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
-    """verl's jagged replay mask (``build_r3_replay_mask``) with every row of the samples
-    without a record cleared, so their routers choose natively.
+def native_where_missing(replay_mask: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+    """verl's jagged replay mask (``build_r3_replay_mask``, which replays every row but each
+    sample's last) cleared on the rows without a recorded route, so their routers choose
+    natively instead of replaying the field's zeros (expert 0, k times).
 
     Args:
         replay_mask: jagged bool ``[bs, j]``.
-        present: bool ``[bs]`` (``Routes.present``).
+        routed: jagged bool ``[bs, j]`` (``Routes.routed``).
     """
-    offsets = replay_mask.offsets()
-    values = replay_mask.values().clone()
-    for b in (~present).nonzero().squeeze(1).tolist():
-        values[offsets[b] : offsets[b + 1]] = False
-    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+    values = replay_mask.values() & routed.values().to(replay_mask.device)
+    return torch.nested.nested_tensor_from_jagged(values, offsets=replay_mask.offsets())
 
 
 def router_layers(model) -> list[int]:

@@ -190,7 +190,7 @@ def test_missing_record_is_an_error_naming_it_or_native_by_setting(
     built = verl_model(tiny_model_dir, pg_collection)
     replay_r3(
         built.model, routes.routed_experts, nested(tokens), torch.ones(3, NEW_TOKENS),
-        built.model.config, mask_hook=lambda m: native_where_missing(m, routes.present),
+        built.model.config, mask_hook=lambda m: native_where_missing(m, routes.routed),
     )  # fmt: skip
     batch = PaddedBatch.packed(ids, [t.numpy() for t in tokens])
     maps, logits = forward_packed(built, batch)
@@ -223,3 +223,37 @@ def test_records_of_another_model_are_refused_naming_the_sample(rollout, route_c
             TurnWriter(client, geometry).write("verl-other", sample.token_ids[:5].tolist(), output)
         with pytest.raises(NotFound):
             client.stat("verl-other")
+
+
+def test_tokens_past_the_record_route_natively_with_the_mask_hook(
+    rollout, route_cache, tiny_model_dir, pg_collection
+):
+    """A batch sample longer than its record (a tool's answer after the last generation: no
+    call ran those tokens). verl's own mask replays every row but the last, so its zero rows
+    would be replayed as expert 0, k times; ``native_where_missing`` routes them natively."""
+    geometry = geometry_of(tiny_model_dir)
+    record = rollout[3]
+    tokens = torch.cat([torch.from_numpy(record.token_ids.astype(np.int64)),
+                        torch.tensor([301, 302, 303])])  # fmt: skip
+    routes = RouteFetcher(CacheSource(route_cache), geometry).routes(
+        [record.sample_id], nested([tokens])
+    )
+    assert routes.routed.values().tolist() == [True] * record.num_rows + [False] * 4
+    batch = PaddedBatch.packed([record.sample_id], [tokens.numpy()])
+    past = range(record.num_rows, len(tokens) - 1)  # replayed by verl's mask, no route
+    for hook in (None, lambda m: native_where_missing(m, routes.routed)):
+        built = verl_model(tiny_model_dir, pg_collection)
+        replay_r3(built.model, routes.routed_experts, nested([tokens]), torch.ones(1, 4),
+                  built.model.config, mask_hook=hook)  # fmt: skip
+        maps, logits = forward_packed(built, batch)
+        expert0 = {layer: [bool(m[p, 0]) and int(m[p].sum()) == 1 for p in past]
+                   for layer, m in maps.items()}  # fmt: skip
+        if hook is None:
+            assert all(all(v) for v in expert0.values()), expert0
+            continue
+        replayed, natural, bad = check_rows(
+            maps, logits, batch, _expected([record], geometry), topk=2,
+            native=lambda b, p: p >= record.num_rows,
+        )  # fmt: skip
+        assert not bad, bad[:10]
+        assert (replayed, natural) == (3 * record.num_rows, 3 * 4)
