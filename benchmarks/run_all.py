@@ -27,6 +27,9 @@ Each benchmark compares against a baseline measured in the same run, on the same
 - ``pipeline``: one RL batch end to end (rollout server, route cache, a trainer rank's fetch
   and reshard), time per stage and the share spent moving routes, against the same engine
   behind a server that stores nothing (interleaved) and the engine alone with capture off.
+- ``verl``: in verl's environment, the verl integration's bytes on the Ray path per batch of
+  32K-token Qwen3-30B-A3B samples against verl's route tensor, and one worker's routes moved
+  through Ray (put, an actor's get) against fetched from the route cache (whole, one stage).
 - ``scaling``: no measurement; the route cache figures of this run carried to a fleet
   (route bytes/s, route cache replicas, Redis shards, a trainer rank's memory).
 
@@ -59,6 +62,8 @@ class Benchmark:
     script: str
     quick: tuple[str, ...]  # arguments of the smoke run
     measures: str
+    # The environment it runs in: "" the project's, "verl" verl's ($VERL_PYTHON, make verl).
+    env: str = ""
 
 
 BENCHMARKS = (
@@ -104,6 +109,11 @@ BENCHMARKS = (
     Benchmark(
         "pipeline", "bench_pipeline.py", ("--quick",),
         "rollout -> route cache -> trainer fetch + reshard per batch vs storing nothing",
+    ),
+    Benchmark(
+        "verl", "bench_verl.py", ("--quick",),
+        "verl integration: Ray bytes per batch; a worker's routes via Ray put/get vs route "
+        "cache stage reads", "verl",
     ),
     Benchmark(
         "scaling", "scaling_model.py", (),
@@ -183,7 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         if bench.name == "rollout":
             extra += ["--out", str(results / "rollout.raw.json")]
         print(f"\n=== [{i}/{len(chosen)}] {bench.name}: {bench.measures}", flush=True)
-        command = [sys.executable, str(Path(__file__).resolve()), "_one", str(docs),
+        python = sys.executable
+        if bench.env == "verl":
+            python = os.environ.get("VERL_PYTHON", str(ROOT / ".venv-verl" / "bin" / "python"))
+        command = [python, str(Path(__file__).resolve()), "_one", str(docs),
                    str(results), str(HERE / bench.script), *extra]  # fmt: skip
         start = time.perf_counter()
         code = subprocess.run(command, cwd=ROOT, env=os.environ.copy()).returncode

@@ -102,17 +102,24 @@ def stage_reads(source, dp, moe_layers: Sequence[int], router_layers: Sequence[i
     mp = dp.model
     if mp is None or mp.layout.tp * mp.layout.cp == 1:
         return StageReads(source, layers)
-    # Ranks of one TP/CP group share the DP rank and the pipeline stage.
     coords = mp.coords
+    return group_reads(source, layers, (dp.rank, coords.pp_rank, coords.tp_rank, coords.cp_rank))
+
+
+def group_reads(source, layers: Sequence[int] | None, place: tuple[int, int, int, int]):
+    """``StageReads`` shared by each TP/CP group: this rank's ``place`` is (data-parallel rank,
+    pipeline rank, tensor-parallel rank, context-parallel rank); ranks of one group share the
+    first two, and the group's (0, 0) rank fetches. A collective over the world: the groups'
+    gloo groups are created here, in the same order on every rank."""
     places = [None] * dist.get_world_size()
-    dist.all_gather_object(places, (dp.rank, coords.pp_rank, coords.tp_rank, coords.cp_rank))
+    dist.all_gather_object(places, tuple(place))
     groups: dict[tuple[int, int], list[int]] = {}
     for rank, (dp_rank, pp_rank, _, _) in enumerate(places):
         groups.setdefault((dp_rank, pp_rank), []).append(rank)
     mine = None
     for key in sorted(groups):
         group = dist.new_group(groups[key], backend="gloo")
-        if key == (dp.rank, coords.pp_rank):
+        if key == tuple(place[:2]):
             mine = (group, next(r for r in groups[key] if places[r][2:] == (0, 0)))
     return StageReads(source, layers, *mine)
 

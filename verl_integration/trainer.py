@@ -1,0 +1,204 @@
+"""The trainer seam: each Megatron worker fetches its own samples' routes from the route cache
+and builds ``batch["routed_experts"]`` as verl's rollout path would have shipped it.
+
+verl's field: int16, one row per token aligned like ``input_ids`` (padded ``[bs, seq, L, k]``
+with ``attention_mask``, or jagged ``[bs, j, L, k]`` beside jagged ``input_ids``), ``L`` =
+``num_hidden_layers`` in vLLM's layout (one column per decoder layer, dense ones included, so
+verl indexes it by absolute layer number), rows without a route (each sample's final token,
+padding) zero. ``set_router_replay_data(..., model=chunk)`` reads only the columns of the chunk's
+own routers, so a worker fetches only those (a layer-selected read, once per TP/CP group:
+``trainer.parallel.stage_reads``) and leaves the other columns zero.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from routereplay.domain.model_geometry import MoEGeometry
+from routereplay.domain.record import Record
+from routereplay.errors import InvalidArgument, NotFound
+
+MISSING_RECORD = ("error", "native")
+
+
+class Routes(NamedTuple):
+    """``routed_experts``: verl's field (see the module docstring). ``present``: bool ``[bs]``,
+    False for samples without a record (``missing="native"``). ``routed``: bool per token, laid
+    out like ``input_ids`` (jagged or padded), True on the rows that hold a recorded route; the
+    others (a missing sample's, tokens past the record such as a tool's answer after the last
+    generation, padding) are zero in the field and must route natively
+    (``native_where_missing``)."""
+
+    routed_experts: torch.Tensor
+    present: torch.Tensor
+    routed: torch.Tensor
+
+
+class RouteFetcher:
+    """One per trainer worker.
+
+    Args:
+        source: Where records come from: ``fetch(sample_ids) -> list[Record | None]``, e.g.
+            ``worker_source(...)`` (this stage's layers, once per TP/CP group) or a
+            ``trainer.data.source.CacheSource`` (whole records).
+        geometry: The trained model's (``rollout.served_geometry``): records of another model
+            are refused.
+        missing: ``"error"`` (default) raises ``NotFound`` naming the ids; ``"native"`` leaves
+            their rows zero with ``present`` False.
+    """
+
+    def __init__(self, source, geometry: MoEGeometry, missing: str = "error"):
+        if missing not in MISSING_RECORD:
+            raise ValueError(f"missing={missing!r}; expected one of {MISSING_RECORD}")
+        self.source = source
+        self.geometry = geometry
+        self.missing = missing
+
+    def records(self, sample_ids: Sequence[str]) -> list[Record | None]:
+        """This worker's records, in order (None where missing and ``missing="native"``)."""
+        ids = [str(s) for s in sample_ids]
+        records = self.source.fetch(ids)
+        absent = [s for s, r in zip(ids, records, strict=True) if r is None]
+        if absent and self.missing == "error":
+            raise NotFound(
+                f"no route record for sample(s) {absent} (expired, never written, or another "
+                "route cache); set missing='native' to train them with native routing"
+            )
+        for record in records:
+            if record is not None:
+                _check_model(record, self.geometry.record)
+        return records
+
+    def routes(self, sample_ids: Sequence[str], input_ids, attention_mask=None) -> Routes:
+        """``batch["routed_experts"]`` for these samples.
+
+        Args:
+            sample_ids: One per row of ``input_ids`` (verl's ``non_tensor_batch`` id column).
+            input_ids: jagged ``[bs, j]`` (the result is jagged), or padded ``[bs, seq]`` with
+                ``attention_mask`` (bool or 0/1 ``[bs, seq]``, True on real tokens).
+
+        Raises:
+            NotFound: a missing record with ``missing="error"``, naming it.
+            InvalidArgument: a record of another model, or whose tokens differ from the
+                sample's, naming it.
+        """
+        records = self.records(sample_ids)
+        present = torch.tensor([r is not None for r in records], dtype=torch.bool)
+        if input_ids.is_nested:
+            tokens = list(input_ids.unbind())
+            parts = [
+                self._rows(r, t, s) for r, t, s in zip(records, tokens, sample_ids, strict=True)
+            ]
+            routed = [torch.arange(p.shape[0]) < rows for p, rows in parts]
+            return Routes(
+                torch.nested.as_nested_tensor([p for p, _ in parts], layout=torch.jagged),
+                present,
+                torch.nested.as_nested_tensor(routed, layout=torch.jagged),
+            )
+        if attention_mask is None:
+            raise ValueError("padded input_ids need their attention_mask")
+        bs, seq = input_ids.shape
+        out = torch.zeros(bs, seq, self.geometry.num_hidden_layers, self.geometry.record.topk,
+                          dtype=torch.int16)  # fmt: skip
+        routed = torch.zeros(bs, seq, dtype=torch.bool)
+        for b, (record, sample_id) in enumerate(zip(records, sample_ids, strict=True)):
+            where = attention_mask[b].bool().nonzero().squeeze(1)
+            out[b, where], rows = self._rows(record, input_ids[b, where], sample_id)
+            routed[b, where[:rows]] = True
+        return Routes(out, present, routed)
+
+    def _rows(self, record: Record | None, tokens: torch.Tensor, sample_id):
+        """One sample's int16 ``[len(tokens), num_hidden_layers, k]`` and how many leading rows
+        hold a recorded route."""
+        n = tokens.shape[0]
+        out = torch.zeros(n, self.geometry.num_hidden_layers, self.geometry.record.topk,
+                          dtype=torch.int16)  # fmt: skip
+        if record is None:
+            return out, 0
+        common = min(n, record.num_tokens)
+        stored = torch.from_numpy(record.token_ids[:common].astype(np.int64))
+        differ = (tokens[:common].cpu() != stored).nonzero()
+        if len(differ):
+            at = int(differ[0])
+            raise InvalidArgument(
+                f"sample {sample_id!r}: the route record's tokens differ from the batch's at "
+                f"position {at} (record {record.num_tokens} tokens, batch {n}): routes of "
+                "another sample or of another tokenization"
+            )
+        rows = min(record.num_rows, n)
+        columns = torch.tensor(record.moe_layers)
+        routes = torch.from_numpy(record.routes[:rows].astype(np.int16))
+        out[:rows, columns] = routes
+        return out, rows
+
+
+def _check_model(record: Record, expected) -> None:
+    got = record.geometry
+    same = (got.moe_layers, got.topk, got.num_experts) == (
+        expected.moe_layers,
+        expected.topk,
+        expected.num_experts,
+    )
+    if not same or (got.model_id and expected.model_id and got.model_id != expected.model_id):
+        raise InvalidArgument(
+            f"sample {record.sample_id!r}: its routes are of model {got.model_id!r} (MoE layers "
+            f"{list(got.moe_layers)}, top-{got.topk} of {got.num_experts}); the trainer's is "
+            f"{expected.model_id!r} (MoE layers {list(expected.moe_layers)}, top-{expected.topk} "
+            f"of {expected.num_experts})"
+        )
+
+
+def native_where_missing(replay_mask: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+    """verl's jagged replay mask (``build_r3_replay_mask``, which replays every row but each
+    sample's last) cleared on the rows without a recorded route, so their routers choose
+    natively instead of replaying the field's zeros (expert 0, k times).
+
+    Args:
+        replay_mask: jagged bool ``[bs, j]``.
+        routed: jagged bool ``[bs, j]`` (``Routes.routed``).
+    """
+    values = replay_mask.values() & routed.values().to(replay_mask.device)
+    return torch.nested.nested_tensor_from_jagged(values, offsets=replay_mask.offsets())
+
+
+def router_layers(model) -> list[int]:
+    """Global (0-based) layer numbers of the MoE routers in ``model`` (a megatron chunk or the
+    list of a worker's virtual-stage chunks), ascending."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    chunks = model if isinstance(model, list | tuple) else [model]
+    layers = {
+        m.layer_number - 1
+        for chunk in chunks
+        for m in getattr(chunk, "decoder", chunk).modules()
+        if isinstance(m, TopKRouter) and m.layer_number is not None
+    }
+    return sorted(layers)
+
+
+def worker_source(target: str, model, geometry: MoEGeometry, timeout_s: float = 60.0):
+    """The route cache, read as this worker's stage needs it: only the MoE layers of ``model``'s
+    routers, by one rank of each TP/CP group (the others receive the bytes over gloo).
+
+    A collective over the world (every worker calls it, once): megatron's parallel state
+    must be initialised. ``target``: ``host:port`` (default ``$ROUTER_REPLAY_CACHE``).
+    """
+    from megatron.core import parallel_state as mpu
+
+    from trainer.data.source import CacheSource
+    from trainer.parallel.stage_reads import StageReads, group_reads
+
+    source = CacheSource(target or os.environ["ROUTER_REPLAY_CACHE"], timeout_s=timeout_s)
+    moe = geometry.record.moe_layers
+    mine = router_layers(model)
+    layers = None if len(mine) == len(moe) else [moe.index(layer) for layer in mine]
+    if mpu.get_tensor_model_parallel_world_size() * mpu.get_context_parallel_world_size() == 1:
+        return StageReads(source, layers)
+    place = (mpu.get_data_parallel_rank(), mpu.get_pipeline_model_parallel_rank(),
+             mpu.get_tensor_model_parallel_rank(), mpu.get_context_parallel_rank())  # fmt: skip
+    return group_reads(source, layers, place)
