@@ -207,11 +207,11 @@ def fetch_vs_step(model_dir, built, records, batches: int) -> dict:
             reports = train(config, plans, source=source, built=(built, AdamW(built.model, 1e-5)))
             later = reports[1:]
             out[prefetch] = {
-                key: statistics.median(r["time_s"][key] for r in later)
+                key: statistics.median(getattr(r.time_s, key) for r in later)
                 for key in ("fetch", "fetch_wait", "align")
             }
             out[prefetch]["step"] = statistics.median(
-                sum(r["time_s"][k] for k in ("align", "old_logprob", "compare", "update"))
+                sum(getattr(r.time_s, k) for k in ("align", "old_logprob", "compare", "update"))
                 for r in later
             )
     finally:

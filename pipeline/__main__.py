@@ -39,6 +39,7 @@ from routereplay.domain.rollout import SampleDelta, SampleDone, SampleFailed, Sa
 from routereplay.families import DEFAULT_FAMILY, FAMILIES
 from routereplay.rpc.client import RouteCacheClient
 from routereplay.rpc.rollout_client import AsyncRolloutClient
+from trainer.report.step_report import reports_from_json
 
 PROMPTS = [
     "The router picks two experts for every token because",
@@ -183,7 +184,7 @@ def run_mode(mode: str, cache: str, rollouts: list[str], model_dir: str, args, p
     if trainer.wait() != 0:
         raise SystemExit(f"[pipeline] the {mode} trainer failed ({trainer.returncode})")
     procs.remove(trainer)
-    return json.loads(report.read_text())
+    return reports_from_json(json.loads(report.read_text()))
 
 
 def port_taken(port: int) -> bool:
@@ -322,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         for mode in MODES:
             for line in mode_lines(mode, reports[mode]):
                 print(line, flush=True)
-        (args.out / "report.json").write_text(json.dumps(reports, indent=2))
+        as_json = {mode: [r.as_dict() for r in steps] for mode, steps in reports.items()}
+        (args.out / "report.json").write_text(json.dumps(as_json, indent=2))
         log(f"figure: {figure(reports, args.out / 'report.png')}; data: {args.out / 'report.json'}")
         log("time per stage: " + ", ".join(f"{k} {v:.1f} s" for k, v in stages.items()))
     finally:

@@ -240,7 +240,7 @@ class ReportConfig:
         json: Write the run's report (every step) to this JSON file.
         tensorboard_dir: Log the report's scalars every step to TensorBoard event files here.
         metrics: Serve Prometheus metrics at ``/metrics`` from the lead rank
-            (``trainer.monitoring``; no TLS or token: keep the port internal).
+            (``trainer.report.metrics``; no TLS or token: keep the port internal).
         metrics_host, metrics_port: Where (port 0 picks a free one).
     """
 

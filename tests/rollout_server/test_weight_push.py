@@ -1,4 +1,4 @@
-"""The trainer's weight push (``trainer.model.export.push_weights``) against a real rollout server
+"""The trainer's weight push (``trainer.policy_sync.push_weights``) against a real rollout server
 (real vLLM) that wants TLS and a bearer token: the new policy version comes back, and the next
 sample's record carries it; without the token the push is refused. The pushed checkpoint is the
 one the engine serves already, so the session's other tests keep their weights."""
@@ -16,7 +16,7 @@ from routereplay.errors import RouteReplayError
 from routereplay.rpc.rollout_client import AsyncRolloutClient
 from routereplay.rpc.security import ClientSecurity, ServerSecurity
 from tests.rollout_server.conftest import rollout_config
-from trainer.model.export import push_weights
+from trainer.policy_sync import push_weights
 
 
 def test_push_reaches_a_secured_rollout_server(

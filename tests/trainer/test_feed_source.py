@@ -32,6 +32,7 @@ from tests.trainer.tolerance import loss_atol
 from trainer.config import ConfigError, load_config
 from trainer.data.source import BatchPlan, FeedPlans
 from trainer.parallel.dp import DataParallel, ModelParallel
+from trainer.report.step_report import reports_from_json
 from trainer.reshard import Layout, RankCoords
 from trainer.train import train
 
@@ -110,12 +111,12 @@ def test_feed_batches_are_whole_groups_trained_once_then_acknowledged(
     config = _config(tiny_model_dir, cache.target, "data.source=feed", "data.group_size=4")
     reports = train(config, None, pg_collection=pg_collection)
 
-    assert [r["feed"]["groups"] for r in reports] == [[first[0].group_id], [second[0].group_id]]
-    assert all(r["feed"]["rollout_versions"] == [0] for r in reports)
+    assert [r.feed.groups for r in reports] == [[first[0].group_id], [second[0].group_id]]
+    assert all(r.feed.rollout_versions == [0] for r in reports)
     for got, want in zip(reports, ids_reports, strict=True):
         for key in SAME:
-            assert got[key] == want[key], key
-        assert got["loss"] == pytest.approx(want["loss"], abs=1e-6)
+            assert getattr(got, key) == getattr(want, key), key
+        assert got.loss == pytest.approx(want.loss, abs=1e-6)
     assert cache.pending("trainer") == 0  # every entry acknowledged, the repeats included
 
 
@@ -137,8 +138,8 @@ def test_a_restarted_trainer_gets_back_what_it_had_not_acknowledged(
                  "data.consumer=trainer-a", "train.steps=1"]  # fmt: skip
     reports = train(_config(tiny_model_dir, cache.target, *overrides), None,
                     pg_collection=pg_collection)  # fmt: skip
-    assert [r["feed"]["groups"] for r in reports] == [[first[0].group_id]]
-    assert reports[0]["reward_mean"] == ids_reports[0]["reward_mean"]
+    assert [r.feed.groups for r in reports] == [[first[0].group_id]]
+    assert reports[0].reward_mean == ids_reports[0].reward_mean
     assert cache.pending("job") == 0
 
 
@@ -175,15 +176,15 @@ def test_two_ranks_share_one_consumer(layout, tiny_model_dir, rollout, ids_repor
     env.pop("WORLD_SIZE", None)
     run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    reports = json.loads((tmp_path / "report.json").read_text())
+    reports = reports_from_json(json.loads((tmp_path / "report.json").read_text()))
     groups = [[g[0].group_id] for g in _groups(rollout)]
-    assert [r["feed"]["groups"] for r in reports] == groups  # one consumer read them, in order
+    assert [r.feed.groups for r in reports] == groups  # one consumer read them, in order
     for got, want in zip(reports, ids_reports, strict=True):
-        assert got["samples"] == 4  # not 8: no sample trained twice (DP) or counted twice (TP)
+        assert got.samples == 4  # not 8: no sample trained twice (DP) or counted twice (TP)
         for key in SAME:
-            assert got[key] == want[key], key
+            assert getattr(got, key) == getattr(want, key), key
         # Another layout: 2 samples of 10 generated tokens per mini-batch, groups of 4.
-        assert got["loss"] == pytest.approx(want["loss"], abs=loss_atol(20, 4, 512))
+        assert got.loss == pytest.approx(want.loss, abs=loss_atol(20, 4, 512))
     assert cache.pending("trainer") == 0
 
 
@@ -215,7 +216,7 @@ def test_a_route_cache_that_wants_a_token_gets_the_configured_one(
             train(_config(tiny_model_dir, cache.target, *feed), None, pg_collection=pg_collection)
         config = _config(tiny_model_dir, cache.target, *feed, f"route_cache.token_file={token}")
         reports = train(config, None, pg_collection=pg_collection)
-        assert [r["feed"]["groups"] for r in reports] == [[first[0].group_id]]
+        assert [r.feed.groups for r in reports] == [[first[0].group_id]]
     finally:
         cache.close()
 

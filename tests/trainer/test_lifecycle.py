@@ -117,8 +117,8 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(
     torch.manual_seed(999)  # the restarted process's RNG is anything; the checkpoint restores it
     resumed = build(cfg, pg_collection)
     rest = train(cfg, _plans(rollout, 3), pg_collection=pg_collection, built=resumed)
-    assert [r["step"] for r in rest] == [2]
-    assert [r["loss"] for r in first + rest] == [r["loss"] for r in straight_reports]
+    assert [r.step for r in rest] == [2]
+    assert [r.loss for r in first + rest] == [r.loss for r in straight_reports]
     ours, theirs = _weights(resumed[0].model), _weights(straight[0].model)
     for name, w in theirs.items():
         assert torch.equal(ours[name], w), name
@@ -133,7 +133,7 @@ def test_two_runs_with_the_same_seed_are_identical(
     for _ in range(2):
         built = build(config, pg_collection)
         reports = train(config, _plans(rollout, 2), pg_collection=pg_collection, built=built)
-        runs.append(([r["loss"] for r in reports], _weights(built[0].model)))
+        runs.append(([r.loss for r in reports], _weights(built[0].model)))
     (loss_a, w_a), (loss_b, w_b) = runs
     assert loss_a == loss_b
     for name, w in w_a.items():
@@ -146,7 +146,7 @@ def test_two_runs_with_the_same_seed_are_identical(
 def test_expected_reward_rises_step_over_step(tiny_model_dir, rollout_file, rollout, pg_collection):
     config = _config(tiny_model_dir, rollout_file, "train.lr=3e-3", "report.compare=false")
     reports = train(config, _plans(rollout, 4), pg_collection=pg_collection)
-    expected = [r["expected_reward"] for r in reports]
+    expected = [r.expected_reward for r in reports]
     print("expected reward per step", [round(x, 4) for x in expected])
     assert all(b > a for a, b in zip(expected, expected[1:], strict=False)), expected
     assert expected[-1] > 1.1 * expected[0], expected
@@ -178,9 +178,9 @@ def test_report_is_logged_to_tensorboard(
     assert expected <= tags, expected - tags
     loss = events.Scalars("loss")
     assert [e.step for e in loss] == [0, 1]
-    assert [e.value for e in loss] == pytest.approx([r["loss"] for r in reports], rel=1e-6)
+    assert [e.value for e in loss] == pytest.approx([r.loss for r in reports], rel=1e-6)
     k3 = events.Scalars("gap/natural/k3_kl")
-    assert k3[0].value == pytest.approx(reports[0]["gap"]["natural"]["k3_kl"], rel=1e-6, abs=1e-12)
+    assert k3[0].value == pytest.approx(reports[0].gap["natural"].k3_kl, rel=1e-6, abs=1e-12)
 
 
 # -- 5. megatron's aux loss beside replay ----------------------------------------------------
@@ -233,9 +233,9 @@ def test_aux_loss_beside_replay_is_finite_and_from_natural_routing(
     reports = train(config, _plans(rollout, 2), pg_collection=pg_collection,
                     built=(built, optimizer))  # fmt: skip
     for r in reports:
-        assert r["aux_loss"] is not None and math.isfinite(r["aux_loss"]) and r["aux_loss"] > 0
-        assert len(r["aux_loss_layers"]) == geometry.num_moe_layers
-        assert math.isfinite(r["loss"])
+        assert r.aux_loss is not None and math.isfinite(r.aux_loss) and r.aux_loss > 0
+        assert len(r.aux_loss_layers) == geometry.num_moe_layers
+        assert math.isfinite(r.loss)
     # The CPU patch: megatron's logging path with force_initialize allocates no CUDA tensor.
     moe_utils.get_moe_layer_wise_logging_tracker().clear()
     moe_utils.track_moe_metrics(

@@ -70,17 +70,17 @@ def test_the_lead_serves_step_fetch_agreement_and_route_bytes(
         assert _value(samples, "trainer_steps_total") == n
         assert _value(samples, "trainer_step_seconds_count") == n
         assert _value(samples, "trainer_fetch_wait_seconds_count") == n
-        assert _value(samples, "trainer_last_step") == report["step"]
-        assert _value(samples, "trainer_loss") == pytest.approx(report["loss"])
-        layers = report["agreement"]["layers"]
+        assert _value(samples, "trainer_last_step") == report.step
+        assert _value(samples, "trainer_loss") == pytest.approx(report.loss)
+        layers = report.agreement.layers
         assert [_value(samples, "trainer_routing_agreement", layer=str(x)) for x in layers] == (
-            pytest.approx(report["agreement"]["exact"])
+            pytest.approx(report.agreement.exact)
         )
         assert [_value(samples, "trainer_replay_followed", layer=str(x)) for x in layers] == [1.0
                 for _ in layers]  # fmt: skip
     total = scrapes[-1]
     step_s = _value(total, "trainer_step_seconds_sum")
-    assert step_s >= sum(r["time_s"]["update"] + r["time_s"]["old_logprob"] for r in reports)
+    assert step_s >= sum(r.time_s.update + r.time_s.old_logprob for r in reports)
     # What the trainer read is what the route cache served: each batch's records, once.
     stored = sum(r.routes.nbytes for r in rollout[:8])
     assert _value(total, "trainer_route_bytes_read_total") == served_now == stored

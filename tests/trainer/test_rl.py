@@ -62,10 +62,10 @@ def test_r3_replaying_natural_identical_routes_is_bit_identical_to_disabled(
         built, _, report = _step(config, pg_collection, rollout)
         runs[mode] = (report, _weights(built))
     (off, w_off), (r3, w_r3) = runs["disabled"], runs["R3"]
-    assert r3["rows"]["replayed_fraction"] > 0.8 and off["rows"]["replayed"] == 0
-    assert r3["agreement"]["exact"] == [1.0, 1.0, 1.0]
-    assert r3["loss"] == off["loss"]
-    assert r3["gap"]["replayed"]["mean_abs"] == off["gap"]["natural"]["mean_abs"]
+    assert r3.rows.replayed_fraction > 0.8 and off.rows.replayed == 0
+    assert r3.agreement.exact == [1.0, 1.0, 1.0]
+    assert r3.loss == off.loss
+    assert r3.gap["replayed"].mean_abs == off.gap["natural"].mean_abs
     for name, w in w_off.items():
         assert torch.equal(w_r3[name], w), name
 
@@ -101,7 +101,7 @@ def test_r2_update_passes_replay_the_recorded_routes_after_optimizer_steps(
             expected = one_hot(aligned.indices[j][rows], built.geometry.num_experts)
             assert torch.equal(maps[layer][call][rows], expected), (call, layer)
     # ... even though the optimizer steps moved the natural routing away from them.
-    assert report["update_agreement"][-1] < 0.99
+    assert report.update_agreement[-1] < 0.99
     # The recorded routes are the trainer's natural ones, equal to the float32 rollout's.
     for r in rollout:
         np.testing.assert_array_equal(recorded[r.sample_id].routes, r.routes)
@@ -140,7 +140,7 @@ def test_replay_file_and_record_file_round_trip(
     )  # fmt: skip
     ids = [r.sample_id for r in rollout]
     reports = train(config, [BatchPlan(ids)], pg_collection=pg_collection)
-    assert reports[0]["rows"]["replayed_fraction"] > 0.8
+    assert reports[0].rows.replayed_fraction > 0.8
     assert (tmp_path / "r.json").exists()
     used = load_records(out)
     assert [u.sample_id for u in used] == ids
@@ -213,14 +213,14 @@ def test_missing_records_fail_or_train_natively(
     )  # fmt: skip
     built, optimizer = build(config, pg_collection)
     report = RLStep(built, optimizer, config).run(fetched)
-    assert report["missing_records"] == 1
+    assert report.missing_records == 1
     routed = sum(r.token_ids.size - 1 for r in rollout[:4])
-    assert report["rows"]["replayed"] == routed
+    assert report.rows.replayed == routed
     # Every row with a route, and only those, went where the rollout's route says, in the
     # old-logprob pass and the one update pass.
-    followed = report["replay_followed"]
-    assert followed["rows"] == [2 * routed] * 3 and followed["exact"] == [1.0] * 3
-    assert report["rows"]["valid"] == routed + 4 + rollout[4].token_ids.size
+    followed = report.replay_followed
+    assert followed.rows == [2 * routed] * 3 and followed.exact == [1.0] * 3
+    assert report.rows.valid == routed + 4 + rollout[4].token_ids.size
 
 
 def test_metrics_match_an_independent_calculation(
@@ -253,12 +253,12 @@ def test_metrics_match_an_independent_calculation(
             diffs.append(picked[start - 1 :] - r.turns[0].logprobs)
     d = np.concatenate(diffs)
     report = RLStep(built, optimizer, config).run(_fetch(rollout_file, rollout))
-    assert report["gap"]["natural"]["tokens"] == d.size == 8 * 10
-    assert report["gap"]["natural"]["mean_abs"] == pytest.approx(np.abs(d).mean(), abs=1e-6)
-    assert report["gap"]["natural"]["max_abs"] == pytest.approx(np.abs(d).max(), abs=1e-6)
+    assert report.gap["natural"].tokens == d.size == 8 * 10
+    assert report.gap["natural"].mean_abs == pytest.approx(np.abs(d).mean(), abs=1e-6)
+    assert report.gap["natural"].max_abs == pytest.approx(np.abs(d).max(), abs=1e-6)
     # The rule: the fraction of generated ids that are multiples of 8.
     rewards = [float((r.token_ids[r.turns[0].generated_start :] % 8 == 0).mean()) for r in rollout]
-    assert report["reward_mean"] == pytest.approx(np.mean(rewards))
+    assert report.reward_mean == pytest.approx(np.mean(rewards))
 
 
 def test_bf16_trainer_against_float32_rollout_replay_closes_the_gap(
@@ -271,13 +271,13 @@ def test_bf16_trainer_against_float32_rollout_replay_closes_the_gap(
     _, _, report = _step(config, pg_collection, rollout)
     # bf16 flips near-ties: the trainer's natural routing misses the rollout's on some tokens,
     # while megatron's routing map under replay follows the rollout's routes on every row.
-    assert min(report["agreement"]["exact"]) < 1.0
-    assert report["replay_followed"]["exact"] == [1.0] * 3
-    assert min(report["replay_followed"]["rows"]) > 0
-    natural, replayed = report["gap"]["natural"], report["gap"]["replayed"]
-    assert replayed["max_abs"] < natural["max_abs"]
-    assert replayed["mean_abs"] < natural["mean_abs"]
-    assert all(math.isfinite(v) for v in (report["loss"], replayed["k3_kl"]))
+    assert min(report.agreement.exact) < 1.0
+    assert report.replay_followed.exact == [1.0] * 3
+    assert min(report.replay_followed.rows) > 0
+    natural, replayed = report.gap["natural"], report.gap["replayed"]
+    assert replayed.max_abs < natural.max_abs
+    assert replayed.mean_abs < natural.mean_abs
+    assert all(math.isfinite(v) for v in (report.loss, replayed.k3_kl))
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
@@ -296,8 +296,8 @@ def test_replay_followed_checks_the_records_not_the_replay_ids(
     routed = sum(r.num_rows for r in rollout)
     passes = 1 + 2 * (2 if recompute else 1)
     report = _step(config, pg_collection, rollout)[2]
-    assert report["replay_followed"]["exact"] == [1.0] * 3
-    assert report["replay_followed"]["rows"] == [passes * routed] * 3
+    assert report.replay_followed.exact == [1.0] * 3
+    assert report.replay_followed.rows == [passes * routed] * 3
 
     def shifted(batch, *args, **kwargs):
         """Each token gets the route of the token before it (megatron's [seq, rows] order)."""
@@ -307,12 +307,12 @@ def test_replay_followed_checks_the_records_not_the_replay_ids(
 
     monkeypatch.setattr("trainer.rl.step.align_routes", shifted)
     off = _step(config, pg_collection, rollout)[2]
-    followed = off["replay_followed"]
+    followed = off.replay_followed
     print(
-        f"one token off: replay_followed {followed}, |d loss| {abs(off['loss'] - report['loss'])}"
+        f"one token off: replay_followed {followed}, |d loss| {abs(off.loss - report.loss)}"
     )
-    assert followed["rows"] == [passes * routed] * 3
-    assert max(followed["exact"]) < 0.5, followed
+    assert followed.rows == [passes * routed] * 3
+    assert max(followed.exact) < 0.5, followed
     # The layout tests' loss bound (tests/trainer/tolerance.py) catches the fault too:
     # mini-batches of 4 samples x 10 generated tokens, groups of 4.
-    assert abs(off["loss"] - report["loss"]) > loss_atol(40, 4, 512)
+    assert abs(off.loss - report.loss) > loss_atol(40, 4, 512)

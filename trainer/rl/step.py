@@ -50,8 +50,7 @@ import dataclasses
 import enum
 import itertools
 import time
-from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -65,6 +64,7 @@ from trainer.data.source import FetchedBatch
 from trainer.model.build import TrainerModel
 from trainer.model.replay import MASKED
 from trainer.parallel.dp import SINGLE, DataParallel
+from trainer.report.step_report import Gap, RouteBytes, Rows, StepReport, Times
 from trainer.reshard import (
     Layout,
     LayoutError,
@@ -73,7 +73,7 @@ from trainer.reshard import (
     padded_length,
     shard_padded,
 )
-from trainer.rl import metrics, objective
+from trainer.rl import measure, metrics, objective
 from trainer.rl.schedule import Schedule
 
 
@@ -98,6 +98,46 @@ PASSES = {
     ReplayMode.R3: Passes(Routing.ROLLOUT, Routing.ROLLOUT, Routing.NATURAL),
 }
 GAP_NAMES = {Routing.NATURAL: "natural", Routing.ROLLOUT: "replayed"}
+
+
+@dataclass
+class _Work:
+    """One step's state, handed from stage to stage of ``RLStep.run``."""
+
+    fetched: FetchedBatch
+    rewards: list[float] = field(default_factory=list)
+    minis: list[list[objective.MicroBatch]] = field(default_factory=list)
+    mbs: list[objective.MicroBatch] = field(default_factory=list)
+    rollout: list = field(default_factory=list)  # per micro-batch: (replay ids, replayed rows)
+    recorded: list = field(default_factory=list)  # R3: per micro-batch, the record routes
+    old: object = None  # the old-logprob pass's result
+    old_logp: list[torch.Tensor] = field(default_factory=list)
+    other_logp: list[torch.Tensor] | None = None
+    chosen: list = field(default_factory=list)
+    natural_routes: list = field(default_factory=list)
+    followed: np.ndarray | None = None
+    agree: np.ndarray | None = None
+    replayed: int = 0
+    losses: list[float] = field(default_factory=list)
+    clips: list[float] = field(default_factory=list)
+    drift: list[float] = field(default_factory=list)
+    aux_layers: list[float] | None = None
+    times: dict[str, float] = field(default_factory=dict)
+    _clock: float = field(default_factory=time.perf_counter)
+
+    @property
+    def samples(self):
+        return self.fetched.samples
+
+    @property
+    def batches(self):
+        return [mb.batch for mb in self.mbs]
+
+    def lap(self, name: str) -> None:
+        """Charge the time since the last lap to stage ``name``."""
+        now = time.perf_counter()
+        self.times[name] = self.times.get(name, 0.0) + now - self._clock
+        self._clock = now
 
 
 class RLStep:
@@ -261,66 +301,53 @@ class RLStep:
         )  # fmt: skip
         return [self._shard(mb.batch, i) for i in aligned.indices], int(aligned.replayed.sum())
 
-    # -- counts ----------------------------------------------------------------------------
-
-    def _counts(self, routes: dict, reference: dict[int, torch.Tensor], key: str) -> np.ndarray:
-        """int64 ``[moe layers, 3]``: per layer, rows whose ``key`` top-k set equals the
-        reference's, the experts both share summed over rows, and the rows compared (rows
-        ``MASKED`` in the reference skipped), over this rank's rows and routers."""
-        out = np.zeros((len(self.columns), 3), np.int64)
-        for layer, ref in reference.items():
-            got = routes[layer][key]
-            rows = ref[:, 0] >= 0
-            a, b = got[rows].sort(-1).values, ref[rows].sort(-1).values
-            shared = (a[:, :, None] == b[:, None, :]).any(-1).sum(-1)
-            out[self.columns[layer]] = (
-                int((a == b).all(-1).sum()),
-                int(shared.sum()),
-                int(rows.sum()),
-            )
-        return out
-
-    @staticmethod
-    def _world_sum(counts: np.ndarray) -> np.ndarray:
-        """Summed over every rank (each row and layer is counted by one rank)."""
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            total = torch.from_numpy(counts)
-            dist.all_reduce(total)
-            return total.numpy()
-        return counts
-
     def _by_layer(self, ids: list[torch.Tensor]) -> dict[int, torch.Tensor]:
         return {r.layer: i for r, i in zip(self.built.routers, ids, strict=True)}
 
+    def _counts(self, routes: dict, reference: dict[int, torch.Tensor], key: str) -> np.ndarray:
+        return measure.count_same(routes, reference, key, self.columns)
+
+    def _no_counts(self) -> np.ndarray:
+        return np.zeros((len(self.columns), 3), np.int64)
+
     # -- the step --------------------------------------------------------------------------
 
-    def run(self, fetched: FetchedBatch, step: int = 0) -> dict:
+    def run(self, fetched: FetchedBatch, step: int = 0) -> StepReport:
         """Train on one batch; returns the step's report (see ``docs/trainer.md``)."""
-        cfg, passes, dp = self.config.train, self.passes, self.dp
-        times: dict[str, float] = defaultdict(float)
-        clock = time.perf_counter()
+        work = _Work(fetched)
+        self._layout(work)
+        work.lap("align")
+        self._old_logprob_pass(work)
+        work.lap("old_logprob")
+        self._comparison_pass(work)
+        work.lap("compare")
+        self._update_epochs(work)
+        work.lap("update")
+        return self._report(work, step)
 
-        def lap(name: str) -> None:
-            nonlocal clock
-            now = time.perf_counter()
-            times[name] += now - clock
-            clock = now
+    def _layout(self, work: _Work) -> None:
+        """Rewards and advantages; this rank's mini- and micro-batches; the rollout's routes
+        as replay ids (replayed, or the routing agreement's reference) and, in R3, each router
+        row's record route (``replay_followed``'s reference, found from the model's inputs and
+        not from the replay ids, so a wrong alignment or cut shows)."""
+        cfg, dp = self.config.train, self.dp
+        work.rewards, adv = self._advantages(work.samples, cfg.mini_batch_size_or_micro // dp.size)
+        work.minis = self._micro_batches(work.samples, work.fetched.records, adv)
+        work.mbs = [mb for mini in work.minis for mb in mini]
+        work.rollout = [self._rollout_ids(mb) for mb in work.mbs]
+        if self.mode is ReplayMode.R3:
+            work.recorded = [self._recorded(mb) for mb in work.mbs]
+        work.followed = self._no_counts()
 
-        samples = fetched.samples
-        local_mini = cfg.mini_batch_size_or_micro // dp.size
-        rewards, adv = self._advantages(samples, local_mini)
-        minis = self._micro_batches(samples, fetched.records, adv)
-        mbs = [mb for mini in minis for mb in mini]
-        batches = [mb.batch for mb in mbs]
-        # The rollout's routes: replayed, or the reference of the routing agreement.
-        rollout = [self._rollout_ids(mb) for mb in mbs]
-        # replay_followed's reference: each router row's record route, found from the model's
-        # inputs (not from the replay ids above), so a wrong alignment or cut shows.
-        recorded = [self._recorded(mb) for mb in mbs] if self.mode is ReplayMode.R3 else []
-        lap("align")
+    def _old_logprob_pass(self, work: _Work) -> None:
+        """No gradients: the old log-probs, the sampled tokens' mass and entropy, what each
+        router chose on this rank's rows (R2's replay ids; the update agreement's reference in
+        disabled and R2)."""
+        mbs = work.mbs
+        if not mbs:
+            return
 
-        # Old-logprob pass.
-        def old_outputs(m, logits):
+        def outputs(m, logits):
             mb = mbs[m]
             return None, {
                 "logp": objective.token_logprobs(logits, mb.batch.token_ids),
@@ -328,131 +355,148 @@ class RLStep:
                 "entropy": objective.token_entropy(logits)[mb.generated],
             }
 
-        old = self._pass(batches, old_outputs, passes.old, rollout, None) if mbs else None
-        old_logp = [o["logp"] for o in old.outputs] if old else []
-        replayable = [self._replayable(b) for b in batches]
-        # What the routers chose on this rank's rows (R2's replay ids; the update agreement's
-        # reference in disabled and R2).
-        chosen = [
+        old = self._pass(work.batches, outputs, self.passes.old, work.rollout, None)
+        work.old = old
+        work.old_logp = [o["logp"] for o in old.outputs]
+        work.natural_routes = old.routes
+        replayable = [self._replayable(b) for b in work.batches]
+        work.chosen = [
             {layer: torch.where(ok[:, None], seen["natural"], MASKED) for layer, seen in mb.items()}
             for mb, ok in zip(old.routes, replayable, strict=True)
-        ] if old else []  # fmt: skip
-        followed = np.zeros((len(self.columns), 3), np.int64)
-        natural_routes = old.routes if old else []
-        if passes.old is Routing.ROLLOUT and old:
-            followed += self._followed(old, recorded)
-        lap("old_logprob")
+        ]  # fmt: skip
+        if self.passes.old is Routing.ROLLOUT:
+            work.followed += self._followed(old, work.recorded)
 
-        # Comparison pass: the other routing, same weights, same step.
-        other_logp = None
+    def _comparison_pass(self, work: _Work) -> None:
+        """No gradients, same weights: the other routing, so the step reports the gap to the
+        rollout with replay and without; then the routing agreement of the natural pass."""
+        mbs = work.mbs
         if self.compare and mbs:
             result = self._pass(
-                batches, lambda m, logits: (None, {"logp": objective.token_logprobs(
+                work.batches,
+                lambda m, logits: (None, {"logp": objective.token_logprobs(
                     logits, mbs[m].batch.token_ids)}),
-                passes.compare, rollout, None,
+                self.passes.compare, work.rollout, None,
             )  # fmt: skip
-            other_logp = [o["logp"] for o in result.outputs]
-            if passes.compare is Routing.NATURAL:
-                natural_routes = result.routes
-        lap("compare")
-
-        agree = np.zeros((len(self.columns), 3), np.int64)
-        for routes, (ids, _) in zip(natural_routes, rollout, strict=True):
+            work.other_logp = [o["logp"] for o in result.outputs]
+            if self.passes.compare is Routing.NATURAL:
+                work.natural_routes = result.routes
+        agree = self._no_counts()
+        for routes, (ids, _) in zip(work.natural_routes, work.rollout, strict=True):
             agree += self._counts(routes, self._by_layer(ids), "natural")
-        agree = self._world_sum(agree)
-        if passes.update is Routing.ROLLOUT:
-            update_ids = [self._by_layer(ids) for ids, _ in rollout]
-            replayed = sum(n for _, n in rollout)
-        else:  # every token but each sample's last has a route
-            update_ids = chosen
-            replayed = sum(int(b.lengths.sum()) - b.batch_size for b in batches)
-        if self.config.router_replay.record_file:
-            self.routes_used = self._routes_used(mbs, old.routes if old else [], old_logp)
+        work.agree = measure.world_sum(agree)
 
-        # Update passes: one optimizer step per mini-batch.
-        aux = _AuxLoss(self.built)
-        losses, clips, drift = [], [], []
+    def _update_epochs(self, work: _Work) -> None:
+        """``ppo_epochs`` passes over the mini-batches, one optimizer step per mini-batch, with
+        the update passes' routing; per epoch, how often the routers' natural choice was the
+        routes used (``update_agreement``)."""
+        cfg, dp, passes, mbs = self.config.train, self.dp, self.passes, work.mbs
+        if passes.update is Routing.ROLLOUT:
+            update_ids = [self._by_layer(ids) for ids, _ in work.rollout]
+            work.replayed = sum(n for _, n in work.rollout)
+        else:  # every token but each sample's last has a route
+            update_ids = work.chosen
+            work.replayed = sum(int(b.lengths.sum()) - b.batch_size for b in work.batches)
+        if self.config.router_replay.record_file:
+            routes = work.old.routes if work.old else []
+            self.routes_used = self._routes_used(mbs, routes, work.old_logp)
+        aux = measure.AuxLoss(self.built)
         replay_update = passes.update is not Routing.NATURAL
         # Each mini-batch's first micro-batch in ``mbs`` (old log-probs and ids are kept there).
-        starts = [0, *itertools.accumulate(len(mini) for mini in minis)][:-1]
+        starts = [0, *itertools.accumulate(len(mini) for mini in work.minis)][:-1]
         for _epoch in range(cfg.ppo_epochs):
-            counts = np.zeros((len(self.columns), 3), np.int64)
-            for mini, lo in zip(minis, starts, strict=True):
+            counts = self._no_counts()
+            for mini, lo in zip(work.minis, starts, strict=True):
                 self.optimizer.zero_grad()
                 tokens = int(dp.sum([sum(int(mb.generated.sum()) for mb in mini)])[0])
+                loss = clip = 0.0  # no samples here: zero gradients into the sums
                 if mini:
-                    result = self._update(mini, lo, old_logp, update_ids, replay_update, tokens)
-                    losses.append(sum(float(o["loss"]) for o in result.outputs))
-                    clips.append(sum(float(o["clip"]) for o in result.outputs))
+                    result = self._update(
+                        mini, lo, work.old_logp, update_ids, replay_update, tokens
+                    )
+                    loss = sum(float(o["loss"]) for o in result.outputs)
+                    clip = sum(float(o["clip"]) for o in result.outputs)
                     for m, routes in enumerate(result.routes):
                         counts += self._counts(routes, update_ids[lo + m], "natural")
                     if passes.update is Routing.ROLLOUT:
-                        followed += self._followed(result, recorded[lo : lo + len(mini)])
-                else:  # no samples here: zero gradients into the sums
-                    losses.append(0.0)
-                    clips.append(0.0)
+                        work.followed += self._followed(result, work.recorded[lo : lo + len(mini)])
+                work.losses.append(loss)
+                work.clips.append(clip)
                 dp.reduce_gradients(self.built.model)
                 self.optimizer.step()
-            drift.append(_same_fraction(self._world_sum(counts)))
-        lap("update")
-        aux_layers = aux.read(cfg.ppo_epochs * len(mbs), self.mp)
+            work.drift.append(measure.same_fraction(measure.world_sum(counts)))
+        work.aux_layers = aux.read(cfg.ppo_epochs * len(mbs), self.mp)
+        if not replay_update:
+            work.replayed = 0
+
+    def _report(self, work: _Work, step: int) -> StepReport:
+        """The step's figures, summed or maxed over every rank."""
+        dp, fetched, geometry = self.dp, work.fetched, self.built.geometry
+        losses, clips, aux_layers = work.losses, work.clips, work.aux_layers
         if dp.enabled:
             losses = dp.sum(losses).tolist()
             clips = dp.sum(clips).tolist()
             if aux_layers is not None:
                 aux_layers = (dp.sum(aux_layers) / dp.size).tolist()
-
-        masses = torch.cat([o["mass"] for o in old.outputs]) if old else torch.zeros(0)
-        entropy = torch.cat([o["entropy"] for o in old.outputs]) if old else torch.zeros(0)
-        totals = dp.sum([
-            sum(int(b.valid.sum()) for b in batches),
-            replayed if replay_update else 0,
-            float(masses.double().sum()), masses.numel(),
-            float(entropy.double().sum()),
-            len(samples), len(fetched.missing), len(fetched.dropped),
-            sum(r.num_rows * r.geometry.row_bytes for r in fetched.records if r is not None),
-        ]).tolist()  # fmt: skip
-        valid, replayed, mass_sum, mass_n, ent_sum, n_samples, missing, dropped, stored = totals
+        outputs = work.old.outputs if work.old else []
+        masses = torch.cat([o["mass"] for o in outputs]) if outputs else torch.zeros(0)
+        entropy = torch.cat([o["entropy"] for o in outputs]) if outputs else torch.zeros(0)
+        totals = measure.StepTotals(
+            valid_rows=sum(int(b.valid.sum()) for b in work.batches),
+            replayed_rows=work.replayed,
+            mass_sum=float(masses.double().sum()),
+            mass_tokens=masses.numel(),
+            entropy_sum=float(entropy.double().sum()),
+            samples=len(work.samples),
+            missing=len(fetched.missing),
+            dropped=len(fetched.dropped),
+            stored_route_bytes=sum(
+                r.num_rows * r.geometry.row_bytes for r in fetched.records if r is not None
+            ),
+        ).summed(dp)
         # Each rank counts what it read itself (one rank per TP/CP group with stage reads).
-        read = int(self._world_sum(np.array([fetched.route_bytes], np.int64))[0])
-        valid, replayed = int(valid), int(replayed)
-        time_s = {"fetch": fetched.fetch_s, "fetch_wait": fetched.wait_s, **times}
+        read = int(measure.world_sum(np.array([fetched.route_bytes], np.int64))[0])
+        valid, replayed, stored = (int(totals.valid_rows), int(totals.replayed_rows),
+                                   int(totals.stored_route_bytes))  # fmt: skip
+        time_s = {"fetch": fetched.fetch_s, "fetch_wait": fetched.wait_s, **work.times}
         if dp.enabled:  # the slowest rank's time (the step waits for it)
             time_s = {k: max(t[k] for t in dp.all_gather(time_s)) for k in time_s}
-        report = {
-            "gap": self._gaps(mbs, minis, old_logp, other_logp),
-            "agreement": self._agreement(agree),
-        }
-        if self.mode is ReplayMode.R3:
-            report["replay_followed"] = self._replay_followed(self._world_sum(followed))
-        report.update(
+        mass_n = totals.mass_tokens
+        layers = list(geometry.moe_layers)
+        return StepReport(
             step=step,
             mode=self.mode.value,
-            samples=int(n_samples),
-            reward_mean=float(np.mean(rewards)) if rewards else 0.0,
-            expected_reward=mass_sum / mass_n if mass_n else 0.0,
-            entropy=ent_sum / mass_n if mass_n else 0.0,
+            samples=int(totals.samples),
+            reward_mean=float(np.mean(work.rewards)) if work.rewards else 0.0,
+            expected_reward=totals.mass_sum / mass_n if mass_n else 0.0,
+            entropy=totals.entropy_sum / mass_n if mass_n else 0.0,
             loss=float(np.mean(losses)),
             clip_fraction=float(np.mean(clips)),
-            update_agreement=drift,
-            rows={
-                "valid": valid,
-                "replayed": replayed,
-                "replayed_fraction": replayed / max(valid, 1),
-                "masked_fraction": 1 - replayed / max(valid, 1) if replay_update else 0.0,
-            },
-            missing_records=int(missing),
+            update_agreement=work.drift,
+            rows=Rows(
+                valid=valid,
+                replayed=replayed,
+                replayed_fraction=replayed / max(valid, 1),
+                masked_fraction=(
+                    1 - replayed / max(valid, 1)
+                    if self.passes.update is not Routing.NATURAL
+                    else 0.0
+                ),
+            ),
+            missing_records=int(totals.missing),
+            dropped_samples=int(totals.dropped),
+            route_bytes=RouteBytes(read, stored, read / stored if stored else 0.0),
+            time_s=Times(**time_s),
+            gap=self._gaps(work.mbs, work.old_logp, work.other_logp),
+            agreement=measure.agreement(work.agree, layers, geometry.topk),
+            replay_followed=(
+                measure.replay_followed(measure.world_sum(work.followed), layers)
+                if self.mode is ReplayMode.R3
+                else None
+            ),
             aux_loss=float(np.mean(aux_layers)) if aux_layers else None,
             aux_loss_layers=aux_layers,
-            dropped_samples=int(dropped),
-            route_bytes={
-                "read": read,
-                "batch": int(stored),
-                "read_per_batch": read / stored if stored else 0.0,
-            },
-            time_s=time_s,
         )
-        return report
 
     def _pass(self, batches, last_stage, routing: Routing, rollout, chosen, **kwargs):
         replay = None
@@ -513,7 +557,7 @@ class RLStep:
         )
         return [item for _, item in keyed]
 
-    def _gaps(self, mbs, minis, old_logp, other_logp) -> dict:
+    def _gaps(self, mbs, old_logp, other_logp) -> dict[str, Gap]:
         """Gap to the rollout per routing, over every DP rank's generated tokens."""
         gap = {}
         for key, per_mb, routing in (
@@ -532,30 +576,8 @@ class RLStep:
             trainer = np.concatenate([p[0] for p in pairs]) if pairs else np.zeros(0)
             rollout = np.concatenate([p[1] for p in pairs]) if pairs else np.zeros(0)
             name = GAP_NAMES[Routing.NATURAL if routing is not Routing.ROLLOUT else routing]
-            gap[name] = metrics.logprob_gap(trainer, rollout).as_dict()
-            gap[name]["pass"] = key
+            gap[name] = Gap(**metrics.logprob_gap(trainer, rollout).as_dict(), pass_=key)
         return gap
-
-    def _agreement(self, totals: np.ndarray) -> dict:
-        k = self.built.geometry.topk
-        rows = int(totals[0, 2]) if totals.size else 0
-        return {
-            "layers": list(self.built.geometry.moe_layers),
-            "exact": [float(s / n) for s, _, n in totals] if rows else [],
-            "overlap": [float(o / (k * n)) for _, o, n in totals] if rows else [],
-            "rows": rows,
-        }
-
-    def _replay_followed(self, totals: np.ndarray) -> dict:
-        """Per MoE layer, the fraction of router rows with a recorded route whose experts, as
-        megatron's routing map sent them, are exactly the record's row for that token: over
-        every replayed pass (old log-probs, each update pass, each recompute in backward) and
-        every rank's rows; ``rows``: the rows compared, summed over those passes."""
-        return {
-            "layers": list(self.built.geometry.moe_layers),
-            "exact": [float(same / rows) if rows else 1.0 for same, _, rows in totals],
-            "rows": [int(rows) for rows in totals[:, 2]],
-        }
 
     def _routes_used(self, mbs, chosen_routes, old_logp) -> list[Record]:
         """The routes the update passes use, as layout-free records of every DP rank in the
@@ -626,46 +648,3 @@ class RLStep:
         turns = [Turn(s, e, g, v, lp[g:e].astype(np.float32)) for s, e, g, v in spans]
         return Record(sample.sample_id, self.built.geometry, sample.token_ids, routes, turns,
                       sample.group_id)  # fmt: skip
-
-
-def _same_fraction(counts: np.ndarray) -> float:
-    """Mean over layers with compared rows of the fraction whose natural top-k set was used."""
-    fractions = [same / rows for same, _, rows in counts if rows]
-    return float(np.mean(fractions)) if fractions else 1.0
-
-
-class _AuxLoss:
-    """Megatron's load-balancing aux loss of the update passes, per MoE layer.
-
-    Megatron's router adds ``aux_loss / coeff`` to its layer-wise tracker in every training
-    forward (``save_to_aux_losses_tracker``); the loss itself is computed from the router's
-    *natural* top-k (``compute_routing_scores_for_aux_loss``), never the replayed routes. The
-    tracker is cleared before the update passes and read after them (mean per forward); under
-    pipeline stages each stage holds its own layers' entries, summed over the stages.
-    """
-
-    NAME = "load_balancing_loss"
-
-    def __init__(self, built: TrainerModel):
-        self.layers = list(built.geometry.moe_layers)
-        routers = built.routers
-        self.enabled = bool(routers) and routers[0].router.is_aux_loss_enabled()
-        if self.enabled:
-            from megatron.core.transformer.moe import moe_utils
-
-            self.moe_utils = moe_utils
-            moe_utils.clear_aux_losses_tracker()
-
-    def read(self, forwards: int, mp=None) -> list[float] | None:
-        if not self.enabled:
-            return None
-        entry = self.moe_utils.get_moe_layer_wise_logging_tracker().get(self.NAME)
-        values = entry["values"].detach().cpu().clone().double() if entry is not None else None
-        if mp is not None and mp.pp_group is not None and mp.pp_group.size() > 1:
-            if values is None:
-                values = torch.zeros(max(self.layers) + 1, dtype=torch.float64)
-            dist.all_reduce(values, group=mp.pp_group)
-        if values is None:
-            return None
-        self.moe_utils.clear_aux_losses_tracker()
-        return [float(values[layer]) / max(forwards, 1) for layer in self.layers]

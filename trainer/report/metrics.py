@@ -12,6 +12,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 from routereplay.rpc.metrics import LATENCY_BUCKETS, MetricsEndpoint
+from trainer.report.step_report import StepReport
 
 NAMESPACE = "trainer"
 # A tiny model's step takes a second on a CPU; a large one's minutes.
@@ -51,20 +52,20 @@ class TrainerMetrics(MetricsEndpoint):
         self.loss = Gauge("loss", "Last step's PPO loss", **kw)
         self.reward = Gauge("reward_mean", "Last step's mean reward", **kw)
 
-    def observe(self, report: dict, step_s: float) -> None:
+    def observe(self, report: StepReport, step_s: float) -> None:
         """Count one step from its report and its wall time."""
         self.steps.inc()
         self.step_seconds.observe(step_s)
-        self.fetch_wait.observe(report["time_s"]["fetch_wait"])
-        agreement = report["agreement"]
-        for layer, value in zip(agreement["layers"], agreement["exact"], strict=False):
+        self.fetch_wait.observe(report.time_s.fetch_wait)
+        agreement = report.agreement
+        for layer, value in zip(agreement.layers, agreement.exact, strict=False):
             self.agreement.labels(str(layer)).set(value)
-        followed = report.get("replay_followed")
+        followed = report.replay_followed
         if followed is not None:
-            for layer, value in zip(followed["layers"], followed["exact"], strict=True):
+            for layer, value in zip(followed.layers, followed.exact, strict=True):
                 self.replay_followed.labels(str(layer)).set(value)
-        self.route_bytes_read.inc(report["route_bytes"]["read"])
-        self.route_bytes_batch.inc(report["route_bytes"]["batch"])
-        self.last_step.set(report["step"])
-        self.loss.set(report["loss"])
-        self.reward.set(report["reward_mean"])
+        self.route_bytes_read.inc(report.route_bytes.read)
+        self.route_bytes_batch.inc(report.route_bytes.batch)
+        self.last_step.set(report.step)
+        self.loss.set(report.loss)
+        self.reward.set(report.reward_mean)

@@ -15,36 +15,34 @@ them with ``torch.utils.tensorboard.SummaryWriter`` at the step number. Tags:
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
+from trainer.report.step_report import StepReport
 
-def scalars(report: dict) -> dict[str, float]:
+
+def scalars(report: StepReport) -> dict[str, float]:
     """One step's report as ``{tag: value}``."""
     out: dict[str, float] = {}
-    agreement = report.get("agreement", {})
-    for kind in ("exact", "overlap"):
-        for layer, value in zip(agreement.get("layers", []), agreement.get(kind, []), strict=False):
+    agreement = report.agreement
+    for kind, values in (("exact", agreement.exact), ("overlap", agreement.overlap)):
+        for layer, value in zip(agreement.layers, values, strict=False):
             out[f"agreement/{kind}/layer_{layer}"] = value
-    for name, gap in report.get("gap", {}).items():
+    for name, gap in report.gap.items():
         for key in ("mean_abs", "max_abs", "k3_kl", "ratio_gt_2"):
-            out[f"gap/{name}/{key}"] = gap[key]
-    for epoch, value in enumerate(report.get("update_agreement", [])):
+            out[f"gap/{name}/{key}"] = getattr(gap, key)
+    for epoch, value in enumerate(report.update_agreement):
         out[f"update_agreement/epoch_{epoch}"] = value
-    simple = {
-        "reward/mean": "reward_mean",
-        "reward/expected": "expected_reward",
-        "loss": "loss",
-        "clip_fraction": "clip_fraction",
-        "aux_loss": "aux_loss",
-        "missing_records": "missing_records",
-    }
-    for tag, key in simple.items():
-        if report.get(key) is not None:
-            out[tag] = report[key]
-    for key in ("replayed_fraction", "masked_fraction"):
-        if key in report.get("rows", {}):
-            out[f"rows/{key}"] = report["rows"][key]
-    for key, value in report.get("time_s", {}).items():
+    out["reward/mean"] = report.reward_mean
+    out["reward/expected"] = report.expected_reward
+    out["loss"] = report.loss
+    out["clip_fraction"] = report.clip_fraction
+    if report.aux_loss is not None:
+        out["aux_loss"] = report.aux_loss
+    out["missing_records"] = report.missing_records
+    out["rows/replayed_fraction"] = report.rows.replayed_fraction
+    out["rows/masked_fraction"] = report.rows.masked_fraction
+    for key, value in asdict(report.time_s).items():
         out[f"time/{key}"] = value
     return {tag: float(v) for tag, v in out.items()}
 
@@ -57,8 +55,8 @@ class ReportWriter:
 
         self.writer = SummaryWriter(log_dir=str(log_dir))
 
-    def write(self, report: dict) -> None:
-        step = int(report["step"])
+    def write(self, report: StepReport) -> None:
+        step = report.step
         for tag, value in scalars(report).items():
             self.writer.add_scalar(tag, value, step)
         self.writer.flush()
