@@ -96,6 +96,11 @@ class Family:
         refuse: Raises ``UnsupportedConfig`` for a setting of this family that megatron would
             compute differently (after the checks every family shares).
         partial_rotary: Whether ``partial_rotary_factor`` is mapped (``rotary_percent``).
+        rope_scaling: Whether the family maps YaRN rope scaling (its ``megatron_fields`` read
+            ``rope_parameters``); other families refuse any rope scaling.
+        mtp_layers: Whether the checkpoint's multi-token-prediction layers
+            (``num_nextn_predict_layers``, stored as ``model.layers.{num_hidden_layers + i}``)
+            can be left out of the trainer's model (see ``trainer/model/hf_config.py``).
     """
 
     model_type: str
@@ -106,6 +111,24 @@ class Family:
     tiny_size: MoESize = TINY_SIZE
     refuse: Callable[[dict[str, Any]], None] = _no_refusal
     partial_rotary: bool = False
+    rope_scaling: bool = False
+    mtp_layers: bool = False
+
+
+def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
+    """The rope settings of a ``config.json`` in transformers 5's terms (``rope_parameters``:
+    ``rope_type``, ``rope_theta``, scaling keys), also from a transformers 4 config
+    (top-level ``rope_theta`` and a ``rope_scaling`` dict whose ``type`` names the kind, as
+    DeepSeek-V3's and Kimi-K2's own ``config.json`` have them)."""
+    params = dict(config.get("rope_parameters") or {})
+    legacy = dict(config.get("rope_scaling") or {})
+    if "type" in legacy:
+        legacy.setdefault("rope_type", legacy.pop("type"))
+    params = {**legacy, **params}
+    if params.get("rope_theta") is None and config.get("rope_theta") is not None:
+        params["rope_theta"] = config["rope_theta"]
+    params.setdefault("rope_type", "default")
+    return params
 
 
 def tiny_common(size: MoESize, token_ids: dict[str, int]) -> dict[str, Any]:

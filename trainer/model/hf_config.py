@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from routereplay.domain.model_geometry import geometry_from_config
 from routereplay.domain.record import Geometry
 from routereplay.families import Family, family_of
-from routereplay.families.base import UnsupportedConfig
+from routereplay.families.base import UnsupportedConfig, rope_parameters
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -43,17 +43,22 @@ def num_experts(config: dict[str, Any]) -> int:
 
 
 def rope_theta(config: dict[str, Any]) -> float:
-    # transformers 5.x moved rope_theta (and partial_rotary_factor) into rope_parameters.
-    params = config.get("rope_parameters") or {}
+    """The rotary base, from ``rope_parameters`` (transformers 5) or the top level (4.x)."""
+    theta = rope_parameters(config).get("rope_theta")
+    if theta is None:
+        raise UnsupportedConfig("config.json lacks rope_theta")
+    return float(theta)
+
+
+def _refuse_rope_scaling(config: dict[str, Any]) -> None:
+    """Families without ``rope_scaling``: plain rope only (and a partial rotary factor)."""
+    params = rope_parameters(config)
     unknown = set(params) - {"rope_type", "rope_theta", "partial_rotary_factor"}
+    rope_type = params["rope_type"]
+    if rope_type != "default":
+        raise UnsupportedConfig(f"rope scaling {rope_type!r} is not mapped to megatron yet")
     if unknown:
         raise UnsupportedConfig(f"rope_parameters keys {sorted(unknown)} are not mapped")
-    rope_type = params.get("rope_type", "default")
-    if rope_type != "default" or config.get("rope_scaling"):
-        raise UnsupportedConfig(f"rope scaling {rope_type!r} is not mapped to megatron yet")
-    if params.get("rope_theta") is not None:
-        return float(params["rope_theta"])
-    return float(_get(config, "rope_theta"))
 
 
 def model_geometry(config: dict[str, Any], model_id: str = "") -> Geometry:
@@ -93,15 +98,23 @@ def check_supported(config: dict[str, Any]) -> Family:
         raise UnsupportedConfig(f"hidden_act {config['hidden_act']!r}; only silu is mapped")
     if config.get("router_jitter_noise"):
         raise UnsupportedConfig("router_jitter_noise: the engines route without jitter")
-    if config.get("num_nextn_predict_layers"):
+    if mtp_layers(config) and not family.mtp_layers:
         raise UnsupportedConfig(
             "num_nextn_predict_layers: multi-token-prediction layers are not mapped to megatron"
         )
-    rope_theta(config)  # refuses rope scaling and unknown rope parameters
+    rope_theta(config)
+    if not family.rope_scaling:
+        _refuse_rope_scaling(config)
     if not family.partial_rotary and _partial_rotary(config) != 1.0:
         raise UnsupportedConfig(f"partial_rotary_factor is not mapped for {family.model_type}")
     family.refuse(config)
     return family
+
+
+def mtp_layers(config: dict[str, Any]) -> int:
+    """The checkpoint's multi-token-prediction layers (``model.layers.{num_hidden_layers + i}``),
+    which the trainer's model leaves out (``build.megatron_config``)."""
+    return int(config.get("num_nextn_predict_layers") or 0)
 
 
 @dataclass(frozen=True)
@@ -151,9 +164,11 @@ def transformer_config(
         **overrides: Further ``TransformerConfig`` fields (parallel sizes, recompute, aux loss).
 
     Returns:
-        A ``megatron.core.transformer.TransformerConfig``.
+        A ``megatron.core.transformer.TransformerConfig`` (its ``MLATransformerConfig``
+        subclass for latent attention).
     """
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     check_supported(config)
     heads = int(config["num_attention_heads"])
@@ -192,6 +207,8 @@ def transformer_config(
     )
     fields.update(family_fields(config))
     fields.update(overrides)
+    if fields.get("multi_latent_attention"):
+        return MLATransformerConfig(**fields)
     return TransformerConfig(**fields)
 
 
