@@ -52,8 +52,9 @@ def _refuse(config: dict[str, Any]) -> None:
 
 
 def tiny_config(size: MoESize, token_ids: dict[str, int]):
-    """No ``q_lora_rank``; 16 experts in 8 groups of 2, 4 groups kept, top-4 (one expert per
-    kept group at most matters to the group rank), scaling 1.5, YaRN."""
+    """No ``q_lora_rank``; 16 experts in 8 groups of 2, 3 groups kept, top-4 (megatron ranks
+    groups by their top 4 // 3 = 1 scores, as transformers and vLLM; with as many groups kept
+    as experts chosen the limit would never change a choice), scaling 1.5, YaRN."""
     import transformers
 
     return transformers.DeepseekV2Config(
@@ -61,7 +62,7 @@ def tiny_config(size: MoESize, token_ids: dict[str, int]):
         q_lora_rank=None,
         topk_method="group_limited_greedy",
         n_group=2 * size.num_experts_per_tok,
-        topk_group=size.num_experts_per_tok,
+        topk_group=size.num_experts_per_tok - 1,
         routed_scaling_factor=1.5,
         norm_topk_prob=False,
     )
