@@ -185,6 +185,14 @@ def test_mtp_layers_are_refused_unless_dropped(family_model_dir, pg_collection):
         )  # fmt: skip
 
 
+def test_tensor_parallelism_is_refused(family_model_dir, pg_collection):
+    with pytest.raises(UnsupportedConfig, match="tensor parallelism with multi-head latent"):
+        build_model(
+            family_model_dir("deepseek_v2"), routing_replay=True, pg_collection=pg_collection,
+            tensor_model_parallel_size=2,
+        )  # fmt: skip
+
+
 def test_export_carries_the_mtp_layer_over(family_model_dir, pg_collection, tmp_path):
     from trainer.model.export import export_hf
 

@@ -158,6 +158,18 @@ def megatron_config(
         last=settings.get("num_layers_in_last_pipeline_stage"),
     ).chunk_sizes()
     config = transformer_config(hf_config, routing_replay=routing_replay, **settings)
+    if getattr(config, "multi_latent_attention", False) and config.tensor_model_parallel_size > 1:
+        # The local spec's latent down projections are column-parallel: each rank gathers the
+        # shared rotary key, uses it for its own heads, and the gather's backward keeps this
+        # rank's columns only, so the rotary key's gradient lacks the other ranks' heads
+        # (measured under TP2 + SP: the step's loss 3e-5 off one rank's, natural routing
+        # after the update different on 1 row of 84). Experts, pipeline and data parallelism
+        # are unaffected.
+        raise UnsupportedConfig(
+            "tensor parallelism with multi-head latent attention: megatron-core 0.16.1's local "
+            "MLA loses the shared rotary key's gradient from the other ranks' heads; use "
+            "parallel.tp=1 (EP, PP and DP are fine)"
+        )
     if routing_replay:
         check_replay_config(config)
     return hf_config, config
