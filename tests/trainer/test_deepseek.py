@@ -185,8 +185,8 @@ def test_mtp_layers_are_refused_unless_dropped(family_model_dir, pg_collection):
         )  # fmt: skip
 
 
-def test_tensor_parallelism_is_refused(family_model_dir, pg_collection):
-    with pytest.raises(UnsupportedConfig, match="tensor parallelism with multi-head latent"):
+def test_tensor_parallelism_without_sp_is_refused(family_model_dir, pg_collection):
+    with pytest.raises(UnsupportedConfig, match="needs sequence parallelism"):
         build_model(
             family_model_dir("deepseek_v2"), routing_replay=True, pg_collection=pg_collection,
             tensor_model_parallel_size=2,

@@ -7,8 +7,6 @@ shards gathered) equal to one rank's within ``WEIGHT_ATOL`` / ``WEIGHT_MEAN_ATOL
 each rank holds half of the attention heads, the dense and shared-expert MLPs, and (SP) half
 of the tokens: a router sees only its rank's tokens, so GLM-4.5's expert-bias counts must be
 summed over the TP group to move the bias as one rank does (the export carries the bias).
-The latent-attention families (DeepSeek-V2/V3) refuse tensor parallelism (docs/trainer.md) and
-run the same checks under EP2 (2 ranks: experts split, data parallel over both).
 """
 
 from __future__ import annotations
@@ -32,9 +30,6 @@ pytestmark = pytest.mark.slow
 
 TP2SP_EP2 = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2",
              "parallel.etp=1"]  # fmt: skip
-# Latent attention refuses tensor parallelism (docs/trainer.md): its families run EP2 x DP2.
-EP2 = ["parallel.ep=2"]
-MLA_FAMILIES = ("deepseek_v3", "deepseek_v2")
 
 
 def _against_one_rank(model_dir, prompt_lengths, tmp_path, layout, nproc):
@@ -63,8 +58,7 @@ def test_tp2sp_ep2_trains_like_one_rank(family, family_model_dir, tmp_path):
     # Even sample lengths (6 + 8, 8 + 8): both layouts pad every micro-batch alike, so the export
     # is compared whole (with odd lengths Qwen2-MoE's weights drift by a mean of 1.03e-7, past
     # the 1e-7 tolerance, with or without the padding mask). Padding differently: below.
-    layout = EP2 if family in MLA_FAMILIES else TP2SP_EP2
-    proc, want, got = _against_one_rank(model_dir, [6, 8], tmp_path, layout, nproc=2)
+    proc, want, got = _against_one_rank(model_dir, [6, 8], tmp_path, TP2SP_EP2, nproc=2)
     assert proc.stdout.count("step 1 [R3]") == 1, proc.stdout[-3000:]  # one rank logs
     assert len(got) == len(want) == 2
     for ref, step in zip(want, got, strict=True):

@@ -158,17 +158,16 @@ def megatron_config(
         last=settings.get("num_layers_in_last_pipeline_stage"),
     ).chunk_sizes()
     config = transformer_config(hf_config, routing_replay=routing_replay, **settings)
-    if getattr(config, "multi_latent_attention", False) and config.tensor_model_parallel_size > 1:
-        # The local spec's latent down projections are column-parallel: each rank gathers the
-        # shared rotary key, uses it for its own heads, and the gather's backward keeps this
-        # rank's columns only, so the rotary key's gradient lacks the other ranks' heads
-        # (measured under TP2 + SP: the step's loss 3e-5 off one rank's, natural routing
-        # after the update different on 1 row of 84). Experts, pipeline and data parallelism
-        # are unaffected.
+    if (
+        getattr(config, "multi_latent_attention", False)
+        and config.tensor_model_parallel_size > 1
+        and not config.sequence_parallel
+    ):
+        # mla_compat.fix_tensor_parallel corrects megatron's latent attention under TP with
+        # sequence parallelism only.
         raise UnsupportedConfig(
-            "tensor parallelism with multi-head latent attention: megatron-core 0.16.1's local "
-            "MLA loses the shared rotary key's gradient from the other ranks' heads; use "
-            "parallel.tp=1 (EP, PP and DP are fine)"
+            "tensor parallelism with multi-head latent attention needs sequence parallelism "
+            "(parallel.sequence_parallel=true)"
         )
     if routing_replay:
         check_replay_config(config)
@@ -252,6 +251,7 @@ def build_model(
             **stage,
             **gpt_model_args(hf_config).as_kwargs(),
         )
+        mla_compat.fix_tensor_parallel(model)
         if full is not None:
             load_checkpoint(model, full)
         routers = moe_routers(model)

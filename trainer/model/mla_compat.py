@@ -21,6 +21,22 @@ TransformerEngine; each failed the build without its fix (docs/trainer.md has th
    is, and nothing changes). The local spec's projections are ``ColumnParallelLinear``, which
    the module's own non-TE branch handles.
 
+Under tensor parallelism one more, a megatron bug that is not about TransformerEngine:
+
+3. ``MLASelfAttention.get_query_key_value_tensors``: the local spec's ``linear_kv_down_proj``
+   is column-parallel, so MLA gathers its output columns
+   (``gather_from_tensor_model_parallel_region``) and takes the shared rotary key from them.
+   Every rank uses that key for its own heads, but the gather's backward keeps each rank's own
+   columns of the gradient: the rotary key's gradient (and through it the down projection's
+   and the hidden states') lacks the other ranks' heads. Measured under TP2 + SP x EP2 against one
+   rank (tests/trainer/test_family_layouts.py): the first RL step's loss 3.2e-5 off, natural
+   routing after the update different on 1 row of 84; with the fix, equal as for the other
+   families. TransformerEngine's spec replicates that projection instead, and MLA's branch for a
+   full-width output gathers the rotary key from the sequence shards, whose backward sums the
+   ranks' gradients. ``fix_tensor_parallel(model)`` makes the local projection take that
+   branch: a forward hook gathers its output columns and scatters the sequence back to this
+   rank's shard (requires sequence parallelism, which the trainer's TP layouts turn on).
+
 DeepSeek's ``q_a_layernorm`` / ``kv_a_layernorm`` are the spec's ``q_layernorm`` /
 ``kv_layernorm``, RMSNorms when the config sets ``qk_layernorm`` (the family fields do); the
 rotary layout needs no fix: megatron's MLA rope de-interleaves DeepSeek's pairs as
@@ -61,6 +77,40 @@ def apply() -> None:
         mla.HAVE_TE = False
         mla.TELinear = None
     _APPLIED = True
+
+
+def _full_width_on_sequence_shard(module, args, output):
+    """Forward hook of a column-parallel ``linear_kv_down_proj`` under sequence parallelism:
+    ``[s, b, width / tp]`` -> ``[s / tp, b, width]`` (fix 3)."""
+    from megatron.core.tensor_parallel.mappings import (
+        gather_from_tensor_model_parallel_region,
+        scatter_to_sequence_parallel_region,
+    )
+
+    out, bias = output
+    out = gather_from_tensor_model_parallel_region(out, group=module.tp_group)
+    return scatter_to_sequence_parallel_region(out, group=module.tp_group), bias
+
+
+def fix_tensor_parallel(model) -> None:
+    """Fix 3 above on every latent-attention layer of ``model`` (a no-op at TP 1).
+
+    Raises:
+        ValueError: Tensor parallelism without sequence parallelism (not fixed here).
+    """
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    config = model.config
+    if config.tensor_model_parallel_size == 1:
+        return
+    for module in model.modules():
+        if isinstance(module, MLASelfAttention):
+            if not config.sequence_parallel:
+                raise ValueError(
+                    "tensor parallelism with multi-head latent attention needs sequence "
+                    "parallelism (parallel.sequence_parallel=true)"
+                )
+            module.linear_kv_down_proj.register_forward_hook(_full_width_on_sequence_shard)
 
 
 def decoder_block_spec(config, **kwargs: Any):
