@@ -20,6 +20,10 @@ Each benchmark compares against a baseline measured in the same run, on the same
   a real route cache with prefetch on and off.
 - ``reshard``: one rank's share of a batch's routes for several parallel layouts against a
   plain copy of the same bytes.
+- ``faults``: the fault run: writers and feed consumers while route cache replicas, Redis
+  masters, a consumer and the network fail on a schedule; a checker's verdict on the history
+  (no acknowledged record lost, every published sample trained once), write availability,
+  latency outside and during each fault, recovery per fault (``docs/reliability.md``).
 - ``pipeline``: one RL batch end to end (rollout server, route cache, a trainer rank's fetch
   and reshard), time per stage and the share spent moving routes, against the same engine
   behind a server that stores nothing (interleaved) and the engine alone with capture off.
@@ -91,6 +95,11 @@ BENCHMARKS = (
     Benchmark(
         "load", "bench_load.py", ("--quick",),
         "concurrent writers and batch readers: latencies, errors, records lost",
+    ),
+    Benchmark(
+        "faults", "bench_faults.py", ("--quick",),
+        "load under faults (replica, master, node, consumer, network): checker verdict, "
+        "availability, latency, recovery",
     ),
     Benchmark(
         "pipeline", "bench_pipeline.py", ("--quick",),

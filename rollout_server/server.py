@@ -12,19 +12,27 @@ from rollout_server.config import Config
 from rollout_server.engine import Engine
 from rollout_server.rollout import Rollout, RolloutLimits
 from rollout_server.writer import RecordWriter
-from routereplay.domain.rollout import SampleRequest
+from routereplay.domain.rollout import SampleRequest, ServerStatus, WeightsUpdate
 from routereplay.rpc.client import AsyncRouteCacheClient
-from routereplay.rpc.grpc_server import make_aio_server, set_serving_aio
+from routereplay.rpc.grpc_server import LIVENESS, make_aio_server, set_serving_aio
 from routereplay.rpc.metrics import ServiceMetrics
-from routereplay.rpc.rollout_wire import event_to_pb, prompt_from_pb, sampling_from_pb
+from routereplay.rpc.rollout_wire import (
+    event_to_pb,
+    prompt_from_pb,
+    sampling_from_pb,
+    status_to_pb,
+    weights_update_to_pb,
+)
 from routereplay.rpc.security import add_port
-from routereplay.rpc.wire import geometry_to_pb
 from routereplay.v1 import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "rollout_server"
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name
+# How often the server checks that its engine lives (a dict lookup: vLLM notices a dead engine
+# process at once; this bounds how long health says otherwise).
+ENGINE_CHECK_S = 0.5
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
@@ -75,15 +83,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         version, drain_s, load_s = await self.rollout.update_weights(
             request.path, request.policy_version
         )
-        return rollout_pb2.UpdateWeightsResponse(
-            policy_version=version, drain_seconds=drain_s, load_seconds=load_s
-        )
+        return weights_update_to_pb(WeightsUpdate(version, drain_s, load_s))
 
     async def GetStatus(self, request, context):
         rollout = self.rollout
         counters = {**rollout.counters, **rollout.writer.counters}
-        return rollout_pb2.ServerStatus(
-            geometry=geometry_to_pb(rollout.engine.geometry),
+        status = ServerStatus(
+            geometry=rollout.engine.geometry,
             policy_version=rollout.policy_version,
             max_model_len=rollout.engine.max_model_len,
             running=rollout.num_running,
@@ -91,6 +97,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             max_pending_writes=rollout.writer.max_pending,
             counters=counters,
         )
+        return status_to_pb(status)
 
 
 class _RolloutCollector:
@@ -133,6 +140,11 @@ class RolloutServer:
     Runs on the event loop the engine is bound to. The route cache client is created here
     (on this loop) from ``config.route_cache`` and ``config.route_cache_security``.
 
+    If the engine dies, every health name turns NOT_SERVING, liveness included, and ``wait``
+    returns as on SIGTERM (``engine_died`` set): the process stops gracefully (pending record
+    writes still land) and exits with an error, so the pod or container is restarted. A dead
+    engine never comes back in the same process.
+
     Args:
         config: The server's settings.
         engine: A started engine (the caller owns it and shuts it down).
@@ -147,6 +159,9 @@ class RolloutServer:
         self._server = None
         self._health = None
         self.metrics: ServiceMetrics | None = None
+        self.engine_died = False
+        self._stopping: asyncio.Event | None = None
+        self._engine_watch: asyncio.Task | None = None
 
     async def start(self) -> RolloutServer:
         config = self.config
@@ -170,8 +185,10 @@ class RolloutServer:
         rollout_pb2_grpc.add_RolloutServicer_to_server(RolloutServicer(self.rollout), self._server)
         self.port = add_port(self._server, f"{config.host}:{config.port}", config.security)
         writer.start()
+        self._stopping = asyncio.Event()
         await self._server.start()
         await set_serving_aio(self._health, [SERVICE_NAME], True)
+        self._engine_watch = asyncio.create_task(self._watch_engine(), name="engine-watch")
         self.metrics.serve(config.metrics)
         log.info("rollout server listening on %s:%d", config.host, self.port)
         return self
@@ -181,6 +198,7 @@ class RolloutServer:
         grace = self.config.grace_s if grace_s is None else grace_s
         if self._server is None:
             return
+        self._engine_watch.cancel()
         await set_serving_aio(self._health, [SERVICE_NAME], False)
         await self._server.stop(grace)
         await self.rollout.writer.stop(grace)
@@ -189,11 +207,18 @@ class RolloutServer:
         self._server = None
 
     async def wait(self) -> None:
-        """Serve until SIGTERM or SIGINT, then stop gracefully."""
-        stopping = asyncio.Event()
+        """Serve until SIGTERM or SIGINT, or the engine dies; then stop gracefully."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stopping.set)
-        await stopping.wait()
+            loop.add_signal_handler(sig, self._stopping.set)
+        await self._stopping.wait()
         log.info("stopping: finishing in-flight calls (grace %.0f s)", self.config.grace_s)
         await self.stop()
+
+    async def _watch_engine(self) -> None:
+        while self.engine.alive:
+            await asyncio.sleep(ENGINE_CHECK_S)
+        self.engine_died = True
+        log.error("the generation engine died: every health name NOT_SERVING; stopping")
+        await set_serving_aio(self._health, [SERVICE_NAME, LIVENESS], False)
+        self._stopping.set()

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 from routereplay.domain.model_geometry import MoEGeometry, load_geometry
@@ -59,12 +60,41 @@ class PolicyGate:
                 self._cond.notify_all()
 
 
-def check_checkpoint(path: str, served: MoEGeometry) -> Path:
+# config.json keys a checkpoint of the served model may change: what wrote it (the trainer's
+# transformers version, its source path) and the dtype its weights were saved in (the engine
+# computes in the dtype it started with and casts the weights it loads). Any other key is
+# architecture or numerics (rope_theta, norm eps, router settings) that a reload would ignore:
+# the engine was built from the served config and only weights are reloaded.
+CONFIG_KEYS_FREE_TO_DIFFER = frozenset(
+    {"transformers_version", "_name_or_path", "_commit_hash", "dtype", "torch_dtype"}
+)
+
+
+def config_differences(new: Mapping, served: Mapping, prefix: str = "") -> list[str]:
+    """The ``config.json`` keys whose values differ (present in one only included), nested
+    keys dotted (``rope_parameters.rope_theta``), sorted; ``CONFIG_KEYS_FREE_TO_DIFFER`` are
+    left out at the top level."""
+    keys = new.keys() | served.keys()
+    if not prefix:
+        keys -= CONFIG_KEYS_FREE_TO_DIFFER
+    missing = object()
+    differing = []
+    for key in keys:
+        a, b = new.get(key, missing), served.get(key, missing)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            differing += config_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            differing.append(f"{prefix}{key}")
+    return sorted(differing)
+
+
+def check_checkpoint(path: str, served: MoEGeometry, served_config: Mapping) -> Path:
     """Refuse a checkpoint the running engine cannot load in place.
 
     Args:
         path: Checkpoint folder as the server sees it.
         served: The served model's geometry.
+        served_config: The served model's ``config.json``.
 
     Returns:
         The folder.
@@ -72,7 +102,8 @@ def check_checkpoint(path: str, served: MoEGeometry) -> Path:
     Raises:
         InvalidArgument: Empty path, or no ``config.json`` / safetensors files.
         NotFound: No such folder.
-        FailedPrecondition: Another MoE geometry (layers, top-k, experts, depth).
+        FailedPrecondition: Another MoE geometry (layers, top-k, experts, depth), or another
+            ``config.json`` (see ``config_differences``): the message names the keys.
     """
     if not path:
         raise InvalidArgument("path is empty")
@@ -89,5 +120,13 @@ def check_checkpoint(path: str, served: MoEGeometry) -> Path:
         raise FailedPrecondition(
             f"path {path!r} has another MoE geometry ({new}) than the served model ({served}); "
             "a live update needs the same architecture"
+        )
+    differing = config_differences(json.loads((folder / "config.json").read_text()), served_config)
+    if differing:
+        raise FailedPrecondition(
+            f"path {path!r}: config.json differs from the served model's in "
+            f"{', '.join(differing)}; a live update reloads weights only, so the engine would "
+            "go on computing with the served configuration. Serve a changed configuration by "
+            "restarting the rollout server on the new checkpoint"
         )
     return folder

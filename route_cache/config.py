@@ -77,6 +77,9 @@ class Config:
     ready_maxlen: int = flag(100_000, "entries the ready stream keeps, about (0: all)")
     ready_max_block_ms: int = flag(10_000, "longest wait for new entries a ReadReady may ask for")
     health_interval_s: float = flag(1.0, "seconds between Redis health probes")
+    health_timeout_s: float = flag(
+        1.0, "seconds Redis may take to answer a health probe before readiness turns NOT_SERVING"
+    )
     limits: ServerLimits = field(default_factory=ServerLimits)
     redis: RedisSecurity = field(default_factory=RedisSecurity, metadata={"flag_prefix": "redis_"})
     security: ServerSecurity = field(default_factory=ServerSecurity)

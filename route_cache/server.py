@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
+from concurrent import futures
 
 import grpc
 from google.protobuf.message_factory import GetMessageClass
@@ -87,7 +88,10 @@ class RouteCacheServicer(route_cache_pb2_grpc.RouteCacheServicer):
             num_tokens=stat.num_tokens,
             num_rows=record.num_rows,
             turns=[turn_to_pb(t, with_logprobs=False) for t in record.turns],
-            blocks=[block_to_pb(b.routes, b.row_start, record.geometry) for b in record.blocks],
+            blocks=[
+                block_to_pb(b.routes, b.row_start, record.geometry, sizes)
+                for b, sizes in zip(record.blocks, stat.block_sizes, strict=True)
+            ],
             stored_bytes=stat.stored_bytes,
             ttl_ms=stat.ttl_ms,
         )
@@ -226,16 +230,75 @@ def _add_servicer(servicer: RouteCacheServicer, server) -> None:
     server.add_registered_method_handlers(service.full_name, handlers)
 
 
-def _watch_redis(store: RouteStore, health_servicer, interval_s: float, stop: threading.Event):
-    """Health follows Redis: NOT_SERVING while it is unreachable."""
-    serving = None
-    while not stop.is_set():
-        ok = store.ping()
-        if ok != serving:
-            log.info("redis %s", "reachable: SERVING" if ok else "unreachable: NOT_SERVING")
-            set_serving(health_servicer, [SERVICE_NAME], ok)
-            serving = ok
-        stop.wait(interval_s)
+class RedisHealth:
+    """Readiness follows Redis: NOT_SERVING while it cannot be reached, or takes longer than
+    ``timeout_s`` to answer a ping (a hung server accepts connections and answers nothing, so
+    the ping would block for the client's whole socket time-out).
+
+    The ping runs on a thread of its own; a hung one is waited for again at the next probe,
+    never started twice. Any error of the ping counts as unreachable and is logged: the thread
+    that owns readiness must not die, or readiness would stay as it was for good."""
+
+    def __init__(self, store: RouteStore, health_servicer, interval_s: float, timeout_s: float):
+        self.store = store
+        self.health = health_servicer
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.serving: bool | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # no status set after stop()
+        self._ping: futures.Future | None = None
+
+    def start(self) -> None:
+        """Probe once now (the first status), then every ``interval_s`` on a thread."""
+        self._set(self.probe())
+        threading.Thread(target=self._run, name="redis-health", daemon=True).start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop.set()
+
+    def probe(self) -> bool:
+        """One probe: True when Redis answered a ping within ``timeout_s``."""
+        if self._ping is None or self._ping.done():
+            self._ping = _in_daemon_thread(self.store.ping)
+        try:
+            return bool(self._ping.result(timeout=self.timeout_s))
+        except futures.TimeoutError:
+            return False
+        except Exception:  # noqa: BLE001 - any failure of the probe means not ready
+            log.exception("redis health probe failed")
+            return False
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._set(self.probe())
+            except Exception:  # noqa: BLE001 - readiness must keep following Redis
+                log.exception("redis health tracking failed; retrying")
+            self._stop.wait(self.interval_s)
+
+    def _set(self, ok: bool) -> None:
+        with self._lock:
+            if ok != self.serving and not self._stop.is_set():
+                log.info("redis %s", "reachable: SERVING" if ok else "unreachable: NOT_SERVING")
+                set_serving(self.health, [SERVICE_NAME], ok)
+                self.serving = ok
+
+
+def _in_daemon_thread(fn) -> futures.Future:
+    """``fn()`` on a new daemon thread (a ping hung on a dead socket must not hold up the
+    process's exit, as an executor's worker would)."""
+    future: futures.Future = futures.Future()
+
+    def run():
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="redis-health-ping", daemon=True).start()
+    return future
 
 
 class RouteCacheServer:
@@ -257,30 +320,27 @@ class RouteCacheServer:
         self.servicer = RouteCacheServicer(self.cache)
         _add_servicer(self.servicer, self.grpc_server)
         self.port = add_port(self.grpc_server, f"{config.host}:{config.port}", config.security)
-        self._stop_watch = threading.Event()
+        self.redis_health = RedisHealth(
+            store, self.health, config.health_interval_s, config.health_timeout_s
+        )
 
     def start(self) -> RouteCacheServer:
-        set_serving(self.health, [SERVICE_NAME], self.store.ping())
+        self.redis_health.start()
         self.grpc_server.start()
         self.metrics.serve(self.config.metrics)
         if self.metrics.port:
             log.info("metrics at http://%s:%d/metrics", self.config.metrics.metrics_host,
                      self.metrics.port)  # fmt: skip
-        threading.Thread(
-            target=_watch_redis,
-            args=(self.store, self.health, self.config.health_interval_s, self._stop_watch),
-            daemon=True,
-        ).start()
         log.info("route cache listening on %s:%d", self.config.host, self.port)
         return self
 
     def stop(self, grace_s: float | None = None) -> None:
-        self._stop_watch.set()
+        self.redis_health.stop()
         set_serving(self.health, [SERVICE_NAME], False)
         self.grpc_server.stop(self.config.grace_s if grace_s is None else grace_s).wait()
         self.metrics.stop()
 
     def wait(self) -> None:
         """Serve until SIGTERM/SIGINT, then stop gracefully."""
-        wait_for_termination(self.grpc_server, self.config.grace_s, on_stop=self._stop_watch.set)
+        wait_for_termination(self.grpc_server, self.config.grace_s, on_stop=self.redis_health.stop)
         self.metrics.stop()

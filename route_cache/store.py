@@ -125,6 +125,17 @@ CONNECTION_ERRORS = (
 )
 
 
+def is_connection_error(exc: BaseException) -> bool:
+    """Whether ``exc`` says Redis cannot be reached (not that a command is wrong). A cluster
+    client with no reachable node raises the generic ``RedisClusterException``, which also
+    reports mistakes; only one caused by a connection failure counts."""
+    if isinstance(exc, CONNECTION_ERRORS):
+        return True
+    return isinstance(exc, redis.exceptions.RedisClusterException) and isinstance(
+        exc.__cause__, CONNECTION_ERRORS
+    )
+
+
 @dataclass
 class StoredBlock:
     """Rows ``[row_start, row_start + routes.num_rows)`` and the tokens that came with them:
@@ -165,10 +176,29 @@ class StoredRecord:
 
 @dataclass
 class RecordStat:
-    record: StoredRecord  # blocks carry no token ids, log-probs or route bytes
+    """A record without its payload, and what it takes in Redis.
+
+    Attributes:
+        record: Its blocks carry no token ids, log-probs or route bytes.
+        num_tokens: Tokens of the record.
+        stored_bytes: Redis's own count for the whole key (``MEMORY USAGE``): route, token and
+            log-prob bytes, descriptors, field names and the hash's overhead.
+        ttl_ms: Until it expires; -1 when it never does.
+        block_sizes: Per block (``record.blocks`` order), the bytes of each stored route field
+            as encoded: one per MoE layer (storage format 2), or one for the whole block
+            (format 1).
+    """
+
+    record: StoredRecord
     num_tokens: int
     stored_bytes: int
-    ttl_ms: int  # -1: never expires
+    ttl_ms: int
+    block_sizes: list[tuple[int, ...]] = field(default_factory=list)
+
+    @property
+    def route_bytes(self) -> int:
+        """The record's route bytes as stored (encoded: RAW ids, or zstd frames)."""
+        return sum(sum(sizes) for sizes in self.block_sizes)
 
 
 def record_key(sample_id: str) -> str:
@@ -220,10 +250,14 @@ class RouteStore:
         self._append = client.register_script(_APPEND)
 
     def ping(self) -> bool:
+        """Whether Redis answers; False when it cannot be reached. Blocks up to the client's
+        socket time-out on a Redis that accepts connections but does not answer."""
         try:
             return bool(self.client.ping())
-        except CONNECTION_ERRORS:
-            return False
+        except Exception as exc:
+            if is_connection_error(exc):
+                return False
+            raise
 
     def write(self, sample_id: str, group_id: str, geometry: Geometry, block: StoredBlock) -> bool:
         """Store a new record made of ``block``. Returns True when an identical record was
@@ -396,16 +430,27 @@ class RouteStore:
             if not names:
                 raise NotFound(f"no record for sample_id {sample_id!r}")
             wanted = [n for n in names if not n.startswith((b"t@", b"r@"))]
+            routes = [n for n in names if n.startswith(b"r@")]
             pipe = self.client.pipeline(transaction=False)
             pipe.hmget(key, wanted)
             pipe.memory_usage(key, samples=0)
             pipe.pttl(key)
-            values, usage, ttl = pipe.execute()
+            for name in routes:  # the route fields' lengths, not their bytes
+                pipe.hstrlen(key, name)
+            values, usage, ttl, *lengths = pipe.execute()
         fields = dict(zip(wanted, values, strict=True))
         if fields.get(b"geometry") is None:  # deleted between the two calls
             raise NotFound(f"no record for sample_id {sample_id!r}")
         record = _parse_record(sample_id, fields, payload=False)
-        return RecordStat(record, int(fields[b"tokens"]), int(usage or 0), int(ttl))
+        size = dict(zip(routes, lengths, strict=True))
+        block_sizes = []
+        for block in record.blocks:
+            if record.format == OLD_FORMAT_VERSION:
+                block_sizes.append((int(size.get(b"r@%d" % block.row_start, 0)),))
+            else:
+                names = [b"r@%d:%d" % (block.row_start, j) for j in block.routes.layers]
+                block_sizes.append(tuple(int(size.get(name, 0)) for name in names))
+        return RecordStat(record, int(fields[b"tokens"]), int(usage or 0), int(ttl), block_sizes)
 
     def delete(self, sample_id: str) -> None:
         with domain_errors_from_redis():
@@ -421,7 +466,7 @@ class domain_errors_from_redis:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None and issubclass(exc_type, CONNECTION_ERRORS):
+        if exc is not None and is_connection_error(exc):
             raise Unavailable(f"redis is unreachable: {exc}") from exc
         if exc_type is not None and issubclass(exc_type, redis.exceptions.OutOfMemoryError):
             raise ResourceExhausted(

@@ -554,3 +554,36 @@ def test_compose_services_serve_metrics_where_their_labels_point():
             assert metrics.metrics and metrics.metrics_port == port, name
         assert str(port) in service["expose"], name
         assert port not in [int(p["target"]) for p in service.get("ports", [])], name
+
+
+def _bytes(size: str) -> float:
+    """A Redis size ("4gb") or a Kubernetes or compose quantity ("8Gi", "4g") in bytes."""
+    number, unit = re.fullmatch(r"([\d.]+)\s*([a-zA-Z]*)", size).groups()
+    scale = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "ki": 2**10, "m": 2**20, "mb": 2**20,
+             "mi": 2**20, "g": 2**30, "gb": 2**30, "gi": 2**30}  # fmt: skip
+    return float(number) * scale[unit.lower()]
+
+
+def test_redis_maxmemory_leaves_half_the_limit_for_the_rewrite():
+    """The append-only file's rewrite forks, and the child's pages are copied as Redis writes:
+    up to the dataset again. maxmemory is at most half the memory limit, in compose, in the
+    single Redis and in the cluster's nodes."""
+    yaml = pytest.importorskip("yaml")
+    redis = compose_services()["redis"]
+    (maxmemory,) = re.findall(r"--maxmemory (\S+)", " ".join(redis["command"]))
+    pairs = {"compose": (maxmemory, str(redis["mem_limit"]))}
+    (single,) = [d for d in yaml.safe_load_all((BASE / "redis.yaml").read_text())
+                 if d["kind"] == "StatefulSet"]  # fmt: skip
+    spec = single["spec"]["template"]["spec"]["containers"][0]
+    (maxmemory,) = re.findall(r"--maxmemory (\S+)", " ".join(spec["command"]))
+    pairs["k8s redis"] = (maxmemory, spec["resources"]["limits"]["memory"])
+    docs = list(
+        yaml.safe_load_all((K8S / "components/redis-cluster/redis-cluster.yaml").read_text())
+    )
+    (conf,) = [d for d in docs if d["kind"] == "ConfigMap" and "redis.conf" in d.get("data", {})]
+    (maxmemory,) = re.findall(r"^maxmemory (\S+)$", conf["data"]["redis.conf"], re.MULTILINE)
+    (nodes,) = [d for d in docs if d["kind"] == "StatefulSet"]
+    limit = nodes["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"]
+    pairs["k8s redis-cluster"] = (maxmemory, limit)
+    for where, (maxmemory, limit) in pairs.items():
+        assert _bytes(maxmemory) <= 0.5 * _bytes(limit), (where, maxmemory, limit)

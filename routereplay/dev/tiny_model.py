@@ -166,13 +166,15 @@ def build_tiny_model(
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     token_ids = {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
     config = family_config(family, size, token_ids)
+    spec = FAMILIES[family]
+    router = f"mlp.{spec.weights.router}.weight"
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if name.endswith("mlp.gate.weight"):
+                if name.endswith(router):
                     param.normal_(0.0, router_std)
                     if router_spread is not None:
                         _narrow_margins(param, router_spread)
@@ -181,6 +183,8 @@ def build_tiny_model(
                 # unbiased scores, so replay that mixes them up fails the tests.
                 if name.endswith("e_score_correction_bias"):
                     buffer.normal_(0.0, EXPERT_BIAS_STD)
+            if spec.tiny_init is not None:
+                spec.tiny_init(model)
     finally:
         torch.random.set_rng_state(generator_state)
     model.save_pretrained(out)

@@ -66,6 +66,11 @@ def _mixtral(config: dict[str, Any]) -> tuple[list[int], int]:
     return list(range(config["num_hidden_layers"])), num_experts
 
 
+def _gpt_oss(config: dict[str, Any]) -> tuple[list[int], int]:
+    # gpt-oss: every decoder layer is MoE (windowed or not).
+    return list(range(config["num_hidden_layers"])), int(_get(config, "num_local_experts"))
+
+
 def _deepseek_v3(config: dict[str, Any]) -> tuple[list[int], int]:
     # DeepSeek-V2/V3 and GLM-4.5 (glm4_moe): the first first_k_dense_replace layers
     # are dense, then every moe_layer_freq-th layer is MoE (vLLM's rule; freq is 1
@@ -87,6 +92,7 @@ _FAMILIES: dict[str, Callable[[dict[str, Any]], tuple[list[int], int]]] = {
     "deepseek_v3": _deepseek_v3,
     "kimi_k2": _deepseek_v3,  # Kimi-K2: DeepSeek-V3's architecture under its own name
     "glm4_moe": _deepseek_v3,
+    "gpt_oss": _gpt_oss,
 }
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(_FAMILIES))

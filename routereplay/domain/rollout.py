@@ -5,6 +5,7 @@ No protobuf here: ``routereplay.rpc.rollout_wire`` translates them for the gRPC 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -130,3 +131,36 @@ class SampleFailed:
 
 
 SampleEvent = SampleDelta | SampleDone | SampleFailed
+
+
+@dataclass(frozen=True)
+class WeightsUpdate:
+    """What an ``UpdateWeights`` call did: the policy version now served, the seconds spent
+    waiting for running samples and the seconds of the reload itself."""
+
+    policy_version: int
+    drain_seconds: float
+    load_seconds: float
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    """A rollout server's state (``GetStatus``).
+
+    Attributes:
+        geometry: The served model's routing geometry.
+        policy_version: The policy version now served.
+        max_model_len: The engine's longest sample, prompt and generation.
+        running: Samples generating now.
+        pending_writes: Record writes waiting or retrying; at most ``max_pending_writes``.
+        counters: The server's counters by name (``docs/rollout_server.md``); one the server
+            has not counted yet reads 0, as on the server.
+    """
+
+    geometry: Geometry
+    policy_version: int
+    max_model_len: int
+    running: int
+    pending_writes: int
+    max_pending_writes: int
+    counters: Counter[str] = field(default_factory=Counter)

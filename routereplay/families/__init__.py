@@ -9,17 +9,30 @@ from __future__ import annotations
 
 from typing import Any
 
-from routereplay.families import deepseek_v2, deepseek_v3, glm4_moe, mixtral, qwen2_moe, qwen3_moe
+from routereplay.families import (
+    deepseek_v2,
+    deepseek_v3,
+    glm4_moe,
+    gpt_oss,
+    mixtral,
+    qwen2_moe,
+    qwen3_moe,
+)
 from routereplay.families.base import Family, UnsupportedConfig
 
 # The families with an embedded tiny model (tests, the main job's --model-family).
 FAMILIES: dict[str, Family] = {
     family.model_type: family
     for family in (
-        qwen3_moe.FAMILY, qwen2_moe.FAMILY, mixtral.FAMILY, glm4_moe.FAMILY,
-        deepseek_v3.FAMILY, deepseek_v2.FAMILY,
+        qwen3_moe.FAMILY,
+        qwen2_moe.FAMILY,
+        mixtral.FAMILY,
+        glm4_moe.FAMILY,
+        gpt_oss.FAMILY,
+        deepseek_v3.FAMILY,
+        deepseek_v2.FAMILY,
     )
-}  # fmt: skip
+}
 # Architectures served under another model_type (no tiny model of their own: transformers
 # 5.17 has no config class for them).
 ALIASES: dict[str, Family] = {"kimi_k2": deepseek_v3.KIMI_K2}

@@ -59,6 +59,10 @@ class WeightNames:
     expert_proj: tuple[str, str, str] = DENSE_PROJ  # an expert's gate, up and down projections
     shared: str | None = None  # the shared expert MLP
     shared_gate: str | None = None  # its sigmoid gate
+    router: str = "gate"  # the router, under the MoE block
+    # Experts stored as [experts, ...] tensors (``experts.gate_up_proj`` with gate and up
+    # columns interleaved, ``experts.down_proj``, each with a bias: gpt-oss) instead of one by one.
+    fused_experts: bool = False
 
 
 # Keys every family shares, which either feed the mapping or do not change the maths (token
@@ -96,11 +100,18 @@ class Family:
         refuse: Raises ``UnsupportedConfig`` for a setting of this family that megatron would
             compute differently (after the checks every family shares).
         partial_rotary: Whether ``partial_rotary_factor`` is mapped (``rotary_percent``).
-        rope_scaling: Whether the family maps YaRN rope scaling (its ``megatron_fields`` read
-            ``rope_parameters``); other families refuse any rope scaling.
+        activation: The experts' activation, by megatron name: ``silu`` (SwiGLU) or
+            ``quick_gelu`` (gpt-oss's clamped SwiGLU, with the clamp and offset fields).
+        rope_types: The ``rope_type`` values mapped (``yarn``: megatron's YaRN rotary).
+        sliding_window: Whether ``layer_types``' sliding-window layers are mapped (the
+            family's ``refuse`` checks their pattern).
+        tiny_init: Spreads a freshly built tiny model's family-specific weights (under
+            ``torch.no_grad``, seeded by the builder); None: the builder's defaults only.
+        rope_keys: Further ``rope_parameters`` keys of YaRN the family maps (DeepSeek's
+            ``mscale`` and ``mscale_all_dim``).
         mtp_layers: Whether the checkpoint's multi-token-prediction layers
             (``num_nextn_predict_layers``, stored as ``model.layers.{num_hidden_layers + i}``)
-            can be left out of the trainer's model (see ``trainer/model/hf_config.py``).
+            can be left out of the trainer's model (see ``trainer/model/build.py``).
     """
 
     model_type: str
@@ -111,7 +122,11 @@ class Family:
     tiny_size: MoESize = TINY_SIZE
     refuse: Callable[[dict[str, Any]], None] = _no_refusal
     partial_rotary: bool = False
-    rope_scaling: bool = False
+    activation: str = "silu"
+    rope_types: frozenset[str] = frozenset({"default"})
+    sliding_window: bool = False
+    tiny_init: Callable[[Any], None] | None = None
+    rope_keys: frozenset[str] = frozenset()
     mtp_layers: bool = False
 
 

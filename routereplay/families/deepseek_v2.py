@@ -7,7 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 from routereplay.families.base import COMMON_KEYS, Family, MoESize, UnsupportedConfig, WeightNames
-from routereplay.families.deepseek_v3 import MLA_KEYS, mla_fields, mla_tiny, refuse_mla
+from routereplay.families.deepseek_v3 import (
+    MLA_KEYS,
+    MLA_ROPE_KEYS,
+    MLA_ROPE_TYPES,
+    mla_fields,
+    mla_tiny,
+    refuse_mla,
+)
 
 
 def _grouped(config: dict[str, Any]) -> bool:
@@ -76,5 +83,6 @@ FAMILY = Family(
     tiny_config=tiny_config,
     tiny_size=MoESize(num_experts=16, num_experts_per_tok=4),
     refuse=_refuse,
-    rope_scaling=True,
+    rope_types=MLA_ROPE_TYPES,
+    rope_keys=MLA_ROPE_KEYS,
 )

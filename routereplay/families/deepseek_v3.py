@@ -39,6 +39,10 @@ _YARN_KEYS = {
     "beta_slow", "mscale", "mscale_all_dim",
 }  # fmt: skip
 
+# What the latent attention's rotary maps (YaRN with DeepSeek's two mscales, or plain rope).
+MLA_ROPE_TYPES = frozenset({"default", "yarn"})
+MLA_ROPE_KEYS = frozenset({"mscale", "mscale_all_dim"})
+
 # The tiny models' latent sizes: vLLM's CPU MLA backend starts only with the real models'
 # kv_lora_rank 512 and qk_rope_head_dim 64 ("Head dimension 48 is not supported by MLA" with
 # 32 + 16); the other sizes stay tiny.
@@ -209,7 +213,8 @@ FAMILY = Family(
     tiny_config=tiny_config,
     tiny_size=TINY_SIZE,
     refuse=_refuse,
-    rope_scaling=True,
+    rope_types=MLA_ROPE_TYPES,
+    rope_keys=MLA_ROPE_KEYS,
     mtp_layers=True,
 )
 
@@ -232,6 +237,7 @@ KIMI_K2 = Family(
     tiny_config=_no_tiny_kimi,
     tiny_size=TINY_SIZE,
     refuse=_refuse,
-    rope_scaling=True,
+    rope_types=MLA_ROPE_TYPES,
+    rope_keys=MLA_ROPE_KEYS,
     mtp_layers=True,
 )

@@ -4,6 +4,11 @@ Every call has a deadline; calls that fail with UNAVAILABLE are retried with exp
 backoff (writes and appends are idempotent, and a batch read resumes after the last record it
 delivered). Errors come back as the domain exceptions of ``routereplay.errors``.
 
+A target may name several replicas: a DNS name with an address per replica (a headless
+Kubernetes Service: ``dns:///route-cache-headless:50051``) or a list
+(``ipv4:10.0.0.1:50051,10.0.0.2:50051``). Calls are spread over every replica that is up
+(gRPC's round_robin policy) and skip one that is down; its retry lands on another.
+
 The ready feed (``read_ready``, ``ack_ready``) is read through ``routereplay.rpc.ready``'s
 ``ReadyConsumer``, which drops repeats and assembles whole GRPO groups.
 """
@@ -11,6 +16,7 @@ The ready feed (``read_ready``, ``ack_ready``) is read through ``routereplay.rpc
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -47,6 +53,18 @@ from routereplay.rpc.wire import (
 )
 from routereplay.v1 import route_cache_pb2, route_cache_pb2_grpc
 
+# gRPC's default policy, pick_first, sends every call to the first address that answers, for as
+# long as it answers: replicas beyond it sit idle, and a client that failed over to another
+# stays there. round_robin keeps a connection to every address and spreads calls over those
+# that are up. Reconnection attempts to a replica that went down back off to at most 1 s (the
+# default grows to 120 s), so a restarted replica takes calls again within about a second.
+BALANCING_OPTIONS = [
+    ("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
 
 @dataclass(frozen=True)
 class WriteResult:
@@ -66,8 +84,9 @@ class RecordInfo:
     num_tokens: int
     num_rows: int
     turns: list[Turn]
-    stored_bytes: int
+    stored_bytes: int  # Redis's memory for the whole key (routes, tokens, metadata, overhead)
     ttl_ms: int
+    route_bytes: int  # the route bytes as stored (encoded), the sum of the blocks' sizes
 
 
 @dataclass(frozen=True)
@@ -148,6 +167,7 @@ def _info(stat) -> RecordInfo:
         [turn_from_pb(t, i) for i, t in enumerate(stat.turns)],
         stat.stored_bytes,
         stat.ttl_ms,
+        sum(block.encoded_size for block in stat.blocks),
     )
 
 
@@ -177,13 +197,14 @@ class _Base:
 
 
 class RouteCacheClient(_Base):
-    """Blocking client. Args: target ``host:port``; timeout_s per call; the retry policy;
+    """Blocking client. Args: target ``host:port`` (or several replicas: see the module
+    docstring); timeout_s per call; the retry policy;
     the encoding of written routes (RAW, or ZSTD for memory-bound Redis); chunk size; TLS and
     the bearer token (``routereplay.rpc.security.ClientSecurity``; plaintext by default)."""
 
     def __init__(self, target: str, **kwargs):
         super().__init__(target, **kwargs)
-        self.channel = secure_channel(target, self.security, channel_options())
+        self.channel = secure_channel(target, self.security, channel_options() + BALANCING_OPTIONS)
         self.stub = _stub(self.channel)
 
     def close(self) -> None:
@@ -315,7 +336,9 @@ class AsyncRouteCacheClient(_Base):
 
     def __init__(self, target: str, **kwargs):
         super().__init__(target, **kwargs)
-        self.channel = secure_aio_channel(target, self.security, channel_options())
+        self.channel = secure_aio_channel(
+            target, self.security, channel_options() + BALANCING_OPTIONS
+        )
         self.stub = _stub(self.channel)
 
     async def close(self) -> None:

@@ -36,6 +36,13 @@ MIB = 1 << 20
 # liveness probe on them would restart every replica during a Redis outage.
 LIVENESS = "routereplay.v1.Liveness"
 
+# Health checks run on threads of their own, never queued behind calls: with every handler
+# thread held by calls that wait on a hung dependency, a probe would miss its time-out (the
+# kubelet's is 1 s) and a busy, live replica would be restarted. Check only: Watch streams hold
+# their thread for as long as they are open.
+HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
+HEALTH_THREADS = 2
+
 # HTTP/2 settings for clients and servers alike. Measured with 1 MiB chunks on loopback: the
 # defaults stream about 630 MiB/s; a larger write buffer and frame size about 1,200 MiB/s.
 TRANSPORT_OPTIONS = [
@@ -175,10 +182,17 @@ def _request_parser(deserializer):
 class ErrorInterceptor(grpc.ServerInterceptor):
     """Parses requests (see ``_request_parser``) and maps domain errors to their status with
     their message; anything else is logged in full and answered with a generic INTERNAL, so
-    internals never leak to clients. With ``metrics``, counts every call (see ``_Meter``)."""
+    internals never leak to clients. With ``metrics``, counts every call (see ``_Meter``).
+    With ``health_pool``, health checks run there rather than on the server's handler threads
+    (grpcio's ``experimental_thread_pool`` hook, read when it dispatches a call)."""
 
-    def __init__(self, metrics: ServiceMetrics | None = None):
+    def __init__(
+        self,
+        metrics: ServiceMetrics | None = None,
+        health_pool: futures.ThreadPoolExecutor | None = None,
+    ):
         self.metrics = metrics
+        self.health_pool = health_pool
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -187,6 +201,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         method = handler_call_details.method
         parse = _request_parser(handler.request_deserializer)
         metrics = self.metrics
+        pool = self.health_pool if method == HEALTH_CHECK_METHOD else None
 
         def unary(behavior, convert):
             def wrapped(request, context):
@@ -201,6 +216,8 @@ class ErrorInterceptor(grpc.ServerInterceptor):
                 finally:
                     meter.done()
 
+            if pool is not None:
+                wrapped.experimental_thread_pool = pool
             return wrapped
 
         def streaming(behavior, convert):
@@ -351,15 +368,20 @@ def make_server(
 ) -> tuple[grpc.Server, health.HealthServicer]:
     """A server with the interceptors (the token check when ``security`` has a token; the
     call metrics into ``metrics`` when given), the limits, health (NOT_SERVING until told
-    otherwise; ``LIVENESS`` SERVING) and reflection. Add the servicers, then
+    otherwise; ``LIVENESS`` SERVING; checks answered on threads of their own, see
+    ``HEALTH_CHECK_METHOD``) and reflection. Add the servicers, then
     ``routereplay.rpc.security.add_port`` (TLS when ``security`` has a certificate) and ``start``.
 
     Raises:
         ValueError: a secret file named in ``security`` is missing or empty."""
     token = security.token()
+    health_pool = futures.ThreadPoolExecutor(HEALTH_THREADS, thread_name_prefix="health")
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=limits.workers),
-        interceptors=[*([TokenInterceptor(token)] if token else []), ErrorInterceptor(metrics)],
+        interceptors=[
+            *([TokenInterceptor(token)] if token else []),
+            ErrorInterceptor(metrics, health_pool),
+        ],
         options=_options(limits),
         maximum_concurrent_rpcs=limits.max_concurrent_rpcs,
     )

@@ -150,6 +150,7 @@ class ReadyConsumer:
         self.duplicates = 0  # repeated deliveries dropped
         self.extra = 0  # samples beyond group_size, acknowledged and dropped
         self.trimmed = 0  # pending entries the server found trimmed
+        self.taken = 0  # groups another consumer claimed and acknowledged first (``settle``)
 
     def poll(self, block_ms: int | None = None) -> int:
         """One read of the feed. Returns how many entries it brought (repeats included)."""
@@ -243,8 +244,36 @@ class ReadyConsumer:
         for start in range(0, len(ids), chunk):
             acknowledged += self.client.ack_ready(self.consumer_group, ids[start : start + chunk])
         for group in groups:
-            self._groups.pop(group.key, None)
-            self._acked_groups.add(group.key)
-            for sample_id in group.sample_ids:
-                self._acked_samples.add(sample_id)
+            self._forget(group)
         return acknowledged
+
+    def settle(self, groups: Iterable[ReadyGroup]) -> list[ReadyGroup]:
+        """Acknowledge each of ``groups`` on its own, and return those this consumer settled:
+        the groups whose every entry this acknowledgement took off the pending list. Commit
+        the training of those only.
+
+        A consumer that stalls past ``claim_idle_ms`` (a paused process, a long step) loses
+        its entries to another consumer, which trains and acknowledges them too; so does one
+        whose read was answered while it was paused. Acknowledging is atomic in Redis, so of
+        two consumers holding the same entry only one sees it still pending: the other gets
+        the group back here as not settled (counted in ``taken``), and must not commit it.
+        One call per group: the count the server returns is per call.
+        """
+        won = []
+        for group in groups:
+            acknowledged = self.client.ack_ready(self.consumer_group, group.entry_ids)
+            self._forget(group)
+            if acknowledged == len(group.entry_ids):
+                won.append(group)
+            else:
+                self.taken += 1
+                log.warning("group %r was settled by another consumer: not committed here",
+                            group.key)  # fmt: skip
+        return won
+
+    def _forget(self, group: ReadyGroup) -> None:
+        """``group`` is done with: later repeats of it and of its samples are dropped."""
+        self._groups.pop(group.key, None)
+        self._acked_groups.add(group.key)
+        for sample_id in group.sample_ids:
+            self._acked_samples.add(sample_id)

@@ -12,10 +12,16 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
 
-from routereplay.domain.rollout import SampleEvent, SamplingOptions
+from routereplay.domain.rollout import SampleEvent, SamplingOptions, ServerStatus, WeightsUpdate
 from routereplay.rpc.client import domain_error
 from routereplay.rpc.grpc_server import MIB, channel_options
-from routereplay.rpc.rollout_wire import event_from_pb, prompt_to_pb, sampling_to_pb
+from routereplay.rpc.rollout_wire import (
+    event_from_pb,
+    prompt_to_pb,
+    sampling_to_pb,
+    status_from_pb,
+    weights_update_from_pb,
+)
 from routereplay.rpc.security import PLAINTEXT, ClientSecurity, secure_aio_channel, secure_channel
 from routereplay.v1 import rollout_pb2, rollout_pb2_grpc
 
@@ -113,14 +119,15 @@ class RolloutClient:
 
     def update_weights(
         self, path: str, policy_version: int = 0, wait_for_ready: bool = False
-    ) -> rollout_pb2.UpdateWeightsResponse:
+    ) -> WeightsUpdate:
         """Load the checkpoint at ``path`` (drains running turns first). ``wait_for_ready``:
         wait for a server that is starting instead of failing at once."""
         request = rollout_pb2.UpdateWeightsRequest(path=path, policy_version=policy_version)
-        return self._unary(self.stub.UpdateWeights, request, wait_for_ready=wait_for_ready)
+        reply = self._unary(self.stub.UpdateWeights, request, wait_for_ready=wait_for_ready)
+        return weights_update_from_pb(reply)
 
-    def status(self) -> rollout_pb2.ServerStatus:
-        return self._unary(self.stub.GetStatus, rollout_pb2.GetStatusRequest())
+    def status(self) -> ServerStatus:
+        return status_from_pb(self._unary(self.stub.GetStatus, rollout_pb2.GetStatusRequest()))
 
 
 class AsyncRolloutClient:
@@ -183,11 +190,13 @@ class AsyncRolloutClient:
 
     async def update_weights(
         self, path: str, policy_version: int = 0, wait_for_ready: bool = False
-    ) -> rollout_pb2.UpdateWeightsResponse:
+    ) -> WeightsUpdate:
         request = rollout_pb2.UpdateWeightsRequest(path=path, policy_version=policy_version)
-        return await self._unary(
+        reply = await self._unary(
             self.stub.UpdateWeights, request, self.timeout_s, wait_for_ready=wait_for_ready
         )
+        return weights_update_from_pb(reply)
 
-    async def status(self) -> rollout_pb2.ServerStatus:
-        return await self._unary(self.stub.GetStatus, rollout_pb2.GetStatusRequest(), 30)
+    async def status(self) -> ServerStatus:
+        request = rollout_pb2.GetStatusRequest()
+        return status_from_pb(await self._unary(self.stub.GetStatus, request, 30))

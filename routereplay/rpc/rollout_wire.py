@@ -4,6 +4,7 @@ clients')."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -15,7 +16,9 @@ from routereplay.domain.rollout import (
     SampleEvent,
     SampleFailed,
     SamplingOptions,
+    ServerStatus,
     TokenDelta,
+    WeightsUpdate,
 )
 from routereplay.errors import InvalidArgument
 from routereplay.rpc.wire import (
@@ -147,4 +150,40 @@ def event_from_pb(response: rollout_pb2.GenerateResponse) -> SampleEvent:
         routes=routes,
         row_start=row_start,
         cached_tokens=done.cached_tokens,
+    )
+
+
+def weights_update_to_pb(update: WeightsUpdate) -> rollout_pb2.UpdateWeightsResponse:
+    return rollout_pb2.UpdateWeightsResponse(
+        policy_version=update.policy_version,
+        drain_seconds=update.drain_seconds,
+        load_seconds=update.load_seconds,
+    )
+
+
+def weights_update_from_pb(pb: rollout_pb2.UpdateWeightsResponse) -> WeightsUpdate:
+    return WeightsUpdate(pb.policy_version, pb.drain_seconds, pb.load_seconds)
+
+
+def status_to_pb(status: ServerStatus) -> rollout_pb2.ServerStatus:
+    return rollout_pb2.ServerStatus(
+        geometry=geometry_to_pb(status.geometry),
+        policy_version=status.policy_version,
+        max_model_len=status.max_model_len,
+        running=status.running,
+        pending_writes=status.pending_writes,
+        max_pending_writes=status.max_pending_writes,
+        counters=status.counters,
+    )
+
+
+def status_from_pb(pb: rollout_pb2.ServerStatus) -> ServerStatus:
+    return ServerStatus(
+        geometry=geometry_from_pb(pb.geometry),
+        policy_version=pb.policy_version,
+        max_model_len=pb.max_model_len,
+        running=pb.running,
+        pending_writes=pb.pending_writes,
+        max_pending_writes=pb.max_pending_writes,
+        counters=Counter(pb.counters),
     )

@@ -87,23 +87,31 @@ def tokens_from_pb(data: bytes, name: str = "token_ids") -> np.ndarray:
 
 
 def block_to_pb(
-    encoded: EncodedRoutes | LayerParts, row_start: int, geometry: Geometry
+    encoded: EncodedRoutes | LayerParts,
+    row_start: int,
+    geometry: Geometry,
+    sizes: Sequence[int] | None = None,
 ) -> record_pb2.RouteBlock:
-    """A block header: one checksum for a whole block, or one per part for layer parts."""
+    """A block header: one checksum for a whole block, or one per part for layer parts.
+
+    ``sizes``: the stored sizes of the block's route bytes (one per part, or one for a whole
+    block) when ``encoded`` came without its bytes (StatRecord); else the bytes' lengths.
+    """
+    if sizes is None:
+        sizes = encoded.sizes if isinstance(encoded, LayerParts) else (len(encoded.data),)
     block = record_pb2.RouteBlock(
         row_start=row_start,
         num_rows=encoded.num_rows,
         dtype=_DTYPES[geometry.dtype.itemsize],
         encoding=_ENCODINGS[encoded.encoding],
+        encoded_size=sum(sizes),
     )
     if isinstance(encoded, LayerParts):
         block.layer_parts.extend(
             record_pb2.LayerPart(size=size, checksum=checksum)
-            for size, checksum in zip(encoded.sizes, encoded.checksums, strict=True)
+            for size, checksum in zip(sizes, encoded.checksums, strict=True)
         )
-        block.encoded_size = sum(encoded.sizes)
     else:
-        block.encoded_size = len(encoded.data)
         block.checksum = encoded.checksum
     return block
 

@@ -15,6 +15,13 @@ def load_hf_model(model_dir):
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            # vLLM's CPU kernel computes with gpt-oss's sinks in bfloat16 (rollout_server
+            # cpu_sinks): a no-op for the tiny model's, not for a trained step's.
+            sinks = getattr(layer.self_attn, "sinks", None)
+            if sinks is not None:
+                sinks.copy_(sinks.bfloat16().float())
     return model.eval()
 
 
@@ -27,14 +34,14 @@ def oracle(hf_model, geometry, token_ids):
     """
     import torch
 
+    from tests.trainer.hf_rollout import hf_routers
+
     chosen: dict[int, torch.Tensor] = {}
     handles = [
-        # Every family's router returns (logits, weights, expert ids) of its own choice.
-        layer.mlp.gate.register_forward_hook(
+        router.register_forward_hook(
             lambda m, i, o, n=n: chosen.__setitem__(n, o[2].detach().clone())
         )
-        for n, layer in enumerate(hf_model.model.layers)
-        if hasattr(layer.mlp, "gate")
+        for n, router in hf_routers(hf_model).items()
     ]
     try:
         with torch.no_grad():

@@ -1,7 +1,8 @@
 """Live weight updates: records after an update match the oracle on the NEW checkpoint on every
-MoE layer (a reload that leaves prepacked experts stale fails this), prefix-cache hits do not
-bring back the old weights' routes, and a sample running across the update finishes on the old
-version and says so. The test restores the original weights for the rest of the session."""
+MoE layer (a reload without the kernel drop, which lays the new experts out wrongly, fails
+this), prefix-cache hits do not bring back the old weights' routes, and a sample running across
+the update finishes on the old version and says so. The test restores the original weights for
+the rest of the session."""
 
 from __future__ import annotations
 
@@ -96,3 +97,48 @@ def test_update_weights_refuses_bad_checkpoints(rollout, loop, tmp_path, tiny_mo
     with pytest.raises(InvalidArgument, match="policy_version"):
         loop.run_until_complete(client.update_weights(str(tiny_model_dir), version))
     assert server.rollout.policy_version == version
+
+
+def changed_config_checkpoint(folder, source, **changes):
+    """``source``'s files (linked) with its ``config.json`` changed by ``changes``
+    (``{"rope_parameters": {"rope_theta": 500.0}}`` merges into the nested dict)."""
+    import json
+
+    folder.mkdir()
+    for file in source.iterdir():
+        if file.name != "config.json":
+            (folder / file.name).symlink_to(file)
+    config = json.loads((source / "config.json").read_text())
+    for key, value in changes.items():
+        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def test_update_weights_refuses_a_changed_config(rollout, loop, tmp_path, tiny_model_dir):
+    """A checkpoint whose config.json differs from the served model's (rope_theta 10000 -> 500,
+    the norm's epsilon) is refused with FAILED_PRECONDITION naming the keys: a reload loads
+    weights only, so the engine would go on computing with the served configuration."""
+    server, client = rollout
+    version = server.rollout.policy_version
+    rope = changed_config_checkpoint(
+        tmp_path / "rope", tiny_model_dir, rope_parameters={"rope_theta": 500.0}, rms_norm_eps=1e-5
+    )
+    with pytest.raises(FailedPrecondition, match=r"in rms_norm_eps, rope_parameters\.rope_theta;"):
+        loop.run_until_complete(client.update_weights(str(rope)))
+    assert server.rollout.policy_version == version
+
+
+def test_config_keys_free_to_differ(tiny_model_dir):
+    """What wrote a checkpoint and the dtype it was saved in may differ; nothing else may."""
+    import json
+
+    from rollout_server.weights import config_differences
+
+    served = json.loads((tiny_model_dir / "config.json").read_text())
+    exported = {**served, "transformers_version": "9.9.9", "dtype": "bfloat16",
+                "torch_dtype": "bfloat16", "_name_or_path": "/exports/step-3"}  # fmt: skip
+    assert config_differences(exported, served) == []
+    changed = {**exported, "use_cache": False, "architectures": ["MixtralForCausalLM"]}
+    del changed["sliding_window"]
+    assert config_differences(changed, served) == ["architectures", "sliding_window", "use_cache"]

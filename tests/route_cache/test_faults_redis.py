@@ -13,11 +13,11 @@ import redis
 from route_cache.config import Config
 from route_cache.server import RouteCacheServer
 from route_cache.store import STAGING_TTL_MS, RouteStore, connect, record_key
+from routereplay.dev.redis_nodes import RedisProcess, start_cluster_with_replicas
 from routereplay.dev.synthetic import synthetic_record
 from routereplay.domain.record import Missing
 from routereplay.errors import NotFound, ResourceExhausted, Unavailable
 from routereplay.rpc.client import RetryPolicy, RouteCacheClient
-from tests.conftest import RedisProcess, start_cluster_with_replicas
 from tests.route_cache.conftest import SMALL
 from tests.route_cache.test_process import CacheProcess
 

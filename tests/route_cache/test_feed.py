@@ -190,6 +190,28 @@ def test_a_stand_by_claims_the_entries_of_a_dead_consumer(feed, rng, sid):
     assert feed.pending() == 0
 
 
+def test_a_stalled_consumer_does_not_settle_what_another_claimed(feed, rng, sid):
+    """Found by the fault run: a consumer SIGSTOPped past the claim time-out, its read's
+    answer already sent, trained the sample after the other consumer had claimed, trained and
+    acknowledged it. ``settle`` tells each which groups it may commit: exactly one of them."""
+    sample_id = feed.write(rng, sid()).sample_id
+    stalled = feed.consumer("c0", claim_idle_ms=300)
+    (held,) = stalled.next_groups(1, timeout_s=1)  # then it stalls, holding the sample
+    time.sleep(0.35)
+    other = feed.consumer("c1", claim_idle_ms=300)
+    (claimed,) = other.next_groups(1, timeout_s=1)
+    assert claimed.sample_ids == held.sample_ids == [sample_id]
+    assert other.settle([claimed]) == [claimed]  # the first to acknowledge commits
+    assert stalled.settle([held]) == [] and stalled.taken == 1  # the stalled one must not
+    assert feed.pending() == 0
+    # The order can go the other way: the stalled one resumes first and wins.
+    sample_id = feed.write(rng, sid()).sample_id
+    (held,) = stalled.next_groups(1, timeout_s=1)
+    time.sleep(0.35)
+    (claimed,) = other.next_groups(1, timeout_s=1)
+    assert stalled.settle([held]) == [held] and other.settle([claimed]) == []
+
+
 def test_trimmed_pending_entries_are_counted_and_dropped(feed, rng, sid):
     for _ in range(2):
         feed.write(rng, sid())

@@ -178,6 +178,7 @@ def test_records_in_the_old_format_read_whole_and_refuse_selection(cache, redis_
         "t@0": tokens, "r@0": encoded.data,
     })  # fmt: skip
     np.testing.assert_array_equal(client.read(record.sample_id).routes, record.routes)
+    assert client.stat(record.sample_id).route_bytes == len(encoded.data)  # one whole field
     with pytest.raises(FailedPrecondition, match="delete it and write it again"):
         client.read(record.sample_id, layers=[1])
     more = TurnAppend(record.sample_id, SMALL, 299, record.token_ids[:5], record.routes[:5],

@@ -22,6 +22,7 @@ from route_cache.server import RouteCacheServer
 from route_cache.store import RouteStore, connect, record_key
 from routereplay.dev.devcerts import generate
 from routereplay.dev.launch import free_port, start_service, stop_process
+from routereplay.dev.redis_nodes import RedisProcess, start_cluster
 from routereplay.dev.synthetic import synthetic_record
 from routereplay.domain.codec import Encoding, encode_routes
 from routereplay.errors import InvalidArgument, NotFound, ResourceExhausted, RouteReplayError
@@ -37,7 +38,6 @@ from routereplay.rpc.security import (
 )
 from routereplay.rpc.wire import write_requests
 from routereplay.v1 import route_cache_pb2, route_cache_pb2_grpc
-from tests.conftest import RedisProcess, start_cluster
 from tests.route_cache.conftest import SMALL
 
 TOKEN = "s3cret-token-value"

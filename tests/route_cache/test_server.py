@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from routereplay.dev.synthetic import synthetic_record, synthetic_routes
-from routereplay.domain.codec import Encoding, encode_routes
+from routereplay.domain.codec import Encoding, encode_routes, split_layers
 from routereplay.domain.record import Missing, Turn, TurnAppend
 from routereplay.errors import AlreadyExists, FailedPrecondition, NotFound
 from routereplay.rpc.client import AsyncRouteCacheClient, RouteCacheClient
@@ -92,7 +92,34 @@ def test_multi_turn_equals_single_shot(cache, rng, sid):
     info = client.stat(whole.sample_id)
     assert (info.num_tokens, info.num_rows) == (40, 39)
     assert [t.policy_version for t in info.turns] == [3, 4]
+    assert info.route_bytes == whole.routes.nbytes  # RAW: the ids as they are
     assert info.stored_bytes > whole.routes.nbytes and info.ttl_ms > 0
+
+
+@pytest.mark.parametrize("encoding", list(Encoding))
+def test_stat_gives_each_blocks_stored_route_bytes(cache, stub, rng, sid, encoding):
+    """StatRecord's blocks carry their stored sizes (they came back 0); ``stored_bytes`` is
+    Redis's memory for the whole key, far above the route bytes of a small record."""
+    client, _ = cache
+    client.encoding = encoding
+    whole = synthetic_record(sid(), SMALL, 40, rng, prompt_tokens=10)
+    lp = whole.turns[0].logprobs
+    client.write(type(whole)(whole.sample_id, SMALL, whole.token_ids[:25], whole.routes[:24],
+                             [Turn(0, 25, 10, 0, lp[:15])]))  # fmt: skip
+    client.append(TurnAppend(whole.sample_id, SMALL, 24, whole.token_ids[25:],
+                             whole.routes[24:], [Turn(25, 40, 30, 1, lp[5:15])]))  # fmt: skip
+    stat = stub.StatRecord(route_cache_pb2.StatRecordRequest(sample_id=whole.sample_id))
+    # The oracle: each block's routes encoded by the codec, one part per MoE layer.
+    want = [split_layers(encode_routes(part, encoding), SMALL).sizes
+            for part in (whole.routes[:24], whole.routes[24:])]  # fmt: skip
+    assert [tuple(p.size for p in b.layer_parts) for b in stat.blocks] == want
+    assert [b.encoded_size for b in stat.blocks] == [sum(sizes) for sizes in want]
+    route_bytes = sum(map(sum, want))
+    if encoding is Encoding.RAW:  # rows x layers x k ids of one byte
+        assert want == [(24 * SMALL.topk,) * 5, (15 * SMALL.topk,) * 5]
+    assert client.stat(whole.sample_id).route_bytes == route_bytes
+    print(f"{encoding.name}: route bytes {route_bytes}, stored_bytes {stat.stored_bytes}")
+    assert stat.stored_bytes > 2 * route_bytes
 
 
 def test_unknown_sample_is_not_found(cache, sid):
@@ -272,9 +299,9 @@ def test_redis_down_is_unavailable_and_not_serving(rng, sid):
     from route_cache.config import Config
     from route_cache.server import RouteCacheServer
     from route_cache.store import RouteStore, connect
+    from routereplay.dev.redis_nodes import RedisProcess
     from routereplay.errors import Unavailable
     from routereplay.rpc.client import RetryPolicy
-    from tests.conftest import RedisProcess
 
     node = RedisProcess().start()
     store = RouteStore(connect(node.url, False, socket_connect_timeout=0.5, socket_timeout=2))

@@ -140,6 +140,9 @@ def test_stat_and_delete(store, rng, sid):
     assert stat.num_tokens == 10 and stat.record.num_rows == 9
     assert stat.stored_bytes > 9 * SMALL.row_bytes and 0 < stat.ttl_ms <= 600_000
     assert set(stat.record.blocks[0].routes.parts) == {b""}  # no payload
+    # ... but the stored route fields' sizes: 9 rows x k ids of one byte, per MoE layer.
+    assert stat.block_sizes == [(9 * SMALL.topk,) * SMALL.num_moe_layers]
+    assert stat.route_bytes == 9 * SMALL.row_bytes
     store.delete(sample)
     with pytest.raises(NotFound):
         store.read(sample)

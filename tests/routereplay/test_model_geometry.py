@@ -97,6 +97,12 @@ def glm4_moe(**kw):
     return transformers.Glm4MoeConfig(**{**args, **kw})
 
 
+def gpt_oss(**kw):
+    args = dict(SMALL, num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2,
+                sliding_window=8)  # fmt: skip
+    return transformers.GptOssConfig(**{**args, **kw})
+
+
 def deepseek_v2(**kw):
     args = dict(
         vocab_size=64,
@@ -133,22 +139,24 @@ CASES = {
     "deepseek_v2": deepseek_v2(),
     "glm4_moe": glm4_moe(),
     "glm4_moe_k2": glm4_moe(first_k_dense_replace=2),
+    "gpt_oss": gpt_oss(),
 }
 
 
 def oracle(config) -> tuple[list[int], set[int]]:
     """Instantiate the model; return its router layers and their expert counts.
 
-    A decoder layer is MoE when its MLP carries a router (``gate``) and
+    A decoder layer is MoE when its MLP carries a router (``gate``; gpt-oss ``router``) and
     ``experts``; the expert count is the router weight's row count.
     """
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     layers, counts = [], set()
     for i, layer in enumerate(model.model.layers):
-        if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts"):
+        router = getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None)
+        if router is not None and hasattr(layer.mlp, "experts"):
             layers.append(i)
-            counts.add(layer.mlp.gate.weight.shape[0])
+            counts.add(router.weight.shape[0])
     return layers, counts
 
 
@@ -247,6 +255,7 @@ def test_tiny_model_geometry_and_determinism(tiny_model_dir, tmp_path):
         ("qwen2_moe", (1, 2, 3), 2, 8),
         ("mixtral", (0, 1, 2, 3), 2, 8),
         ("glm4_moe", (1, 2, 3), 4, 16),
+        ("gpt_oss", (0, 1, 2, 3), 2, 8),
     ],
 )
 def test_tiny_model_families(family, moe_layers, topk, num_experts, tmp_path):

@@ -99,17 +99,25 @@ def rollout_records(
     return records
 
 
+def hf_routers(model) -> dict[int, torch.nn.Module]:
+    """A transformers MoE model's routers by global layer number (``mlp.gate``; gpt-oss
+    ``mlp.router``). Every family's returns (logits, weights, expert ids) of its own choice."""
+    from routereplay.families import FAMILIES
+
+    name = FAMILIES[model.config.model_type].weights.router
+    return {n: getattr(layer.mlp, name) for n, layer in enumerate(model.model.layers)
+            if hasattr(layer.mlp, name)}  # fmt: skip
+
+
 def _forward_with_routes(model, sequences: torch.Tensor):
     """The model's output and, per MoE layer in order, the experts its router chose (its own
     top-k: softmax, or GLM-4.5's biased, group-limited sigmoid choice), ``[tokens, topk]``."""
     chosen: dict[int, torch.Tensor] = {}
     handles = [
-        # Every family's router returns (logits, weights, expert ids) of its own choice.
-        layer.mlp.gate.register_forward_hook(
+        router.register_forward_hook(
             lambda m, i, o, n=n: chosen.__setitem__(n, o[2].detach().clone())
         )
-        for n, layer in enumerate(model.model.layers)
-        if hasattr(layer.mlp, "gate")
+        for n, router in hf_routers(model).items()
     ]
     try:
         out = model(sequences)

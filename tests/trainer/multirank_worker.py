@@ -114,8 +114,8 @@ def _build(model_dir, layout: Layout, world: World, dispatcher: str, **extra):
         pg_collection=world.pg_collection,
         load_weights=False,
         use_cpu_initialization=True,
-        moe_token_dispatcher_type=dispatcher,
-        **model_overrides(layout),
+        # This dispatcher, whatever the trainer picks for the layout (both are checked here).
+        **{**model_overrides(layout), "moe_token_dispatcher_type": dispatcher},
         **extra,
     )
     split = PipelineSplit.from_config(built.model.config)

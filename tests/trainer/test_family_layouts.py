@@ -32,9 +32,10 @@ TP2SP_EP2 = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"
              "parallel.etp=1"]  # fmt: skip
 
 
-def _against_one_rank(model_dir, prompt_lengths, tmp_path, layout, nproc):
-    """Rollout records of 2 prompts of these lengths (2 samples each, 8 new tokens), trained in
-    R3 on one rank (exports under ``tmp_path / "one"``) and in ``layout`` (``"run"``).
+def _against_one_rank(model_dir, prompt_lengths, tmp_path, layout, nproc, order=(0, 1, 2, 3)):
+    """Rollout records of 2 prompts of these lengths (2 samples each, 8 new tokens), in
+    ``order`` (positions in prompt-major order), trained in R3 on one rank (exports under
+    ``tmp_path / "one"``) and in ``layout`` (``"run"``).
 
     Returns:
         (the layout's process, one rank's step reports, the layout's step reports).
@@ -43,7 +44,7 @@ def _against_one_rank(model_dir, prompt_lengths, tmp_path, layout, nproc):
 
     prompts = random_prompts(2, prompt_lengths, 512, seed=3)
     recs = rollout_records(model_dir, prompts, group_size=2, new_tokens=8, seed=0)
-    records = save_records(tmp_path / "rollout.npz", recs)
+    records = save_records(tmp_path / "rollout.npz", [recs[i] for i in order])
     (tmp_path / "one").mkdir()
     (tmp_path / "run").mkdir()
     _, want = _trainer(model_dir, records, tmp_path / "one" / "r.json", "R3")
@@ -96,18 +97,24 @@ def _trains_like_one_rank(family, model_dir, tmp_path, layout):
 
 
 @pytest.mark.parametrize(
-    ("layout", "nproc"),
-    [(TP2SP_EP2, 2), ([*TP2SP_EP2, "parallel.pp=2"], 4)],
-    ids=["tp2sp_ep2", "tp2sp_ep2_pp2"],
+    ("layout", "nproc", "order"),
+    [
+        (TP2SP_EP2, 2, (0, 1, 2, 3)),
+        ([*TP2SP_EP2, "parallel.pp=2"], 4, (0, 1, 2, 3)),
+        # DP2 with experts over EP2: each micro-batch's samples, 13 and 16 tokens, on the two
+        # ranks of the EP group, which dispatch unequal token counts.
+        (["parallel.ep=2"], 2, (0, 2, 1, 3)),
+    ],
+    ids=["tp2sp_ep2", "tp2sp_ep2_pp2", "dp2_ep2_unequal"],
 )
-def test_padding_moves_no_expert_bias(layout, nproc, family_model_dir, tmp_path):
+def test_padding_moves_no_expert_bias(layout, nproc, order, family_model_dir, tmp_path):
     """GLM-4.5's expert bias after 2 steps on samples of 13 and 16 tokens, padded differently:
     one rank pads a micro-batch to its longest sample, TP2 + SP to an even length, pipeline
-    stages every micro-batch to one shape. Padding is left out of the routers' counts (the
-    schedule passes megatron its ``padding_mask``; on stage 1 this rank's sequence share), so
-    the bias moves as one rank's, exactly."""
+    stages every micro-batch to one shape, DP2 each rank to its own sample. Padding is left out
+    of the routers' counts (the schedule passes megatron its ``padding_mask``; on stage 1 this
+    rank's sequence share), so the bias moves as one rank's, exactly."""
     model_dir = family_model_dir("glm4_moe")
-    _, want, got = _against_one_rank(model_dir, [5, 8], tmp_path, layout, nproc)
+    _, want, got = _against_one_rank(model_dir, [5, 8], tmp_path, layout, nproc, order)
     for ref, step in zip(want, got, strict=True):
         assert step["replay_followed"] == ref["replay_followed"]
         assert step["loss"] == pytest.approx(ref["loss"], abs=LOSS_ATOL)

@@ -28,6 +28,7 @@ from routereplay.errors import RouteReplayError
 from routereplay.rpc.client import RouteCacheClient
 from routereplay.rpc.ready import ReadyConsumer
 from routereplay.rpc.security import ClientSecurity, ServerSecurity
+from tests.trainer.tolerance import loss_atol
 from trainer.config import ConfigError, load_config
 from trainer.data.source import BatchPlan, FeedPlans
 from trainer.parallel.dp import DataParallel, ModelParallel
@@ -181,7 +182,8 @@ def test_two_ranks_share_one_consumer(layout, tiny_model_dir, rollout, ids_repor
         assert got["samples"] == 4  # not 8: no sample trained twice (DP) or counted twice (TP)
         for key in SAME:
             assert got[key] == want[key], key
-        assert got["loss"] == pytest.approx(want["loss"], abs=1e-6)
+        # Another layout: 2 samples of 10 generated tokens per mini-batch, groups of 4.
+        assert got["loss"] == pytest.approx(want["loss"], abs=loss_atol(20, 4, 512))
     assert cache.pending("trainer") == 0
 
 

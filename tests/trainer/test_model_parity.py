@@ -19,6 +19,7 @@ pytest.importorskip("megatron.core")
 
 from tests.conftest import OTHER_FAMILIES
 from tests.trainer.helpers import capture_routing, one_hot, random_batch
+from tests.trainer.hf_rollout import hf_routers
 from trainer.model.build import build_model
 from trainer.model.hf_config import UnsupportedConfig
 
@@ -49,11 +50,10 @@ def _hf_reference(model_dir, tokens):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     topk: dict[int, torch.Tensor] = {}
     handles = [
-        layer.mlp.gate.register_forward_hook(
+        router.register_forward_hook(
             lambda m, i, o, n=n: topk.__setitem__(n, o[2].detach().clone())
         )
-        for n, layer in enumerate(hf.model.layers)
-        if hasattr(layer.mlp, "gate")
+        for n, router in hf_routers(hf).items()
     ]
     out = []
     with torch.no_grad():

@@ -19,6 +19,7 @@ pytest.importorskip("megatron.core")
 from routereplay.domain.record_file import load_records
 from routereplay.errors import InvalidArgument
 from tests.trainer.helpers import capture_routing, one_hot
+from tests.trainer.tolerance import loss_atol
 from trainer.config import load_config
 from trainer.data.align import align_routes
 from trainer.data.source import BatchPlan, CacheSource, FileSource, Prefetcher, Sample
@@ -215,9 +216,10 @@ def test_missing_records_fail_or_train_natively(
     assert report["missing_records"] == 1
     routed = sum(r.token_ids.size - 1 for r in rollout[:4])
     assert report["rows"]["replayed"] == routed
-    # Every row with a route, and only those, went where the rollout's route says.
+    # Every row with a route, and only those, went where the rollout's route says, in the
+    # old-logprob pass and the one update pass.
     followed = report["replay_followed"]
-    assert followed["rows"] == [routed] * 3 and followed["exact"] == [1.0] * 3
+    assert followed["rows"] == [2 * routed] * 3 and followed["exact"] == [1.0] * 3
     assert report["rows"]["valid"] == routed + 4 + rollout[4].token_ids.size
 
 
@@ -276,3 +278,41 @@ def test_bf16_trainer_against_float32_rollout_replay_closes_the_gap(
     assert replayed["max_abs"] < natural["max_abs"]
     assert replayed["mean_abs"] < natural["mean_abs"]
     assert all(math.isfinite(v) for v in (report["loss"], replayed["k3_kl"]))
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
+def test_replay_followed_checks_the_records_not_the_replay_ids(
+    recompute, tiny_model_dir, rollout_file, rollout, pg_collection, monkeypatch
+):
+    """``replay_followed`` compares each router row with the record's row of its token, found
+    from the model's inputs. Every replayed pass counts: the old-logprob pass, the 2 update
+    epochs and, with activation recompute, each forward recomputed in backward. Replay ids
+    one token off the records (an alignment fault, which the routers follow faithfully: a
+    metric against the replay ids says 1.0) bring it below 1 on every layer."""
+    config = _config(
+        tiny_model_dir, rollout_file, "router_replay.mode=R3", "train.micro_batch_size=4",
+        "train.ppo_epochs=2", f"model.recompute={str(recompute).lower()}",
+    )  # fmt: skip
+    routed = sum(r.num_rows for r in rollout)
+    passes = 1 + 2 * (2 if recompute else 1)
+    report = _step(config, pg_collection, rollout)[2]
+    assert report["replay_followed"]["exact"] == [1.0] * 3
+    assert report["replay_followed"]["rows"] == [passes * routed] * 3
+
+    def shifted(batch, *args, **kwargs):
+        """Each token gets the route of the token before it (megatron's [seq, rows] order)."""
+        aligned = align_routes(batch, *args, **kwargs)
+        aligned.indices = [torch.roll(i, batch.num_rows, dims=0) for i in aligned.indices]
+        return aligned
+
+    monkeypatch.setattr("trainer.rl.step.align_routes", shifted)
+    off = _step(config, pg_collection, rollout)[2]
+    followed = off["replay_followed"]
+    print(
+        f"one token off: replay_followed {followed}, |d loss| {abs(off['loss'] - report['loss'])}"
+    )
+    assert followed["rows"] == [passes * routed] * 3
+    assert max(followed["exact"]) < 0.5, followed
+    # The layout tests' loss bound (tests/trainer/tolerance.py) catches the fault too:
+    # mini-batches of 4 samples x 10 generated tokens, groups of 4.
+    assert abs(off["loss"] - report["loss"]) > loss_atol(40, 4, 512)

@@ -22,10 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from routereplay.domain.record_file import load_records, save_records
 from tests.trainer.ranks import run_each_rank
 from tests.trainer.test_dp_train import records  # noqa: F401 (fixture)
 from tests.trainer.test_model_parity import LOGIT_ATOL
 from tests.trainer.test_multirank import _torchrun, tiny8_model_dir  # noqa: F401 (fixture)
+from tests.trainer.tolerance import LAYOUT_LOSS_ATOL
 from trainer.model.shard_weights import tp_slice
 
 pytest.importorskip("megatron.core")
@@ -91,7 +93,13 @@ def test_gated_fc1_splits_gate_and_up_each():
 # reward| 7e-9, |d gap mean| 4.5e-8. Leaving the TP gradient sum of the sequence-parallel norms,
 # routers and q/k norms out moved step 0's loss by 3.6e-6 and step 1's gap mean by 5e-4;
 # summing expert gradients over the DP group under EP2 moved them by 4e-4 and 6e-3.
-LOSS_ATOL = 5e-7
+# The loss's bound, 2.74e-6, is derived in tests/trainer/tolerance.py (2 float32 spacings of a
+# log-prob plus N - 1 roundings of the mini-batch's sum); the expected reward, a mean of
+# probabilities below 1 over the same tokens from the same logits, is held to it too.
+LOSS_ATOL = LAYOUT_LOSS_ATOL
+# The gap's mean |logp - rollout logp| moves by at most the log-probs' 2 spacings (9.5e-7) on
+# step 0; step 1 runs on weights 4 AdamW steps apart (no ratio divides that out): measured up
+# to 2.2e-6 (PP2 x VP2, AVX2 kernels). Faults above moved it by 5e-4 and 6e-3.
 GAP_ATOL = 1e-5
 # The exported weights after those 2 steps (8 AdamW steps): measured mean |diff| <= 8.4e-9, max
 # 9.5e-5 (AdamW divides by sqrt(v): rounding noise on a near-zero gradient entry becomes a step
@@ -137,15 +145,30 @@ def _exported(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def one_rank(tiny_model_dir, records, tmp_path_factory):  # noqa: F811
-    """Per mode, 2 steps on one rank (lr 1e-3: step 1 runs on weights step 0 moved): the
-    reports and the folder the run wrote into."""
+def unequal_records(records, tmp_path_factory):  # noqa: F811
+    """The 4 samples of ``records`` (13, 13, 16, 16 tokens, GRPO groups of 2) reordered 13, 16,
+    13, 16: with 2 samples per micro-batch over DP2, the two DP ranks of a micro-batch (the two
+    ranks of the EP group under EP2) hold 13 and 16 tokens and dispatch unequal token counts,
+    as real batches do. The allgather dispatcher crashed on it (gloo size mismatch)."""
+    recs = load_records(records)
+    assert [r.token_ids.size for r in recs] == [13, 13, 16, 16]
+    return save_records(tmp_path_factory.mktemp("unequal") / "rollout.npz",
+                        [recs[0], recs[2], recs[1], recs[3]])  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_model_dir, unequal_records, tmp_path_factory):
+    """Per mode, 2 steps on one rank (lr 1e-3: step 1 runs on weights step 0 moved) on
+    ``unequal_records``: the reports and the folder the run wrote into."""
     runs: dict[str, tuple[list[dict], Path]] = {}
 
     def get(mode: str) -> tuple[list[dict], Path]:
         if mode not in runs:
             report = tmp_path_factory.mktemp("one") / "r.json"
-            runs[mode] = (_trainer(tiny_model_dir, records, report, mode)[1], report.parent)
+            runs[mode] = (
+                _trainer(tiny_model_dir, unequal_records, report, mode)[1],
+                report.parent,
+            )
         return runs[mode]
 
     return get
@@ -160,12 +183,13 @@ def test_rl_steps_under_tp_and_ep_equal_one_rank(
     layout,
     mode,
     tiny_model_dir,
-    records,  # noqa: F811
+    unequal_records,
     one_rank,
     tmp_path,
 ):
     nproc, extra = RL_LAYOUTS[layout]
-    proc, got = _trainer(tiny_model_dir, records, tmp_path / "r.json", mode, *extra, nproc=nproc)
+    proc, got = _trainer(tiny_model_dir, unequal_records, tmp_path / "r.json", mode, *extra,
+                         nproc=nproc)  # fmt: skip
     assert proc.stdout.count(f"step 1 [{mode}]") == 1, proc.stdout[-3000:]  # one rank logs
     reference, reference_dir = one_rank(mode)
     assert len(got) == len(reference) == 2

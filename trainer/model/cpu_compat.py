@@ -33,6 +33,10 @@ allgather dispatcher, no expert bias; the multi-rank layouts need more, see docs
    with ``total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")``. The module's
    ``torch`` name is given a thin proxy whose ``zeros`` puts a ``device="cuda"`` tensor on the
    CPU; every other attribute is torch's own.
+7. ``transformer/utils.py``, ``get_sliding_window_causal_mask`` (imported by name into
+   ``fusions/fused_softmax.py``, whose ``forward_torch_softmax`` calls it in every
+   sliding-window layer: gpt-oss) builds its mask with ``device="cuda"``; the same mask is
+   built on the CPU instead.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ def apply() -> bool:
     _patch_router_gemm()
     _patch_aux_loss_tracker()
     _patch_schedules_token_counter()
+    _patch_sliding_window_mask()
     _APPLIED = True
     return True
 
@@ -196,3 +201,19 @@ def _patch_schedules_token_counter() -> None:
     # total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda") in every schedule.
     if not isinstance(schedules.torch, _CpuZerosTorch):
         schedules.torch = _CpuZerosTorch()
+
+
+def sliding_window_mask(sq: int, skv: int, window_size: tuple[int, int]) -> torch.Tensor:
+    """megatron's sliding-window causal mask on the CPU: ``[sq, skv]`` bool, True where query
+    ``i`` (at key position ``i + skv - sq``) may not see key ``j``: more than ``window_size[0]``
+    before it or more than ``window_size[1]`` after it."""
+    query = torch.arange(sq)[:, None] + (skv - sq)
+    key = torch.arange(skv)[None, :]
+    return (key < query - window_size[0]) | (key > query + window_size[1])
+
+
+def _patch_sliding_window_mask() -> None:
+    from megatron.core.fusions import fused_softmax
+
+    # fused_softmax.py: `from megatron.core.transformer.utils import ...` (a name of its own).
+    fused_softmax.get_sliding_window_causal_mask = sliding_window_mask

@@ -42,23 +42,50 @@ def num_experts(config: dict[str, Any]) -> int:
     return model_geometry(config).num_experts
 
 
+# YaRN's rope parameters, as transformers names them.
+_YARN_KEYS = {"factor", "beta_fast", "beta_slow", "truncate", "original_max_position_embeddings"}
+
+
 def rope_theta(config: dict[str, Any]) -> float:
-    """The rotary base, from ``rope_parameters`` (transformers 5) or the top level (4.x)."""
-    theta = rope_parameters(config).get("rope_theta")
-    if theta is None:
-        raise UnsupportedConfig("config.json lacks rope_theta")
-    return float(theta)
-
-
-def _refuse_rope_scaling(config: dict[str, Any]) -> None:
-    """Families without ``rope_scaling``: plain rope only (and a partial rotary factor)."""
+    """The rotary base, from ``rope_parameters`` (transformers 5) or the top level (4.x);
+    refuses rope types and keys the family does not map."""
+    family = family_of(config)
     params = rope_parameters(config)
-    unknown = set(params) - {"rope_type", "rope_theta", "partial_rotary_factor"}
     rope_type = params["rope_type"]
-    if rope_type != "default":
-        raise UnsupportedConfig(f"rope scaling {rope_type!r} is not mapped to megatron yet")
+    allowed = {"rope_type", "rope_theta", "partial_rotary_factor"}
+    if rope_type == "yarn":
+        allowed |= _YARN_KEYS | family.rope_keys
+    unknown = set(params) - allowed
     if unknown:
         raise UnsupportedConfig(f"rope_parameters keys {sorted(unknown)} are not mapped")
+    if rope_type not in family.rope_types:
+        raise UnsupportedConfig(f"rope scaling {rope_type!r} is not mapped to megatron yet")
+    return float(_get(params, "rope_theta"))
+
+
+def yarn_attributes(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``yarn_*`` attributes megatron's YaRN rotary reads from the ``TransformerConfig``
+    (None without YaRN).
+
+    ``GPTModel(position_embedding_type="yarn")`` reads them with ``getattr`` from the config,
+    but megatron-core 0.16.1 declares them on ``MLATransformerConfig`` only: a plain
+    ``TransformerConfig`` raises ``AttributeError: yarn_rotary_scaling_factor``. The
+    attention applies YaRN's softmax scale (``0.1 ln(factor) + 1``, squared) itself.
+    """
+    params = rope_parameters(config)
+    if params["rope_type"] != "yarn":
+        return None
+    return dict(
+        yarn_rotary_scaling_factor=float(params["factor"]),
+        yarn_original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        yarn_beta_fast=float(params.get("beta_fast", 32.0)),
+        yarn_beta_slow=float(params.get("beta_slow", 1.0)),
+        # transformers' default attention factor: mscale 1 over mscale_all_dim 0.
+        yarn_mscale=1.0,
+        yarn_mscale_all_dim=0.0,
+        # transformers' truncate (default True) rounds the correction range to integers.
+        yarn_correction_range_round_to_int=bool(params.get("truncate", True)),
+    )
 
 
 def model_geometry(config: dict[str, Any], model_id: str = "") -> Geometry:
@@ -92,8 +119,11 @@ def check_supported(config: dict[str, Any]) -> Family:
         )
     if config.get("use_sliding_window"):
         raise UnsupportedConfig("sliding_window: sliding-window attention is not mapped")
-    if any(t != "full_attention" for t in config.get("layer_types") or []):
+    if not family.sliding_window and any(
+        t != "full_attention" for t in config.get("layer_types") or []
+    ):
         raise UnsupportedConfig("layer_types: only full_attention layers are mapped to megatron")
+    # gpt-oss's config says silu too: its experts' clamped SwiGLU is its family's activation.
     if config.get("hidden_act", "silu") != "silu":
         raise UnsupportedConfig(f"hidden_act {config['hidden_act']!r}; only silu is mapped")
     if config.get("router_jitter_noise"):
@@ -102,9 +132,7 @@ def check_supported(config: dict[str, Any]) -> Family:
         raise UnsupportedConfig(
             "num_nextn_predict_layers: multi-token-prediction layers are not mapped to megatron"
         )
-    rope_theta(config)
-    if not family.rope_scaling:
-        _refuse_rope_scaling(config)
+    rope_theta(config)  # refuses rope types and keys the family does not map
     if not family.partial_rotary and _partial_rotary(config) != 1.0:
         raise UnsupportedConfig(f"partial_rotary_factor is not mapped for {family.model_type}")
     family.refuse(config)
@@ -126,12 +154,13 @@ class GPTModelArgs:
     rotary_base: float
     rotary_percent: float  # the share of each head that is rotated (GLM-4.5: 0.5)
     share_embeddings_and_output_weights: bool
+    position_embedding_type: str = "rope"  # "yarn": YaRN-scaled rope (gpt-oss)
 
     def as_kwargs(self) -> dict[str, Any]:
         return {
             "vocab_size": self.vocab_size,
             "max_sequence_length": self.max_sequence_length,
-            "position_embedding_type": "rope",
+            "position_embedding_type": self.position_embedding_type,
             "rotary_base": self.rotary_base,
             "rotary_percent": self.rotary_percent,
             "share_embeddings_and_output_weights": self.share_embeddings_and_output_weights,
@@ -139,12 +168,18 @@ class GPTModelArgs:
 
 
 def gpt_model_args(config: dict[str, Any]) -> GPTModelArgs:
+    # Latent attention rotates inside MLASelfAttention (its own YaRN): GPTModel builds no
+    # rotary for it with "rope", and one MLA would refuse with "yarn".
+    yarn = yarn_attributes(config) is not None and not family_fields(config).get(
+        "multi_latent_attention"
+    )
     return GPTModelArgs(
         vocab_size=int(config["vocab_size"]),
         max_sequence_length=int(config.get("max_position_embeddings") or 4096),
         rotary_base=rope_theta(config),
         rotary_percent=_partial_rotary(config),
         share_embeddings_and_output_weights=bool(config.get("tie_word_embeddings", False)),
+        position_embedding_type="yarn" if yarn else "rope",
     )
 
 
@@ -183,9 +218,9 @@ def transformer_config(
         normalization="RMSNorm",
         layernorm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
         gated_linear_unit=True,
-        activation_func=F.silu,
-        # Biases on the MLPs and the output projection: none in any family (megatron's expert
-        # bias path also needs add_bias_linear=False on the CPU).
+        activation_func=_activation(check_supported(config).activation),
+        # Biases on the MLPs, router and output projection: only gpt-oss has them (its family
+        # sets this; megatron's expert bias path needs megatron_fixes' out-of-place add).
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=float(config.get("attention_dropout") or 0.0),
@@ -208,8 +243,22 @@ def transformer_config(
     fields.update(family_fields(config))
     fields.update(overrides)
     if fields.get("multi_latent_attention"):
+        # MLA's own YaRN fields come with the family's (mla_fields).
         return MLATransformerConfig(**fields)
-    return TransformerConfig(**fields)
+    transformer = TransformerConfig(**fields)
+    for name, value in (yarn_attributes(config) or {}).items():
+        setattr(transformer, name, value)
+    return transformer
+
+
+def _activation(name: str):
+    if name == "silu":
+        return F.silu
+    if name == "quick_gelu":  # x * sigmoid(1.702 x): gpt-oss's SwiGLU gate
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        return quick_gelu
+    raise UnsupportedConfig(f"activation {name!r} is not mapped")
 
 
 def family_fields(config: dict[str, Any]) -> dict[str, Any]:

@@ -27,6 +27,13 @@ Names per decoder layer ``L`` (megatron left, Hugging Face right, ``model.layers
   ``mlp.shared_expert.*`` (Qwen2-MoE) or ``mlp.shared_experts.*`` (GLM-4.5);
   ``mlp.shared_experts.gate_weight`` = ``mlp.shared_expert_gate.weight`` (Qwen2-MoE)
 - expert bias (GLM-4.5): ``mlp.router.expert_bias`` = ``mlp.gate.e_score_correction_bias``
+- gpt-oss: the router is ``mlp.router`` (weight and bias); ``self_attention.linear_proj.bias`` =
+  ``self_attn.o_proj.bias``; ``self_attention.core_attention.softmax_offset`` (megatron's
+  learnable softmax offset) = ``self_attn.sinks``; its experts are stored fused:
+  ``mlp.experts.gate_up_proj[E]`` ``[H, 2I]`` (applied as ``x @ W``, gate and up columns
+  interleaved) is expert ``E``'s ``linear_fc1.weight`` ``[gate rows; up rows]`` transposed and
+  de-interleaved, ``gate_up_proj_bias[E]`` its bias the same way, ``down_proj[E]`` ``[I, H]``
+  its ``linear_fc2.weight`` transposed and ``down_proj_bias[E]`` its bias
 
 Outside the layers: ``embedding.word_embeddings`` = ``model.embed_tokens``,
 ``decoder.final_layernorm`` = ``model.norm``, ``output_layer`` = ``lm_head`` (absent when tied).
@@ -118,6 +125,12 @@ def _renamed(config: dict[str, Any]) -> list[tuple[str, str]]:
             (mg + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight"),
             (mg + "self_attention.linear_proj.weight", hf + "self_attn.o_proj.weight"),
         ]
+        if fields.get("add_bias_linear"):
+            pairs.append((mg + "self_attention.linear_proj.bias", hf + "self_attn.o_proj.bias"))
+        if fields.get("softmax_type") == "learnable":
+            pairs.append(
+                (mg + "self_attention.core_attention.softmax_offset", hf + "self_attn.sinks")
+            )
         if fields.get("multi_latent_attention"):
             pairs += _latent_attention(mg + "self_attention.", hf + "self_attn.", fields)
         elif fields["qk_layernorm"]:
@@ -126,7 +139,10 @@ def _renamed(config: dict[str, Any]) -> list[tuple[str, str]]:
                 (mg + "self_attention.k_layernorm.weight", hf + "self_attn.k_norm.weight"),
             ]
         if is_moe:
-            pairs.append((mg + "mlp.router.weight", hf + names.moe + "gate.weight"))
+            router = f"{hf}{names.moe}{names.router}."
+            pairs.append((mg + "mlp.router.weight", router + "weight"))
+            if fields.get("add_bias_linear"):
+                pairs.append((mg + "mlp.router.bias", router + "bias"))
             if fields.get("moe_router_enable_expert_bias"):
                 pairs.append(
                     (mg + "mlp.router.expert_bias", hf + names.moe + "gate.e_score_correction_bias")
@@ -163,15 +179,62 @@ def _mlps(config: dict[str, Any]) -> list[tuple[str, str, tuple[str, str, str]]]
     prefixes = []
     for layer, is_moe in enumerate(moe_layer_pattern(config)):
         mg, hf = f"decoder.layers.{layer}.mlp.", f"model.layers.{layer}."
-        if is_moe:
+        if is_moe and not names.fused_experts:
             # Checkpoints store experts one by one on disk.
             prefixes += [(f"{mg}experts.local_experts.{e}.", f"{hf}{names.moe}experts.{e}.",
                           names.expert_proj) for e in range(num_experts(config))]  # fmt: skip
             if shared:
                 prefixes.append((f"{mg}shared_experts.", hf + names.shared, DENSE_PROJ))
-        else:
+        elif not is_moe:
             prefixes.append((mg, hf + "mlp.", DENSE_PROJ))
     return prefixes
+
+
+def _fused_experts(config: dict[str, Any]) -> list[tuple[str, str]]:
+    """(megatron prefix of a layer's experts, Hugging Face prefix of its fused expert tensors)
+    for every MoE layer of a family storing its experts fused (gpt-oss); empty otherwise."""
+    names = check_supported(config).weights
+    if not names.fused_experts:
+        return []
+    return [(f"decoder.layers.{layer}.mlp.experts.local_experts.",
+             f"model.layers.{layer}.{names.moe}experts.")
+            for layer, is_moe in enumerate(moe_layer_pattern(config)) if is_moe]  # fmt: skip
+
+
+def _deinterleave(gate_up: torch.Tensor) -> torch.Tensor:
+    """``[..., 2I]`` with gate and up interleaved -> ``[gate; up]`` along the last dim."""
+    return torch.cat([gate_up[..., ::2], gate_up[..., 1::2]], dim=-1)
+
+
+def _interleave(fc1: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``_deinterleave``."""
+    gate, up = fc1.chunk(2, dim=-1)
+    return torch.stack([gate, up], dim=-1).flatten(-2)
+
+
+def _fused_to_megatron(hf, config, out) -> None:
+    for mg, name in _fused_experts(config):
+        gate_up, gate_up_bias = hf[name + "gate_up_proj"], hf[name + "gate_up_proj_bias"]
+        down, down_bias = hf[name + "down_proj"], hf[name + "down_proj_bias"]
+        for e in range(gate_up.shape[0]):
+            out[f"{mg}{e}.linear_fc1.weight"] = _deinterleave(gate_up[e]).T
+            out[f"{mg}{e}.linear_fc1.bias"] = _deinterleave(gate_up_bias[e])
+            out[f"{mg}{e}.linear_fc2.weight"] = down[e].T
+            out[f"{mg}{e}.linear_fc2.bias"] = down_bias[e]
+
+
+def _fused_to_hf(mg, config, out) -> None:
+    experts = range(num_experts(config))
+    for name, hf in _fused_experts(config):
+        out[hf + "gate_up_proj"] = torch.stack(
+            [_interleave(mg[f"{name}{e}.linear_fc1.weight"].T) for e in experts]
+        )
+        out[hf + "gate_up_proj_bias"] = torch.stack(
+            [_interleave(mg[f"{name}{e}.linear_fc1.bias"]) for e in experts]
+        )
+        fc2 = [f"{name}{e}.linear_fc2." for e in experts]
+        out[hf + "down_proj"] = torch.stack([mg[n + "weight"].T for n in fc2])
+        out[hf + "down_proj_bias"] = torch.stack([mg[n + "bias"] for n in fc2])
 
 
 def _layers(config: dict[str, Any]) -> list[tuple[str, str]]:
@@ -205,6 +268,7 @@ def hf_to_megatron(
         out[mg + "linear_fc1.weight"] = torch.cat(
             [hf[f"{name}{gate}.weight"], hf[f"{name}{up}.weight"]], dim=0
         )
+    _fused_to_megatron(hf, config, out)
     return out
 
 
@@ -257,4 +321,5 @@ def megatron_to_hf(
     for name, hf, (gate_name, up_name, _) in _mlps(config):
         gate, up = mg[name + "linear_fc1.weight"].chunk(2, dim=0)
         out[f"{hf}{gate_name}.weight"], out[f"{hf}{up_name}.weight"] = gate, up
+    _fused_to_hf(mg, config, out)
     return {name: t.detach().contiguous() for name, t in out.items()}

@@ -188,7 +188,7 @@ class RouterReplayControl:
             r.replay.observer = lambda natural, slot=slot: slot.__setitem__("natural", natural)
 
             def used(module, args, output, slot=slot, k=r.router.topk):
-                slot["used"] = output[1].detach().float().topk(k, dim=-1).indices
+                slot["used"] = routed_experts(output, k)
 
             handles.append(r.router.register_forward_hook(used))
         try:
@@ -196,6 +196,25 @@ class RouterReplayControl:
         finally:
             for r, handle in zip(self.routers, handles, strict=True):
                 r.replay.observer = None
+                handle.remove()
+
+    @contextlib.contextmanager
+    def observe_calls(self, into: dict[int, list[torch.Tensor]]) -> Iterator[None]:
+        """Keep, per router (by global layer), the experts its routing map used on every call
+        inside the block, in call order (``into[layer]``: int64 ``[tokens, topk]`` each): the
+        recomputed forwards of a backward."""
+        handles = []
+        for r in self.routers:
+            calls = into.setdefault(r.layer, [])
+
+            def used(module, args, output, calls=calls, k=r.router.topk):
+                calls.append(routed_experts(output, k))
+
+            handles.append(r.router.register_forward_hook(used))
+        try:
+            yield
+        finally:
+            for handle in handles:
                 handle.remove()
 
     def clear(self) -> None:
@@ -212,6 +231,12 @@ class RouterReplayControl:
             yield self
         finally:
             self.clear()
+
+
+def routed_experts(output, topk: int) -> torch.Tensor:
+    """int64 ``[tokens, topk]``: the experts a router's output ``(probs, routing_map)`` sends
+    each token to (its routing map's True entries)."""
+    return output[1].detach().float().topk(topk, dim=-1).indices
 
 
 def install(routers: Sequence[ReplayRouter]) -> RouterReplayControl:

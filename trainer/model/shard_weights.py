@@ -18,6 +18,10 @@ megatron's own metadata, so the rules stay megatron's:
   used: megatron sets them only when it initialises the weight, and a loaded model skips
   that. ``local_weights`` sets them, as initialisation would.)
 
+Biases follow their layer: a column-parallel layer's is split like its rows, a row-parallel
+layer's is whole on every rank (added after the reduction). gpt-oss's sinks
+(``core_attention.softmax_offset``, one per query head) are split like the heads.
+
 Two layouts need care. ``linear_qkv``'s rows are grouped per query group (its query heads, its
 key head, its value head), so a contiguous slice is whole query groups, which is what each TP
 rank computes. ``linear_fc1`` of a gated MLP is ``[gate; up]``, and each rank holds
@@ -71,6 +75,20 @@ def partition_dim(module: torch.nn.Module) -> int | None:
     return None
 
 
+def tp_dim(owner: torch.nn.Module, name: str) -> int | None:
+    """The dimension TP splits parameter ``name`` of ``owner`` along (None: replicated)."""
+    if name.endswith("softmax_offset"):
+        return 0  # per query head, and each TP rank holds whole query groups
+    dim = partition_dim(owner)
+    if dim == 1 and name.endswith(".bias"):
+        return None  # a row-parallel layer's bias is added after the reduction
+    return dim
+
+
+def _gated(gated: bool, name: str) -> bool:
+    return gated and name.endswith(("linear_fc1.weight", "linear_fc1.bias"))
+
+
 def tp_slice(full: torch.Tensor, dim: int | None, rank: int, size: int, *, gated: bool):
     """TP rank ``rank`` of ``size``'s slice of ``full`` along ``dim`` (None: all of it);
     ``gated``: fc1 of a gated MLP, whose gate and up halves are split each."""
@@ -113,11 +131,10 @@ def local_weights(
         if source not in full:
             raise UnsupportedConfig(f"megatron parameter {name} ({source}) has no source weight")
         owner = model.get_submodule(name.rpartition(".")[0])
-        dim = partition_dim(owner)
+        dim = tp_dim(owner, name)
         group = owner.tp_group if dim is not None else None
         rank, size = (group.rank(), group.size()) if group is not None else (0, 1)
-        fc1 = gated and name.endswith("linear_fc1.weight")
-        tensor = tp_slice(full[source], dim, rank, size, gated=fc1)
+        tensor = tp_slice(full[source], dim, rank, size, gated=_gated(gated, name))
         if tensor.shape != param.shape:
             raise UnsupportedConfig(
                 f"{name} ({source}): TP rank {rank} of {size} gets {tuple(tensor.shape)} from "
@@ -151,10 +168,10 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if name.endswith("_extra_state") or (tied and name == "output_layer.weight"):
             continue
         owner = model.get_submodule(name.rpartition(".")[0])
-        dim = partition_dim(owner)
+        dim = tp_dim(owner, name)
         if dim is not None and owner.tp_group.size() > 1:
             parts = _all_gather(tensor, owner.tp_group)
-            if gated and name.endswith("linear_fc1.weight"):
+            if _gated(gated, name):
                 halves = [torch.cat([p.chunk(2, dim)[h] for p in parts], dim) for h in (0, 1)]
                 tensor = torch.cat(halves, dim)
             else:

@@ -194,7 +194,11 @@ class DataParallel:
 
 def _tp_partial(name: str, param: torch.Tensor) -> bool:
     """Whether each TP rank holds a partial gradient of this replicated parameter: it saw only
-    its sequence shard (sequence-parallel norms and routers) or its heads (q/k norms)."""
+    its sequence shard (sequence-parallel norms, routers, row-parallel biases) or its heads
+    (q/k norms). Not experts' (gpt-oss's fc2 bias is marked ``sequence_parallel`` by megatron,
+    but experts see every token routed to them, gathered from all ranks)."""
+    if ".mlp.experts." in name:
+        return False
     return getattr(param, "sequence_parallel", False) or name.endswith(
         ("q_layernorm.weight", "k_layernorm.weight")
     )

@@ -177,6 +177,12 @@ def model_overrides(layout: Layout) -> dict:
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
     )
+    if layout.ep > 1:
+        # The EP group spans DP ranks, each with its own samples, so each rank dispatches its
+        # own number of tokens: the allgather dispatcher gathers equal shapes over the TP x EP
+        # group (gloo: "Received data size doesn't match" on 13 against 16 tokens); alltoall
+        # exchanges per-expert split sizes first (the CPU patch above makes them lists).
+        out["moe_token_dispatcher_type"] = "alltoall"
     if layout.vp is not None:
         out["virtual_pipeline_model_parallel_size"] = layout.vp
     if layout.pp > 1:

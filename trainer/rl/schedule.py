@@ -45,19 +45,25 @@ last stage computes per micro-batch. The loss is the micro-batch's share of the 
 
 
 @contextlib.contextmanager
-def replay_backward(control: RouterReplayControl) -> Iterator[None]:
+def replay_backward(
+    control: RouterReplayControl, recomputed: dict[int, list[torch.Tensor]] | None = None
+) -> Iterator[None]:
     """Run megatron's schedules with every ``backward_step`` under ``control.backward()``
-    (restored on exit; not re-entrant).
+    (restored on exit; not re-entrant); ``recomputed`` gets what each router used in every
+    call inside a backward (``RouterReplayControl.observe_calls``).
 
     Only for a pass whose forward steps all replay (ids loaded for every micro-batch): a
     recompute under ``REPLAY_BACKWARD`` with nothing queued fails (empty FIFO)."""
     from megatron.core.pipeline_parallel import schedules
 
     original = schedules.backward_step
+    observe = contextlib.nullcontext
+    if recomputed is not None:
+        observe = functools.partial(control.observe_calls, recomputed)
 
     @functools.wraps(original)
     def backward_step(*args, **kwargs):
-        with control.backward():
+        with control.backward(), observe():
             return original(*args, **kwargs)
 
     schedules.backward_step = backward_step
@@ -76,10 +82,15 @@ class PassResult:
             group).
         routes: Per micro-batch, per router of this rank (by global layer), what it did on this
             rank's rows (``RouterReplayControl.observe``); empty when not observed.
+        recomputed: Per router of this rank (by global layer), the experts its routing map
+            used in each call recomputed in backward (activation recompute), in call order:
+            each chunk recomputes its micro-batches in forward order, so call m is micro-batch
+            m. Empty without recompute, or when not observed or not replayed.
     """
 
     outputs: list[dict] = field(default_factory=list)
     routes: list[dict[int, dict[str, torch.Tensor]]] = field(default_factory=list)
+    recomputed: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
 
 class Schedule:
@@ -169,7 +180,9 @@ class Schedule:
         replaying = per_chunk is not None and not forward_only
         grad = torch.no_grad() if forward_only else contextlib.nullcontext()
         scope = built.replay.step() if built.replay is not None else contextlib.nullcontext()
-        backward = replay_backward(built.replay) if replaying else contextlib.nullcontext()
+        backward = contextlib.nullcontext()
+        if replaying:
+            backward = replay_backward(built.replay, result.recomputed if observe else None)
         with scope, backward, grad:
             self.func(
                 forward_step_func=forward_step,

@@ -26,9 +26,12 @@ Routing agreement is measured on the natural pass (the old-logprob pass in disab
 the comparison pass in R3; without a comparison pass in R3, megatron's natural top-k in the
 replayed pass). In each update pass, the routers' natural top-k is compared with the routes
 of the old-logprob pass (``update_agreement``): with replay the routes used stay those,
-whatever the optimizer did to the routers; ``disabled`` follows the drift. In R3 the
-old-logprob pass also checks that replay happened: the experts each router's routing map sent
-a token to are compared with the rollout's route for that token (``replay_followed``).
+whatever the optimizer did to the routers; ``disabled`` follows the drift. R3 also checks
+that replay happened: the experts each router's routing map sent a token to are compared with
+the record's row of that token, in every replayed pass (old log-probs, updates, recomputes in
+backward): ``replay_followed``. The record's row is found from the model's own inputs (sample
+and position id of each token, cut as megatron cuts the embeddings), not from the replay ids,
+so an alignment or resharding fault lowers it.
 Counts are taken where the routers run, on each rank's rows and layers, and summed over every
 rank: each (row, layer) lives on exactly one rank of a data-parallel rank's model group.
 
@@ -62,7 +65,14 @@ from trainer.data.source import FetchedBatch
 from trainer.model.build import TrainerModel
 from trainer.model.replay import MASKED
 from trainer.parallel.dp import SINGLE, DataParallel
-from trainer.reshard import Layout, LayoutError, dynamic_microbatches, padded_length, shard_padded
+from trainer.reshard import (
+    Layout,
+    LayoutError,
+    cp_index,
+    dynamic_microbatches,
+    padded_length,
+    shard_padded,
+)
 from trainer.rl import metrics, objective
 from trainer.rl.schedule import Schedule
 
@@ -203,6 +213,44 @@ class RLStep:
         ok[:, :-1] = (seg[:, :-1] >= 0) & (seg[:, :-1] == seg[:, 1:])
         return self._shard(batch, ok.T.reshape(-1))
 
+    def _megatron_share(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a ``[seq, rows, ...]`` tensor as megatron cuts the tokens:
+        its sequence-parallel split of the embeddings (``scatter_to_sequence_parallel_region``,
+        along seq) after the context-parallel chunks (cut before the model, as the tokens
+        are: ``cp_index``; CP needs TransformerEngine, so that path does not run here)."""
+        if self.mp is None:
+            return x
+        if self.layout.cp > 1:
+            x = x[torch.from_numpy(cp_index(x.shape[0], self.layout.cp, self.mp.coords.cp_rank))]
+        if self.layout.sequence_parallel and self.layout.tp > 1:
+            from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+            x = scatter_to_sequence_parallel_region(x, group=self.mp.tp_group)
+        return x
+
+    def _recorded(self, mb: objective.MicroBatch) -> dict[int, torch.Tensor]:
+        """Per router of this rank, the record's route of each of its rows (``MASKED``: none)."""
+        layers = [r.layer for r in self.built.routers]
+        return metrics.recorded_routes(mb.batch, mb.records, layers, self._megatron_share)
+
+    def _followed(self, result, recorded: list[dict[int, torch.Tensor]]) -> np.ndarray:
+        """``_counts`` of what the routing maps used in a replayed pass (each forward, and
+        each forward recomputed in backward) against the records' routes."""
+        out = np.zeros((len(self.columns), 3), np.int64)
+        for routes, reference in zip(result.routes, recorded, strict=True):
+            out += self._counts(routes, reference, "used")
+        for layer, calls in result.recomputed.items():
+            if not calls:  # no activation recompute
+                continue
+            if len(calls) != len(recorded):
+                raise RuntimeError(
+                    f"layer {layer}: {len(calls)} recomputed router calls for "
+                    f"{len(recorded)} micro-batches"
+                )
+            for used, reference in zip(calls, recorded, strict=True):
+                out += self._counts({layer: {"used": used}}, {layer: reference[layer]}, "used")
+        return out
+
     def _rollout_ids(self, mb: objective.MicroBatch) -> tuple[list[torch.Tensor], int]:
         """This rank's replay ids of the rollout's routes (per router) and the micro-batch's
         replayed rows (all ranks' rows, one layer)."""
@@ -266,6 +314,9 @@ class RLStep:
         batches = [mb.batch for mb in mbs]
         # The rollout's routes: replayed, or the reference of the routing agreement.
         rollout = [self._rollout_ids(mb) for mb in mbs]
+        # replay_followed's reference: each router row's record route, found from the model's
+        # inputs (not from the replay ids above), so a wrong alignment or cut shows.
+        recorded = [self._recorded(mb) for mb in mbs] if self.mode is ReplayMode.R3 else []
         lap("align")
 
         # Old-logprob pass.
@@ -288,9 +339,8 @@ class RLStep:
         ] if old else []  # fmt: skip
         followed = np.zeros((len(self.columns), 3), np.int64)
         natural_routes = old.routes if old else []
-        if passes.old is Routing.ROLLOUT:
-            for mb, (ids, _) in zip(old.routes, rollout, strict=True):
-                followed += self._counts(mb, self._by_layer(ids), "used")
+        if passes.old is Routing.ROLLOUT and old:
+            followed += self._followed(old, recorded)
         lap("old_logprob")
 
         # Comparison pass: the other routing, same weights, same step.
@@ -310,7 +360,6 @@ class RLStep:
         for routes, (ids, _) in zip(natural_routes, rollout, strict=True):
             agree += self._counts(routes, self._by_layer(ids), "natural")
         agree = self._world_sum(agree)
-        followed = self._world_sum(followed)
         if passes.update is Routing.ROLLOUT:
             update_ids = [self._by_layer(ids) for ids, _ in rollout]
             replayed = sum(n for _, n in rollout)
@@ -337,6 +386,8 @@ class RLStep:
                     clips.append(sum(float(o["clip"]) for o in result.outputs))
                     for m, routes in enumerate(result.routes):
                         counts += self._counts(routes, update_ids[lo + m], "natural")
+                    if passes.update is Routing.ROLLOUT:
+                        followed += self._followed(result, recorded[lo : lo + len(mini)])
                 else:  # no samples here: zero gradients into the sums
                     losses.append(0.0)
                     clips.append(0.0)
@@ -373,7 +424,7 @@ class RLStep:
             "agreement": self._agreement(agree),
         }
         if self.mode is ReplayMode.R3:
-            report["replay_followed"] = self._replay_followed(followed)
+            report["replay_followed"] = self._replay_followed(self._world_sum(followed))
         report.update(
             step=step,
             mode=self.mode.value,
@@ -496,8 +547,10 @@ class RLStep:
         }
 
     def _replay_followed(self, totals: np.ndarray) -> dict:
-        """Per MoE layer, the fraction of rows with a rollout route whose experts, as megatron's
-        routing map sent them, are exactly the rollout's (every rank's rows summed)."""
+        """Per MoE layer, the fraction of router rows with a recorded route whose experts, as
+        megatron's routing map sent them, are exactly the record's row for that token: over
+        every replayed pass (old log-probs, each update pass, each recompute in backward) and
+        every rank's rows; ``rows``: the rows compared, summed over those passes."""
         return {
             "layers": list(self.built.geometry.moe_layers),
             "exact": [float(same / rows) if rows else 1.0 for same, _, rows in totals],

@@ -1,0 +1,120 @@
+"""A fault-injecting TCP proxy on loopback: it stands in for the network between a service and
+Redis, because these machines have no kernel netem (``tc qdisc ... netem`` is unknown here) and
+no Toxiproxy server.
+
+Every byte goes through a userspace relay, so the proxy can delay data (a slow or congested
+link) and drop connections (an abrupt reset of every open connection, then refusing new ones
+for a while: a link that is down). Used by the fault run (``benchmarks/bench_faults.py``); not
+for production.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import struct
+import threading
+import time
+
+_CHUNK = 256 * 1024
+
+
+class FaultProxy:
+    """Listens on ``127.0.0.1:port`` and relays each connection to ``upstream_port``.
+
+    Args:
+        upstream_port: the real server's loopback port.
+        port: the port to listen on (0: a free one; read it from ``port`` after ``start``).
+
+    Faults, applied while the proxy runs:
+        ``delay_s``: each chunk of data, either way, waits this long before it is passed on.
+        ``drop(seconds)``: reset every open connection now and refuse new ones for ``seconds``.
+    """
+
+    def __init__(self, upstream_port: int, port: int = 0):
+        self.upstream_port = upstream_port
+        self.delay_s = 0.0
+        self._refuse_until = 0.0
+        self._listener = socket.create_server(("127.0.0.1", port), backlog=128)
+        self.port = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+        self._closed = threading.Event()
+        self.dropped = 0  # connections reset by ``drop``
+
+    def start(self) -> FaultProxy:
+        threading.Thread(target=self._accept, daemon=True, name=f"proxy-{self.port}").start()
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+        self._reset_all()
+
+    def drop(self, seconds: float) -> None:
+        """Reset every open connection (RST, as a dead link's peer sees it eventually) and
+        refuse new connections for ``seconds``."""
+        self._refuse_until = time.monotonic() + seconds
+        self.dropped += self._reset_all()
+
+    def _reset_all(self) -> int:
+        with self._lock:
+            sockets, self._open = list(self._open), set()
+        for sock in sockets:
+            _reset(sock)
+        return len(sockets) // 2
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            if time.monotonic() < self._refuse_until:
+                _reset(client)
+                continue
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=2)
+            except OSError:  # the server is down: the client sees a reset, as it would
+                _reset(client)
+                continue
+            upstream.settimeout(None)
+            # Small writes go out at once, as they do between the real ends (Redis and its
+            # clients set TCP_NODELAY): Nagle's algorithm here would add ~40 ms round trips.
+            for sock in (client, upstream):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._open |= {client, upstream}
+            threading.Thread(target=self._relay, args=(client, upstream), daemon=True).start()
+
+    def _relay(self, a: socket.socket, b: socket.socket) -> None:
+        """Pass data both ways until either side closes or is reset."""
+        peer = {a: b, b: a}
+        try:
+            while True:
+                readable, _, _ = select.select([a, b], [], [], 1.0)
+                if self._closed.is_set():
+                    return
+                for sock in readable:
+                    data = sock.recv(_CHUNK)
+                    if not data:
+                        return
+                    if self.delay_s:
+                        time.sleep(self.delay_s)
+                    peer[sock].sendall(data)
+        except (OSError, ValueError):  # reset by ``drop``, or by either end
+            return
+        finally:
+            with self._lock:
+                self._open -= {a, b}
+            for sock in (a, b):
+                with contextlib.suppress(OSError):
+                    sock.close()
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close with an RST rather than a FIN (SO_LINGER with a zero time-out)."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
