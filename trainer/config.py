@@ -92,6 +92,10 @@ class ModelConfig:
     # > 0: megatron's load-balancing aux loss (``aux_loss``) with this coefficient; it is
     # computed from the routers' natural top-k even under replay.
     aux_loss_coeff: float = 0.0
+    # Leave the checkpoint's multi-token-prediction layers (DeepSeek-V3's
+    # num_nextn_predict_layers) out of the trained model; exports carry them over unchanged.
+    # False refuses such checkpoints (megatron's MTP block returns a loss, not logits).
+    drop_mtp_layers: bool = True
 
 
 @dataclass

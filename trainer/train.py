@@ -80,6 +80,7 @@ def build(config: TrainerConfig, pg_collection=None) -> tuple[TrainerModel, Adam
         routing_replay=True,
         pg_collection=pg_collection,
         model_id=config.model.model_id or None,
+        drop_mtp_layers=config.model.drop_mtp_layers,
         **overrides,
     )
     return built, AdamW(built.model, config.train.lr, config.train.weight_decay)

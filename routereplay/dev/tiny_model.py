@@ -189,7 +189,40 @@ def build_tiny_model(
         torch.random.set_rng_state(generator_state)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    _add_mtp_layers(out, config, seed)
     return out
+
+
+def _add_mtp_layers(out: Path, config, seed: int) -> None:
+    """Write the multi-token-prediction layers a DeepSeek-V3 checkpoint has after its decoder
+    layers, which transformers neither builds nor saves: ``model.layers.{N + i}`` with
+    DeepSeek-V3's names (a decoder layer's tensors plus ``enorm``, ``hnorm``, ``eh_proj``,
+    ``shared_head.norm``, ``shared_head.head`` and ``embed_tokens``). Random, from ``seed``:
+    the last decoder layer's tensors plus noise (std 0.01), so that a router reading them in
+    place of a decoder layer's routes differently."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    count = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+    if not count:
+        return
+    path = out / "model.safetensors"
+    state = load_file(str(path))
+    last, hidden = config.num_hidden_layers - 1, config.hidden_size
+    generator = torch.Generator().manual_seed(seed + 1)
+    template = {name[len(f"model.layers.{last}.") :]: t for name, t in state.items()
+                if name.startswith(f"model.layers.{last}.")}  # fmt: skip
+    for i in range(count):
+        prefix = f"model.layers.{config.num_hidden_layers + i}."
+        for name, t in template.items():
+            state[prefix + name] = t + 0.01 * torch.randn(t.shape, generator=generator)
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            state[f"{prefix}{norm}.weight"] = torch.ones(hidden)
+        eh_proj = torch.randn(hidden, 2 * hidden, generator=generator)
+        state[prefix + "eh_proj.weight"] = 0.02 * eh_proj
+        state[prefix + "shared_head.head.weight"] = state["lm_head.weight"].clone()
+        state[prefix + "embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, str(path), metadata={"format": "pt"})
 
 
 def main(argv: list[str] | None = None) -> None:

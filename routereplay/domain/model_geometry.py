@@ -90,6 +90,7 @@ _FAMILIES: dict[str, Callable[[dict[str, Any]], tuple[list[int], int]]] = {
     "mixtral": _mixtral,
     "deepseek_v2": _deepseek_v3,
     "deepseek_v3": _deepseek_v3,
+    "kimi_k2": _deepseek_v3,  # Kimi-K2: DeepSeek-V3's architecture under its own name
     "glm4_moe": _deepseek_v3,
     "gpt_oss": _gpt_oss,
 }

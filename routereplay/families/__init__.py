@@ -9,9 +9,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from routereplay.families import glm4_moe, gpt_oss, mixtral, qwen2_moe, qwen3_moe
+from routereplay.families import (
+    deepseek_v2,
+    deepseek_v3,
+    glm4_moe,
+    gpt_oss,
+    mixtral,
+    qwen2_moe,
+    qwen3_moe,
+)
 from routereplay.families.base import Family, UnsupportedConfig
 
+# The families with an embedded tiny model (tests, the main job's --model-family).
 FAMILIES: dict[str, Family] = {
     family.model_type: family
     for family in (
@@ -20,9 +29,14 @@ FAMILIES: dict[str, Family] = {
         mixtral.FAMILY,
         glm4_moe.FAMILY,
         gpt_oss.FAMILY,
+        deepseek_v3.FAMILY,
+        deepseek_v2.FAMILY,
     )
 }
-SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+# Architectures served under another model_type (no tiny model of their own: transformers
+# 5.17 has no config class for them).
+ALIASES: dict[str, Family] = {"kimi_k2": deepseek_v3.KIMI_K2}
+SUPPORTED_MODEL_TYPES = (*FAMILIES, *ALIASES)
 DEFAULT_FAMILY = "qwen3_moe"
 
 
@@ -33,15 +47,9 @@ def family_of(config: dict[str, Any]) -> Family:
         UnsupportedConfig: Its ``model_type`` has no family module.
     """
     model_type = config.get("model_type")
-    family = FAMILIES.get(model_type)  # type: ignore[arg-type]
+    family = FAMILIES.get(model_type) or ALIASES.get(model_type)  # type: ignore[arg-type]
     if family is None:
         raise UnsupportedConfig(
             f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
-            + (
-                " (DeepSeek's multi-head latent attention does not build in megatron-core "
-                "0.16.1 without TransformerEngine; see docs/trainer.md)"
-                if model_type in ("deepseek_v2", "deepseek_v3")
-                else ""
-            )
         )
     return family

@@ -107,6 +107,11 @@ class Family:
             family's ``refuse`` checks their pattern).
         tiny_init: Spreads a freshly built tiny model's family-specific weights (under
             ``torch.no_grad``, seeded by the builder); None: the builder's defaults only.
+        rope_keys: Further ``rope_parameters`` keys of YaRN the family maps (DeepSeek's
+            ``mscale`` and ``mscale_all_dim``).
+        mtp_layers: Whether the checkpoint's multi-token-prediction layers
+            (``num_nextn_predict_layers``, stored as ``model.layers.{num_hidden_layers + i}``)
+            can be left out of the trainer's model (see ``trainer/model/build.py``).
     """
 
     model_type: str
@@ -121,6 +126,24 @@ class Family:
     rope_types: frozenset[str] = frozenset({"default"})
     sliding_window: bool = False
     tiny_init: Callable[[Any], None] | None = None
+    rope_keys: frozenset[str] = frozenset()
+    mtp_layers: bool = False
+
+
+def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
+    """The rope settings of a ``config.json`` in transformers 5's terms (``rope_parameters``:
+    ``rope_type``, ``rope_theta``, scaling keys), also from a transformers 4 config
+    (top-level ``rope_theta`` and a ``rope_scaling`` dict whose ``type`` names the kind, as
+    DeepSeek-V3's and Kimi-K2's own ``config.json`` have them)."""
+    params = dict(config.get("rope_parameters") or {})
+    legacy = dict(config.get("rope_scaling") or {})
+    if "type" in legacy:
+        legacy.setdefault("rope_type", legacy.pop("type"))
+    params = {**legacy, **params}
+    if params.get("rope_theta") is None and config.get("rope_theta") is not None:
+        params["rope_theta"] = config["rope_theta"]
+    params.setdefault("rope_type", "default")
+    return params
 
 
 def tiny_common(size: MoESize, token_ids: dict[str, int]) -> dict[str, Any]:

@@ -37,11 +37,16 @@ TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
     "Router replay records the experts that the engine chose.",
 ]
-GREEDY = SamplingOptions(temperature=0.0, max_tokens=8)
-SAMPLED = SamplingOptions(temperature=1.0, top_p=0.9, top_k=50, max_tokens=8)
+# 16 new tokens: with 8, the tiny DeepSeek-V2's 4 samples drew no rewarded token (ids that are
+# multiples of 8), so every advantage was 0, the step changed nothing and the push could not
+# be told from the old checkpoint.
+GREEDY = SamplingOptions(temperature=0.0, max_tokens=16)
+SAMPLED = SamplingOptions(temperature=1.0, top_p=0.9, top_k=50, max_tokens=16)
 EXPECTED_MOE_LAYERS = {
     "qwen2_moe": (1, 2, 3), "mixtral": (0, 1, 2, 3), "glm4_moe": (1, 2, 3),
     "gpt_oss": (0, 1, 2, 3),
+    # DeepSeek-V3's MTP layer (model.layers.4) is no decoder layer: no column of its own.
+    "deepseek_v3": (1, 2, 3), "deepseek_v2": (1, 2, 3),
 }  # fmt: skip
 
 

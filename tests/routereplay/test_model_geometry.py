@@ -196,6 +196,8 @@ def test_deepseek_mtp_layers_excluded_and_freq():
     # vLLM's rule for moe_layer_freq (transformers' DeepseekV3 has no such field).
     geom2 = geometry_from_config({**config, "moe_layer_freq": 2}, "dsv3")
     assert geom2.record.moe_layers == (2, 4)
+    # Kimi-K2 is DeepSeek-V3's architecture under its own model_type.
+    assert geometry_from_config({**config, "model_type": "kimi_k2"}, "dsv3") == geom
 
 
 def test_geometry_is_the_stored_geometry():

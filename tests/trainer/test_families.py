@@ -224,7 +224,6 @@ def test_unknown_config_key_is_refused_by_name(family, family_model_dir):
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
-        ({"model_type": "deepseek_v3"}, "multi-head latent attention"),
         ({"norm_topk_prob": False}, "norm_topk_prob"),
         ({"topk_group": 1}, "top 2"),
         ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers"),

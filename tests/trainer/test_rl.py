@@ -308,9 +308,7 @@ def test_replay_followed_checks_the_records_not_the_replay_ids(
     monkeypatch.setattr("trainer.rl.step.align_routes", shifted)
     off = _step(config, pg_collection, rollout)[2]
     followed = off.replay_followed
-    print(
-        f"one token off: replay_followed {followed}, |d loss| {abs(off.loss - report.loss)}"
-    )
+    print(f"one token off: replay_followed {followed}, |d loss| {abs(off.loss - report.loss)}")
     assert followed.rows == [passes * routed] * 3
     assert max(followed.exact) < 0.5, followed
     # The layout tests' loss bound (tests/trainer/tolerance.py) catches the fault too:

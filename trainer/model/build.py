@@ -10,11 +10,12 @@ from typing import Any
 import torch
 
 from routereplay.domain.record import Geometry
-from trainer.model import cpu_compat, megatron_fixes, replay
+from trainer.model import cpu_compat, megatron_fixes, mla_compat, replay
 from trainer.model.hf_config import (
     UnsupportedConfig,
     gpt_model_args,
     model_geometry,
+    mtp_layers,
     read_hf_config,
     transformer_config,
 )
@@ -118,7 +119,11 @@ def load_checkpoint(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> No
 
 
 def megatron_config(
-    model_dir: str | Path, routing_replay: bool, load_weights: bool, overrides: dict[str, Any]
+    model_dir: str | Path,
+    routing_replay: bool,
+    load_weights: bool,
+    overrides: dict[str, Any],
+    drop_mtp_layers: bool = True,
 ) -> tuple[dict[str, Any], Any]:
     """The checkpoint's ``config.json`` and the ``TransformerConfig`` built from it (with the
     CPU patches and megatron fixes applied first, the pipeline split and a replay configuration
@@ -131,6 +136,15 @@ def megatron_config(
     cpu_compat.apply()
     megatron_fixes.apply()
     hf_config = read_hf_config(model_dir)
+    if mtp_layers(hf_config) and not drop_mtp_layers:
+        # megatron's MTP block (mtp_num_layers) needs labels in every forward, then returns
+        # the loss instead of the logits and adds its own loss to the gradient: the RL step's
+        # forward (logits for the token log-probs) cannot run it.
+        raise UnsupportedConfig(
+            f"num_nextn_predict_layers {mtp_layers(hf_config)}: megatron's multi-token-"
+            "prediction block returns a loss, not the logits the RL step needs; set "
+            "model.drop_mtp_layers to train the decoder alone"
+        )
     settings: dict[str, Any] = {"use_cpu_initialization": not torch.cuda.is_available()}
     if load_weights:
         settings["perform_initialization"] = False  # every parameter is loaded afterwards
@@ -144,6 +158,17 @@ def megatron_config(
         last=settings.get("num_layers_in_last_pipeline_stage"),
     ).chunk_sizes()
     config = transformer_config(hf_config, routing_replay=routing_replay, **settings)
+    if (
+        getattr(config, "multi_latent_attention", False)
+        and config.tensor_model_parallel_size > 1
+        and not config.sequence_parallel
+    ):
+        # mla_compat.fix_tensor_parallel corrects megatron's latent attention under TP with
+        # sequence parallelism only.
+        raise UnsupportedConfig(
+            "tensor parallelism with multi-head latent attention needs sequence parallelism "
+            "(parallel.sequence_parallel=true)"
+        )
     if routing_replay:
         check_replay_config(config)
     return hf_config, config
@@ -170,6 +195,7 @@ def build_model(
     pg_collection=None,
     load_weights: bool = True,
     model_id: str | None = None,
+    drop_mtp_layers: bool = True,
     **config_overrides: Any,
 ) -> TrainerModel:
     """Build this rank's megatron ``GPTModel`` chunks from a local Hugging Face MoE checkpoint
@@ -184,6 +210,10 @@ def build_model(
         load_weights: Load the checkpoint's weights, this rank's share of them in a parallel
             layout (else initialised from the seed, the same on every rank).
         model_id: Identifier stored in ``geometry`` (default: the folder's name).
+        drop_mtp_layers: Leave the checkpoint's multi-token-prediction layers
+            (``num_nextn_predict_layers``) out of the model: they are never decoder layers,
+            own no router of the model and take no routes; exports carry them over unchanged.
+            False refuses such a checkpoint.
         **config_overrides: Extra ``TransformerConfig`` fields
             (``world.model_overrides`` gives a layout's, virtual stages among them).
 
@@ -196,10 +226,11 @@ def build_model(
             (``reshard.stage_moe_layers``).
     """
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    hf_config, config = megatron_config(model_dir, routing_replay, load_weights, config_overrides)
+    hf_config, config = megatron_config(
+        model_dir, routing_replay, load_weights, config_overrides, drop_mtp_layers
+    )
     # The registry is class-level: without a reset, a second build would double-register.
     RouterReplay.clear_global_router_replay_instances()
     pp_rank, pp_size = _pipeline_rank(pg_collection)
@@ -210,9 +241,7 @@ def build_model(
     chunks, chunk_routers = [], []
     for v in range(vp or 1):
         stage = {} if vp is None else {"vp_stage": v}
-        spec = get_gpt_decoder_block_spec(
-            config, use_transformer_engine=False, normalization="RMSNorm", **stage
-        )
+        spec = mla_compat.decoder_block_spec(config, normalization="RMSNorm", **stage)
         model = GPTModel(
             config,
             spec,
@@ -222,6 +251,7 @@ def build_model(
             **stage,
             **gpt_model_args(hf_config).as_kwargs(),
         )
+        mla_compat.fix_tensor_parallel(model)
         if full is not None:
             load_checkpoint(model, full)
         routers = moe_routers(model)

@@ -8,6 +8,8 @@
   the source checkpoint's ``dtype`` from ``config.json`` (a bf16 trainer's parameters leave as
   the served dtype), one ``model.safetensors`` file or shards with an index beyond
   ``max_shard_bytes``;
+- the source's multi-token-prediction layers (``model.layers.{num_hidden_layers + i}``), which
+  the trainer does not build, copied unchanged (``hf_weights.read_mtp_tensors``);
 - every other file of the source folder, copied unchanged: ``config.json``, the tokenizer
   files, ``generation_config.json``, chat templates (everything but the weights and their index).
 
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.model.hf_weights import megatron_to_hf
+from trainer.model.hf_weights import megatron_to_hf, read_mtp_tensors
 
 WEIGHT_FILES = ("model.safetensors.index.json",)
 MAX_SHARD_BYTES = 4 << 30
@@ -106,6 +108,7 @@ def export_hf(
     source, out = Path(source_dir), Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     state = hf_state_dict(built, dtype, weights)
+    state.update(read_mtp_tensors(source, built.hf_config))
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         for item in source.iterdir():

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from routereplay.domain.model_geometry import geometry_from_config
 from routereplay.domain.record import Geometry
 from routereplay.families import Family, family_of
-from routereplay.families.base import UnsupportedConfig
+from routereplay.families.base import UnsupportedConfig, rope_parameters
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -46,26 +46,21 @@ def num_experts(config: dict[str, Any]) -> int:
 _YARN_KEYS = {"factor", "beta_fast", "beta_slow", "truncate", "original_max_position_embeddings"}
 
 
-def _rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
-    # transformers 5.x moved rope_theta (and partial_rotary_factor) into rope_parameters;
-    # older checkpoints keep a rope_scaling dict beside rope_theta.
-    return dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-
-
 def rope_theta(config: dict[str, Any]) -> float:
-    params = _rope_parameters(config)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    allowed = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+    """The rotary base, from ``rope_parameters`` (transformers 5) or the top level (4.x);
+    refuses rope types and keys the family does not map."""
+    family = family_of(config)
+    params = rope_parameters(config)
+    rope_type = params["rope_type"]
+    allowed = {"rope_type", "rope_theta", "partial_rotary_factor"}
     if rope_type == "yarn":
-        allowed |= _YARN_KEYS
+        allowed |= _YARN_KEYS | family.rope_keys
     unknown = set(params) - allowed
     if unknown:
         raise UnsupportedConfig(f"rope_parameters keys {sorted(unknown)} are not mapped")
-    if rope_type not in family_of(config).rope_types:
+    if rope_type not in family.rope_types:
         raise UnsupportedConfig(f"rope scaling {rope_type!r} is not mapped to megatron yet")
-    if params.get("rope_theta") is not None:
-        return float(params["rope_theta"])
-    return float(_get(config, "rope_theta"))
+    return float(_get(params, "rope_theta"))
 
 
 def yarn_attributes(config: dict[str, Any]) -> dict[str, Any] | None:
@@ -77,8 +72,8 @@ def yarn_attributes(config: dict[str, Any]) -> dict[str, Any] | None:
     ``TransformerConfig`` raises ``AttributeError: yarn_rotary_scaling_factor``. The
     attention applies YaRN's softmax scale (``0.1 ln(factor) + 1``, squared) itself.
     """
-    params = _rope_parameters(config)
-    if params.get("rope_type", params.get("type")) != "yarn":
+    params = rope_parameters(config)
+    if params["rope_type"] != "yarn":
         return None
     return dict(
         yarn_rotary_scaling_factor=float(params["factor"]),
@@ -133,15 +128,21 @@ def check_supported(config: dict[str, Any]) -> Family:
         raise UnsupportedConfig(f"hidden_act {config['hidden_act']!r}; only silu is mapped")
     if config.get("router_jitter_noise"):
         raise UnsupportedConfig("router_jitter_noise: the engines route without jitter")
-    if config.get("num_nextn_predict_layers"):
+    if mtp_layers(config) and not family.mtp_layers:
         raise UnsupportedConfig(
             "num_nextn_predict_layers: multi-token-prediction layers are not mapped to megatron"
         )
-    rope_theta(config)  # refuses rope scaling and unknown rope parameters
+    rope_theta(config)  # refuses rope types and keys the family does not map
     if not family.partial_rotary and _partial_rotary(config) != 1.0:
         raise UnsupportedConfig(f"partial_rotary_factor is not mapped for {family.model_type}")
     family.refuse(config)
     return family
+
+
+def mtp_layers(config: dict[str, Any]) -> int:
+    """The checkpoint's multi-token-prediction layers (``model.layers.{num_hidden_layers + i}``),
+    which the trainer's model leaves out (``build.megatron_config``)."""
+    return int(config.get("num_nextn_predict_layers") or 0)
 
 
 @dataclass(frozen=True)
@@ -167,13 +168,18 @@ class GPTModelArgs:
 
 
 def gpt_model_args(config: dict[str, Any]) -> GPTModelArgs:
+    # Latent attention rotates inside MLASelfAttention (its own YaRN): GPTModel builds no
+    # rotary for it with "rope", and one MLA would refuse with "yarn".
+    yarn = yarn_attributes(config) is not None and not family_fields(config).get(
+        "multi_latent_attention"
+    )
     return GPTModelArgs(
         vocab_size=int(config["vocab_size"]),
         max_sequence_length=int(config.get("max_position_embeddings") or 4096),
         rotary_base=rope_theta(config),
         rotary_percent=_partial_rotary(config),
         share_embeddings_and_output_weights=bool(config.get("tie_word_embeddings", False)),
-        position_embedding_type="rope" if yarn_attributes(config) is None else "yarn",
+        position_embedding_type="yarn" if yarn else "rope",
     )
 
 
@@ -193,9 +199,11 @@ def transformer_config(
         **overrides: Further ``TransformerConfig`` fields (parallel sizes, recompute, aux loss).
 
     Returns:
-        A ``megatron.core.transformer.TransformerConfig``.
+        A ``megatron.core.transformer.TransformerConfig`` (its ``MLATransformerConfig``
+        subclass for latent attention).
     """
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     check_supported(config)
     heads = int(config["num_attention_heads"])
@@ -234,6 +242,9 @@ def transformer_config(
     )
     fields.update(family_fields(config))
     fields.update(overrides)
+    if fields.get("multi_latent_attention"):
+        # MLA's own YaRN fields come with the family's (mla_fields).
+        return MLATransformerConfig(**fields)
     transformer = TransformerConfig(**fields)
     for name, value in (yarn_attributes(config) or {}).items():
         setattr(transformer, name, value)

@@ -13,6 +13,11 @@ Names per decoder layer ``L`` (megatron left, Hugging Face right, ``model.layers
 - ``self_attention.q_layernorm`` / ``k_layernorm`` = ``self_attn.q_norm`` / ``k_norm`` (Qwen3-MoE;
   GLM-4.5 with ``use_qk_norm``)
 - ``self_attention.linear_proj`` = ``self_attn.o_proj``
+- latent attention (DeepSeek-V2/V3), under ``self_attention.`` / ``self_attn.``:
+  ``linear_q_down_proj`` = ``q_a_proj``, ``q_layernorm`` = ``q_a_layernorm``,
+  ``linear_q_up_proj`` = ``q_b_proj`` (with a ``q_lora_rank``; else ``linear_q_proj`` =
+  ``q_proj``), ``linear_kv_down_proj`` = ``kv_a_proj_with_mqa``, ``kv_layernorm`` =
+  ``kv_a_layernorm``, ``linear_kv_up_proj`` = ``kv_b_proj``; no fused qkv
 - dense layer: ``mlp.linear_fc1`` = gate rows then up rows; ``mlp.linear_fc2`` = ``down_proj``
 - MoE layer, under the family's MoE block (``mlp.``; Mixtral ``block_sparse_moe.``):
   ``mlp.router`` = ``gate``; ``mlp.experts.local_experts.E.linear_fc1/fc2`` as the dense MLP
@@ -32,6 +37,8 @@ Names per decoder layer ``L`` (megatron left, Hugging Face right, ``model.layers
 
 Outside the layers: ``embedding.word_embeddings`` = ``model.embed_tokens``,
 ``decoder.final_layernorm`` = ``model.norm``, ``output_layer`` = ``lm_head`` (absent when tied).
+Multi-token-prediction layers (``model.layers.{num_hidden_layers + i}``) are no decoder
+layers and are not mapped: ``read_mtp_tensors`` reads them so an export can carry them over.
 """
 
 from __future__ import annotations
@@ -44,23 +51,31 @@ from typing import Any
 import torch
 
 from routereplay.families.base import DENSE_PROJ
-from trainer.model.hf_config import check_supported, family_fields, moe_layer_pattern, num_experts
+from trainer.model.hf_config import (
+    check_supported,
+    family_fields,
+    moe_layer_pattern,
+    mtp_layers,
+    num_experts,
+)
 
 
 def load_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a local safetensors checkpoint (one file or an indexed set of shards)."""
     from safetensors.torch import load_file
 
-    folder = Path(model_dir)
+    state: dict[str, torch.Tensor] = {}
+    for path in _weight_files(Path(model_dir)):
+        state.update(load_file(str(path)))
+    return state
+
+
+def _weight_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        state.update(load_file(str(folder / name)))
-    return state
+        names = set(json.loads(index.read_text())["weight_map"].values())
+        return [folder / name for name in sorted(names)]
+    return [folder / "model.safetensors"]
 
 
 def _heads(config: dict[str, Any]) -> tuple[int, int, int]:
@@ -116,7 +131,9 @@ def _renamed(config: dict[str, Any]) -> list[tuple[str, str]]:
             pairs.append(
                 (mg + "self_attention.core_attention.softmax_offset", hf + "self_attn.sinks")
             )
-        if fields["qk_layernorm"]:
+        if fields.get("multi_latent_attention"):
+            pairs += _latent_attention(mg + "self_attention.", hf + "self_attn.", fields)
+        elif fields["qk_layernorm"]:
             pairs += [
                 (mg + "self_attention.q_layernorm.weight", hf + "self_attn.q_norm.weight"),
                 (mg + "self_attention.k_layernorm.weight", hf + "self_attn.k_norm.weight"),
@@ -137,6 +154,21 @@ def _renamed(config: dict[str, Any]) -> list[tuple[str, str]]:
     for mg, hf, (_, _, down) in _mlps(config):
         pairs.append((mg + "linear_fc2.weight", f"{hf}{down}.weight"))
     return pairs
+
+
+def _latent_attention(mg: str, hf: str, fields: dict[str, Any]) -> list[tuple[str, str]]:
+    """(megatron, Hugging Face) names of one layer's latent-attention tensors. Each maps as
+    it is: both sides split the query rows per head into (latent, rotary) and ``kv_b_proj``'s
+    rows per head into (key latent, value), and ``kv_a_proj_with_mqa``'s rows into
+    (``kv_lora_rank``, the shared rotary key), in the same order."""
+    if fields["q_lora_rank"] is None:
+        query = [("linear_q_proj", "q_proj")]
+    else:
+        query = [("linear_q_down_proj", "q_a_proj"), ("q_layernorm", "q_a_layernorm"),
+                 ("linear_q_up_proj", "q_b_proj")]  # fmt: skip
+    latent = [("linear_kv_down_proj", "kv_a_proj_with_mqa"), ("kv_layernorm", "kv_a_layernorm"),
+              ("linear_kv_up_proj", "kv_b_proj")]  # fmt: skip
+    return [(f"{mg}{m}.weight", f"{hf}{h}.weight") for m, h in query + latent]
 
 
 def _mlps(config: dict[str, Any]) -> list[tuple[str, str, tuple[str, str, str]]]:
@@ -241,7 +273,29 @@ def hf_to_megatron(
 
 
 def _qkv_kinds(config: dict[str, Any]) -> tuple[str, ...]:
-    return ("weight", "bias") if family_fields(config)["add_qkv_bias"] else ("weight",)
+    fields = family_fields(config)
+    if fields.get("multi_latent_attention"):
+        return ()  # no fused qkv: ``_latent_attention`` names its tensors
+    return ("weight", "bias") if fields["add_qkv_bias"] else ("weight",)
+
+
+def read_mtp_tensors(model_dir: str | Path, config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The checkpoint's multi-token-prediction tensors (``model.layers.{N + i}.*`` after the
+    ``N = num_hidden_layers`` decoder layers), which ``hf_to_megatron`` leaves out; read alone,
+    so an export can carry them over unchanged."""
+    from safetensors import safe_open
+
+    first = int(config["num_hidden_layers"])
+    prefixes = tuple(f"model.layers.{first + i}." for i in range(mtp_layers(config)))
+    if not prefixes:
+        return {}
+    out = {}
+    for path in _weight_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                if name.startswith(prefixes):
+                    out[name] = f.get_tensor(name)
+    return out
 
 
 def megatron_to_hf(

@@ -35,7 +35,11 @@ def apply_multirank_cpu_patches() -> bool:
        the flag, and its parameters get ``sequence_parallel = True``, the attribute megatron's
        ``finalize_model_grads`` uses to all-reduce their gradients over the TP group. Only
        norms over ``hidden_size`` are in the sequence-parallel region (the q/k norms run after
-       the gather, per head).
+       the gather, per head), and latent attention's ``q_layernorm`` / ``kv_layernorm``
+       (widths ``q_lora_rank`` / ``kv_lora_rank``: ``MLASelfAttention`` scatters the latents
+       back to the sequence shard before them; without the all-reduce, DeepSeek-V3's second
+       TP2 + SP step's loss was 2.2e-6 off one rank's and natural routing after the update
+       differed on 1 row of 84).
     2. ``transformer/moe/token_dispatcher.py``: ``MoEAlltoAllTokenDispatcher`` creates a
        ``torch.cuda.Stream`` at construction and, in ``_maybe_dtoh_and_synchronize``, copies
        the split sizes to the host on it. On the CPU the sizes are already host tensors, but
@@ -61,7 +65,7 @@ def apply_multirank_cpu_patches() -> bool:
         plain = copy.copy(config)
         plain.sequence_parallel = False
         norm = original_new(cls, plain, hidden_size, *args, **kwargs)
-        if hidden_size == config.hidden_size:
+        if hidden_size in _sequence_parallel_widths(config):
             for p in norm.parameters():
                 p.sequence_parallel = True
         return norm
@@ -70,6 +74,16 @@ def apply_multirank_cpu_patches() -> bool:
     _patch_alltoall_dispatcher()
     _PATCHED = True
     return True
+
+
+def _sequence_parallel_widths(config) -> set[int]:
+    """The widths of the norms that run on a sequence-parallel shard (patch 1 above)."""
+    widths = {config.hidden_size}
+    if getattr(config, "multi_latent_attention", False):
+        widths.add(config.kv_lora_rank)
+        if config.q_lora_rank is not None:
+            widths.add(config.q_lora_rank)
+    return widths
 
 
 def _patch_alltoall_dispatcher() -> None:
