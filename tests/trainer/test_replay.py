@@ -9,6 +9,7 @@ import torch
 pytest.importorskip("megatron.core")
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+from routereplay.domain.record import MASKED
 from routereplay.errors import InvalidArgument
 from tests.trainer.helpers import (
     capture_routing,
@@ -22,7 +23,6 @@ from tests.trainer.helpers import (
 )
 from trainer.data.align import align_routes, routes_from_recorded
 from trainer.model.build import build_model
-from trainer.model.replay import MASKED
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.utils import get_batch_on_this_cp_rank
 
-from trainer.model.replay import MASKED
+from routereplay.domain.record import MASKED
 from trainer.reshard import (
     Layout,
     LayoutError,

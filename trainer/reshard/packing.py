@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trainer.model.replay import MASKED
+from routereplay.domain.record import MASKED
 from trainer.reshard.layout import ROUTE_DTYPE, LayoutError
 
 # --------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from trainer.model.replay import MASKED
+from routereplay.domain.record import MASKED
 from trainer.reshard.layers import PipelineSplit, layer_columns, stage_moe_layers
 from trainer.reshard.layout import ROUTE_DTYPE, Layout, LayoutError, RankCoords
 from trainer.reshard.packing import PackPlan, cp_index, cp_packed_index, sp_slice

@@ -57,13 +57,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from routereplay.domain.record import Record, Turn
+from routereplay.domain.record import MASKED, Record, Turn
 from trainer.config import ReplayMode, TrainerConfig
 from trainer.data.align import align_routes, routes_from_recorded
 from trainer.data.batch import PACKED, PaddedBatch
 from trainer.data.source import FetchedBatch
 from trainer.model.build import TrainerModel
-from trainer.model.replay import MASKED
 from trainer.parallel.dp import SINGLE, DataParallel
 from trainer.reshard import (
     Layout,
