@@ -21,7 +21,7 @@ from tests.trainer.helpers import (
     random_routes,
     record_natural_routes,
 )
-from trainer.data.align import align_routes, routes_from_recorded
+from trainer.layout.align import align_routes, routes_from_recorded
 from trainer.model.build import build_model
 
 

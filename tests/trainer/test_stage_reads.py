@@ -73,8 +73,8 @@ def test_a_stage_record_aligns_as_the_whole_records_columns_and_needs_its_layers
     import dataclasses
 
     from routereplay.errors import InvalidArgument
-    from trainer.data.align import align_routes
-    from trainer.data.batch import PaddedBatch
+    from trainer.layout.align import align_routes
+    from trainer.layout.batch import PaddedBatch
 
     whole = [_record("a", 7, np.uint8), _record("b", 5, np.uint8)]
     # MoE layers (1, 2, 4): a second stage holding positions 1 and 2, layers 2 and 4.

@@ -24,7 +24,7 @@ import torch
 
 from routereplay.domain.record import MASKED, Record
 from routereplay.domain.route_stats import agreement, overlap_counts
-from trainer.data.batch import PaddedBatch
+from trainer.layout.batch import PaddedBatch
 
 
 @dataclass

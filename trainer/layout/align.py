@@ -19,7 +19,7 @@ import torch
 
 from routereplay.domain.record import MASKED, Geometry, Record
 from routereplay.errors import InvalidArgument
-from trainer.data.batch import PaddedBatch
+from trainer.layout.batch import PaddedBatch
 
 log = logging.getLogger(__name__)
 
