@@ -43,9 +43,9 @@ from routereplay.domain.record_file import save_records
 from trainer import checkpoint
 from trainer.config import TrainerConfig
 from trainer.data.source import BatchPlan, CacheSource, FeedPlans, FileSource, Prefetcher
+from trainer.data.stage_reads import stage_reads
 from trainer.model.build import TrainerModel, build_model
 from trainer.parallel.dp import SINGLE, DataParallel
-from trainer.parallel.stage_reads import stage_reads
 from trainer.parallel.world import model_overrides
 from trainer.rl.optim import AdamW
 from trainer.rl.step import RLStep

@@ -18,7 +18,7 @@ Which routing each pass uses (``PASSES``):
 Replay ids stay this rank's ids inside a step: the rollout's records are aligned and cut to
 this rank's layers and rows once; R2 keeps what each router chose in the old-logprob pass on
 this rank's rows as the update passes' ids. Records are built only for ``record_file``. With
-stage reads (``trainer.parallel.stage_reads``) a rank's records hold only its stage's layers;
+stage reads (``trainer.data.stage_reads``) a rank's records hold only its stage's layers;
 ``record_file`` gets them whole, gathered over the pipeline stages. ``route_bytes`` in the
 report: what the ranks read from the route cache against the batch's whole records' bytes.
 
@@ -482,7 +482,7 @@ class RLStep:
 
     def _whole_records(self, records: list[Record | None]) -> list[Record | None]:
         """The rollout's records with every MoE layer: stage reads hold each stage's layers
-        (``trainer.parallel.stage_reads``), gathered here over the pipeline stages."""
+        (``trainer.data.stage_reads``), gathered here over the pipeline stages."""
         group = self.mp.pp_group if self.mp is not None else None
         selected = any(r is not None and r.layers is not None for r in records)
         # Every stage reads the same way: all take part in the gather or none does.
