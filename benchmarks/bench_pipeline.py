@@ -4,13 +4,15 @@ Each repeat is one RL batch through the real parts: a GenerateBatch streamed fro
 server (the tiny Qwen3-MoE on vLLM's CPU build, routes captured and written as records), the
 route cache in its own process over a Redis-compatible server, and what a trainer rank does
 before its step: one ``read_batch`` of the batch's records (``trainer.data.source.CacheSource``) and
-resharding their routes into packed micro-batches (``trainer.reshard``). Stages per batch:
+laying them out as its step does (``trainer.layout.plan_step``: packed micro-batches and
+per-router replay ids). Stages per batch:
 
 - generate: the request until the batch's last token reached the client;
 - store: from then until the last record was acknowledged by the route cache (its final
   message is sent only then); writes of earlier samples overlap generation and are not here;
 - fetch: one ``read_batch`` of the batch's records;
-- reshard: dynamic micro-batching and packing of every record's routes (TP1: the whole batch).
+- reshard: ``plan_step`` on the batch (TP1: the whole batch; micro-batches under the token
+  budget, packed, every record aligned to int64 replay ids).
 
 Two baselines, same run: the same capture-on engine behind a second server that stores
 nothing, its batches interleaved with the measured ones (what moving the routes costs, free of
@@ -32,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
 from benchmarks.bench_rollout import prompts, start_engine  # noqa: E402
 from benchmarks.common import machine, write_section  # noqa: E402
@@ -43,21 +47,17 @@ from routereplay.dev.tiny_model import BENCH_SIZE, build_tiny_model  # noqa: E40
 from routereplay.domain.rollout import SampleDelta, SampleDone, SampleFailed, SamplingOptions  # noqa: E402
 from routereplay.families.base import TINY_SIZE  # noqa: E402
 from routereplay.rpc.rollout_client import AsyncRolloutClient  # noqa: E402
-from trainer.data.source import CacheSource  # noqa: E402
-from trainer.reshard import (  # noqa: E402
-    Layout,
-    PipelineSplit,
-    RankCoords,
-    dynamic_microbatches,
-    reshard_packed_routes,
-)
+from trainer.config import TrainConfig  # noqa: E402
+from trainer.data.source import CacheSource, Sample  # noqa: E402
+from trainer.layout import RankShare, plan_step  # noqa: E402
+from trainer.parallel.dp import DataParallel  # noqa: E402
 
 MIB = 2**20
 STAGE_NAMES = {
     "generate": "generate (request -> last token)",
     "store": "store (last token -> last record acknowledged)",
     "fetch": "fetch (one read_batch)",
-    "reshard": "reshard (micro-batches, packed, TP1)",
+    "reshard": "reshard (plan_step: micro-batches, packed, replay ids, TP1)",
 }
 STAGES = tuple(STAGE_NAMES)
 
@@ -88,15 +88,14 @@ def fetch_and_reshard(source: CacheSource, ids: list[str], budget: int) -> dict:
     routes = [r.routes for r in records]
     lengths = [r.num_tokens for r in records]
     geometry = records[0].geometry
-    split = PipelineSplit(geometry.moe_layers[-1] + 1)  # dense layers before it: no routes
-    layout, coords = Layout(), RankCoords()
-    batches = dynamic_microbatches(lengths, budget, multiple=layout.multiple)
-    local_bytes = 0
-    for group in batches.groups:
-        local, _, _ = reshard_packed_routes([routes[i] for i in group],
-                                            [lengths[i] for i in group],
-                                            geometry.moe_layers, split, layout, coords)  # fmt: skip
-        local_bytes += local.nbytes
+    train = TrainConfig(batch_size=len(ids), micro_batch_size=len(ids),
+                        max_tokens_per_micro_batch=budget, packing=True)  # fmt: skip
+    laid = plan_step(
+        [Sample.from_record(r) for r in records], records, np.zeros(len(ids), np.float32),
+        train=train, dp=DataParallel(), share=RankShare(None), geometry=geometry,
+        router_layers=geometry.moe_layers,
+    )  # fmt: skip
+    local_bytes = sum(t.numel() * t.element_size() for mb in laid.replay_ids for t in mb)
     t2 = time.perf_counter()
     return {"fetch": t1 - t0, "reshard": t2 - t1, "route_bytes": sum(r.nbytes for r in routes),
             "record_tokens": sum(lengths), "local_bytes": local_bytes}  # fmt: skip

@@ -1,12 +1,13 @@
-"""Reshard time per batch: one rank's share of the routes for several parallel layouts.
+"""Layout time per batch: one rank's micro-batches and replay ids for several parallel layouts.
 
 Qwen3-30B-A3B geometry (48 MoE layers, top-8 of 128 experts: 384 bytes per token as uint8),
-8 samples of 32K tokens per rank, packed (THD) into micro-batches by a token budget. For each
-layout the timed work is what a rank does per batch after fetching its records: dynamic
-batching, then per micro-batch packing plan, this stage's layers, CP chunks and SP share
-(``trainer.reshard.reshard_packed_routes``), and optionally the per-router int64 tensors
-megatron's ``RouterReplay`` takes (``router_tensors``). The baseline is a plain copy of the
-same bytes (the rank's records' routes, one ``np.copyto`` per record) in the same run.
+8 samples of 32K tokens per rank, packed into micro-batches by a token budget. For each layout
+the timed work is what the RL step calls per batch after fetching its records,
+``trainer.layout.plan_step``: micro-batches under the budget, each packed to the layout's
+multiple with its per-token tensors, its records aligned to megatron's int64 per-router replay
+ids for this stage's routers, then cut to this rank's CP chunks and SP share. The baseline is a
+plain copy of the same route bytes (the rank's records' routes, one ``np.copyto`` per record)
+in the same run.
 
 Run: ``python benchmarks/bench_reshard.py`` (writes the ``reshard`` section of
 docs/benchmarks.md and results/reshard.json; ``--dry-run`` only prints).
@@ -21,22 +22,19 @@ import statistics
 import time
 
 import numpy as np
+import torch
 
 from benchmarks.common import write_section
-from trainer.reshard import (
-    ROUTE_DTYPE,
-    Layout,
-    PipelineSplit,
-    RankCoords,
-    dynamic_microbatches,
-    reshard_packed_routes,
-    router_tensors,
-)
+from routereplay.domain.record import Geometry, Record, Turn
+from trainer.config import TrainConfig
+from trainer.data.source import Sample
+from trainer.layout import RankShare, plan_step
+from trainer.parallel.dp import DataParallel, ModelParallel
+from trainer.reshard import Layout, LayoutError, PipelineSplit, RankCoords, stage_moe_layers
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
-HOST = np.dtype(ROUTE_DTYPE).name  # the routes' dtype on the host while resharding
 LAYOUTS = {
-    "TP1 (pack only)": (Layout(), RankCoords()),
+    "TP1": (Layout(), RankCoords()),
     "TP2+SP": (Layout(tp=2, sequence_parallel=True), RankCoords(tp_rank=1)),
     "CP2": (Layout(cp=2), RankCoords(cp_rank=1)),
     "TP2+SP+CP2": (Layout(tp=2, cp=2, sequence_parallel=True), RankCoords(tp_rank=1, cp_rank=1)),
@@ -54,6 +52,20 @@ def _times(fn, repeats: int) -> list[float]:
     return out
 
 
+def _batch(lengths: list[int], seed: int = 0) -> tuple[list[Record], list[Sample]]:
+    """One rank's records (random routes, one turn generated after the first token) and the
+    samples the step trains on."""
+    rng = np.random.default_rng(seed)
+    geometry = Geometry(tuple(range(LAYERS)), TOPK, EXPERTS, "bench")
+    records = []
+    for i, n in enumerate(lengths):
+        tokens = rng.integers(0, 32000, n, dtype=np.int32)
+        routes = rng.integers(0, EXPERTS, (n - 1, LAYERS, TOPK), dtype=np.uint8)
+        turn = Turn(0, n, 1, 0, np.zeros(n - 1, np.float32))
+        records.append(Record(f"s{i}", geometry, tokens, routes, [turn], f"g{i // 2}"))
+    return records, [Sample.from_record(r) for r in records]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32 * 1024, help="tokens per sample")
@@ -62,19 +74,29 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dry-run", action="store_true", help="print, write nothing")
     args = parser.parse_args()
+    torch.set_num_threads(1)
 
     rng = np.random.default_rng(0)
     # Odd lengths around the target, as real batches have (each padded by the layout).
     lengths = [args.tokens - int(d) for d in rng.integers(0, 64, args.samples)]
-    routes = [rng.integers(0, EXPERTS, (n - 1, LAYERS, TOPK), dtype=np.uint8) for n in lengths]
-    moe_layers = tuple(range(LAYERS))
-    nbytes = sum(r.nbytes for r in routes)
-    copies = [np.empty_like(r) for r in routes]
+    records, samples = _batch(lengths)
+    geometry = records[0].geometry
+    nbytes = sum(r.routes.nbytes for r in records)
+    copies = [np.empty_like(r.routes) for r in records]
 
     def plain_copy():
-        for src, dst in zip(routes, copies, strict=True):
-            np.copyto(dst, src)
+        for src, dst in zip(records, copies, strict=True):
+            np.copyto(dst, src.routes)
 
+    # One mini-batch of every sample, packed under the budget: what train.packing=true with
+    # train.max_tokens_per_micro_batch gives.
+    train = TrainConfig(
+        batch_size=args.samples,
+        micro_batch_size=args.samples,
+        max_tokens_per_micro_batch=args.budget,
+        packing=True,
+    )
+    advantages = np.zeros(args.samples, np.float32)
     copy_times = _times(plain_copy, args.repeats)
     results: dict = {
         "geometry": {"layers": LAYERS, "topk": TOPK, "experts": EXPERTS},
@@ -87,65 +109,63 @@ def main() -> None:
     }
     for name, (layout, coords) in LAYOUTS.items():
         split = PipelineSplit(LAYERS, pp=layout.pp, vp=layout.vp)
-        out_bytes = [0, 0]
+        routers = stage_moe_layers(split, geometry.moe_layers, coords.pp_rank, coords.vp_stage)
+        share = RankShare(ModelParallel(layout, coords, tp_group=None, expert_dp_group=None))
+        out: dict = {}
 
-        def reshard(
-            with_int64: bool, layout=layout, coords=coords, split=split, out_bytes=out_bytes
-        ):
-            batches = dynamic_microbatches(lengths, args.budget, multiple=layout.multiple)
-            out_bytes[:] = [0, 0]
-            for group in batches.groups:
-                local, _, _ = reshard_packed_routes(
-                    [routes[i] for i in group],
-                    [lengths[i] for i in group],
-                    moe_layers,
-                    split,
-                    layout,
-                    coords,
-                )
-                out_bytes[0] += local.nbytes
-                if with_int64:
-                    tensors = router_tensors(local)
-                    out_bytes[1] += sum(t.numel() * t.element_size() for t in tensors)
+        def plan(share=share, routers=routers, out=out):
+            laid = plan_step(
+                samples, records, advantages, train=train, dp=DataParallel(), share=share,
+                geometry=geometry, router_layers=routers,
+            )  # fmt: skip
+            out["micro_batches"] = len(laid.micro_batches)
+            out["local_bytes"] = sum(t.numel() * t.element_size()
+                                     for ids in laid.replay_ids for t in ids)  # fmt: skip
 
-        shard = _times(lambda: reshard(False), args.repeats)
-        full = _times(lambda: reshard(True), args.repeats)
+        try:
+            times = _times(plan, args.repeats)
+        except LayoutError as exc:  # e.g. virtual stages need a multiple of pp micro-batches
+            results["layouts"][name] = {"refused": str(exc)}
+            print(name, "refused:", exc, flush=True)
+            continue
         results["layouts"][name] = {
-            "reshard_s_median": statistics.median(shard),
-            "reshard_int64_s_median": statistics.median(full),
-            "local_bytes": out_bytes[0],
-            "local_bytes_int64": out_bytes[1],
-            "ratio_to_copy": statistics.median(shard) / results["copy_s_median"],
-            "ratio_int64_to_copy": statistics.median(full) / results["copy_s_median"],
+            "plan_s_median": statistics.median(times),
+            "ratio_to_copy": statistics.median(times) / results["copy_s_median"],
+            "routers": len(routers),
+            **out,
         }
         print(name, results["layouts"][name], flush=True)
 
     copy_ms = 1000 * results["copy_s_median"]
     rows = [
-        f"| {name} | {1000 * r['reshard_s_median']:.1f} | {r['ratio_to_copy']:.2f} | "
-        f"{r['local_bytes'] / 2**20:.0f} | {1000 * r['reshard_int64_s_median']:.1f} | "
-        f"{r['ratio_int64_to_copy']:.2f} |"
+        f"| {name} | refused: {r['refused']} | | | | |"
+        if "refused" in r
+        else f"| {name} | {r['routers']} | {r['micro_batches']} | "
+        f"{1000 * r['plan_s_median']:.1f} | {r['ratio_to_copy']:.1f} | "
+        f"{r['local_bytes'] / 2**20:.0f} |"
         for name, r in results["layouts"].items()
     ]
     markdown = "\n".join(
         [
-            "## Resharding routes for one rank (`benchmarks/bench_reshard.py`)",
+            "## One rank's layout of a batch (`benchmarks/bench_reshard.py`)",
             "",
             f"Qwen3-30B-A3B geometry ({LAYERS} MoE layers, top-{TOPK} of {EXPERTS}), "
             f"{args.samples} samples of about {args.tokens} tokens per rank "
             f"({nbytes / 2**20:.0f} MiB of uint8 routes), packed into micro-batches of at most "
-            f"{args.budget} tokens; medians of {args.repeats} runs. Baseline: a plain copy of "
-            f"the same bytes in the same run, **{copy_ms:.1f} ms**. 'reshard' = dynamic "
-            f"batching + packing + this stage's layers + CP chunks + SP share into {HOST}; "
-            "'+ int64' adds megatron's per-router int64 tensors (8x the bytes of uint8).",
+            f"{args.budget} tokens; medians of {args.repeats} runs. Timed: "
+            "`trainer.layout.plan_step`, what the RL step calls (micro-batches, packing, the "
+            "per-token tensors, records aligned to megatron's int64 per-router replay ids for "
+            "this stage's routers, this rank's CP chunks and SP share). Baseline: a plain copy "
+            f"of the same route bytes in the same run, **{copy_ms:.1f} ms**.",
             "",
-            f"| layout (rank shown) | reshard ms | x copy | local MiB ({HOST}) | + int64 ms "
-            "| x copy |",
+            "| layout (rank shown) | routers | micro-batches | plan_step ms | x copy "
+            "| replay ids MiB (int64) |",
             "|---|---|---|---|---|---|",
             *rows,
             "",
             f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python "
-            f"{platform.python_version()}, numpy {np.__version__}; one thread.",
+            f"{platform.python_version()}, numpy {np.__version__}, torch {torch.__version__}; "
+            "one thread.",
         ]
     )
     print(markdown)

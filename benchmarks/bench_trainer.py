@@ -129,7 +129,7 @@ def time_replay(model_dir, groups, lengths, repeats: int):
         ``align``; the model built for replay; the batch's records (its natural routes).
     """
     from tests.trainer.helpers import make_record, random_batch, record_natural_routes
-    from trainer.data.align import align_routes
+    from trainer.layout.align import align_routes
     from trainer.model.build import build_model
 
     plain = build_model(model_dir, routing_replay=False, pg_collection=groups)

@@ -82,7 +82,7 @@ def main() -> None:
 
     from routereplay.rpc.client import RouteCacheClient
     from trainer.data.source import CacheSource
-    from trainer.parallel.stage_reads import StageReads
+    from trainer.data.stage_reads import StageReads
     from verl_integration.trainer import RouteFetcher
 
     rng = np.random.default_rng(0)

@@ -18,8 +18,8 @@ Each benchmark compares against a baseline measured in the same run, on the same
 - ``trainer``: a training step with R3 replay against ``disabled`` on the same batches and
   weights (target: at most 2%), alignment on its own, and fetch + align against step time from
   a real route cache with prefetch on and off.
-- ``reshard``: one rank's share of a batch's routes for several parallel layouts against a
-  plain copy of the same bytes.
+- ``reshard``: one rank's layout of a batch (``trainer.layout.plan_step``: micro-batches and
+  replay ids) for several parallel layouts against a plain copy of the same route bytes.
 - ``faults``: the fault run: writers and feed consumers while route cache replicas, Redis
   masters, a consumer and the network fail on a schedule; a checker's verdict on the history
   (no acknowledged record lost, every published sample trained once), write availability,
@@ -90,8 +90,8 @@ BENCHMARKS = (
         "each; route bytes read per step vs stored",
     ),
     Benchmark(
-        "reshard", "bench_reshard.py", ("--tokens", "4096", "--samples", "2", "--repeats", "2"),
-        "one rank's share of the routes per layout vs a plain copy",
+        "reshard", "bench_reshard.py", ("--tokens", "4096", "--samples", "4", "--repeats", "2"),
+        "one rank's micro-batches and replay ids per layout (plan_step) vs a plain copy",
     ),
     Benchmark(
         "alternatives", "bench_alternatives.py", ("--quick",),

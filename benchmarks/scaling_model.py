@@ -8,7 +8,7 @@ figure is arithmetic on those, nothing is measured here:
 - route bytes/s = rollout GPUs x tokens/s per GPU x bytes per token (uint8: MoE layers x top-k);
 - the trainer reads what the fleet writes, in one of two layouts, each with its read fan-out
   (route bytes read per route byte written):
-  - stage reads (the trainer's default, ``trainer/parallel/stage_reads.py``): one rank per
+  - stage reads (the trainer's default, ``trainer/data/stage_reads.py``): one rank per
     (data-parallel rank, pipeline stage) reads its stage's MoE layers (a layer-selected
     ReadBatch) and broadcasts them to its tensor- and context-parallel group. Fan-out: the
     stages' layers add up to the record, so 1x in bytes, in PP calls per record; measured by

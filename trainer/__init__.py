@@ -2,8 +2,11 @@
 
 Arranged by concern, in the order a step uses them:
 
-- ``data``: samples and their rollout routes fetched (``source``), laid out as the batch the
-  model reads (``batch``), and aligned to per-router replay indices (``align``).
+- ``data``: samples and their rollout routes fetched (``source``), a stage's layers read once
+  per model-parallel group (``stage_reads``).
+- ``layout``: one step's batch -> this rank's micro-batches and replay ids (``plan_step``):
+  micro-batches (``microbatch``), the batch the model reads (``batch``), per-router replay ids
+  (``align``), this rank's rows (``share``); on ``reshard``'s pure layout functions.
 - ``model``: the Hugging Face checkpoint as a megatron-core ``GPTModel`` (``hf_config``,
   ``hf_weights``, ``build``), router replay installed (``replay``), and the weights back out
   (``export``, ``shard_weights``); ``cpu_compat`` lets megatron-core run on a CPU-only torch,
@@ -11,7 +14,8 @@ Arranged by concern, in the order a step uses them:
 - ``rl``: the objective (``objective``), the passes on megatron's schedules (``schedule``), one
   RL step and its consistency report (``step``, ``metrics``), the optimizer (``optim``).
 - ``parallel``: the world's process groups (``world``, ``single_process``) and what
-  data-parallel ranks exchange (``dp``); ``reshard``: routes and batches cut for a layout.
+  data-parallel ranks exchange (``dp``); ``reshard``: a batch cut for a layout, pure functions
+  (no megatron, nothing else of the trainer).
 - Here: ``config`` (YAML with dotted overrides), ``train`` (the loop), ``checkpoint``, ``tb``.
 
 ``python -m trainer`` runs steps. Nothing runs at import.

@@ -219,7 +219,7 @@ class DataConfig:
         wait_s: ``feed``: how long to wait for a batch; the run ends when none comes.
         stage_reads: From the route cache, one rank per (DP rank, pipeline stage) reads its
             stage's MoE layers and shares them with its TP/CP group
-            (``trainer.parallel.stage_reads``); false: every rank reads whole records.
+            (``trainer.data.stage_reads``); false: every rank reads whole records.
     """
 
     records_file: str | None = None

@@ -35,9 +35,9 @@ import torch
 from trainer import checkpoint
 from trainer.config import TrainerConfig
 from trainer.data.source import BatchPlan, CacheSource, FeedPlans, FileSource, Prefetcher
+from trainer.data.stage_reads import stage_reads
 from trainer.model.build import TrainerModel, build_model
 from trainer.parallel.dp import SINGLE, DataParallel
-from trainer.parallel.stage_reads import stage_reads
 from trainer.parallel.world import model_overrides
 from trainer.report.outputs import Run, StepDone, outputs_for
 from trainer.report.step_report import StepReport

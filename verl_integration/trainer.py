@@ -7,7 +7,7 @@ with ``attention_mask``, or jagged ``[bs, j, L, k]`` beside jagged ``input_ids``
 verl indexes it by absolute layer number), rows without a route (each sample's final token,
 padding) zero. ``set_router_replay_data(..., model=chunk)`` reads only the columns of the chunk's
 own routers, so a worker fetches only those (a layer-selected read, once per TP/CP group:
-``trainer.parallel.stage_reads``) and leaves the other columns zero.
+``trainer.data.stage_reads``) and leaves the other columns zero.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def worker_source(target: str, model, geometry: MoEGeometry, timeout_s: float = 
     from megatron.core import parallel_state as mpu
 
     from trainer.data.source import CacheSource
-    from trainer.parallel.stage_reads import StageReads, group_reads
+    from trainer.data.stage_reads import StageReads, group_reads
 
     source = CacheSource(target or os.environ["ROUTER_REPLAY_CACHE"], timeout_s=timeout_s)
     moe = geometry.record.moe_layers

@@ -26,6 +26,12 @@ def route_dtype(num_experts: int) -> np.dtype:
     return np.dtype(np.uint8) if num_experts <= 256 else np.dtype("<u2")
 
 
+MASKED = -1
+"""A route row with no recorded route, where replay ids are signed (the trainer's int64 replay
+ids, megatron's ``[tokens, k]``): the row routes natively. Never a stored expert id: records
+hold unsigned ids (``route_dtype``)."""
+
+
 def check_sample_id(sample_id: str, name: str = "sample_id") -> None:
     if not sample_id:
         raise InvalidArgument(f"{name} is empty")

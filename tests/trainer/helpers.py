@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from routereplay.domain.record import Geometry, Record, Turn
-from trainer.data.align import routes_from_recorded
-from trainer.data.batch import PaddedBatch
+from trainer.layout.align import routes_from_recorded
+from trainer.layout.batch import PaddedBatch
 
 
 @contextlib.contextmanager

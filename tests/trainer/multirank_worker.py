@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 from routereplay.domain.record import Geometry
 from tests.trainer.helpers import capture_routing, grads, make_record, random_batch, random_routes
-from trainer.data.align import align_routes, routes_from_recorded
-from trainer.data.batch import PaddedBatch
+from trainer.layout.align import align_routes, routes_from_recorded
+from trainer.layout.batch import PaddedBatch
 from trainer.model.build import build_model
 from trainer.parallel.world import World, init_world, model_overrides
 from trainer.reshard import (

@@ -24,7 +24,7 @@ from tests.trainer.helpers import (
     random_batch,
     random_routes,
 )
-from trainer.data.align import align_routes
+from trainer.layout.align import align_routes
 from trainer.model.build import build_model
 from trainer.model.hf_config import UnsupportedConfig, read_hf_config, transformer_config
 from trainer.model.hf_weights import load_hf_state_dict

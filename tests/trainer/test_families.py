@@ -29,8 +29,8 @@ from tests.trainer.helpers import (
     random_routes,
     record_natural_routes,
 )
-from trainer.data.align import align_routes, routes_from_recorded
-from trainer.data.batch import PaddedBatch
+from trainer.layout.align import align_routes, routes_from_recorded
+from trainer.layout.batch import PaddedBatch
 from trainer.model.build import build_model
 from trainer.model.hf_config import UnsupportedConfig, read_hf_config, transformer_config
 from trainer.rl.optim import AdamW

@@ -24,8 +24,8 @@ from tests.trainer.helpers import (
     random_batch,
     random_routes,
 )
-from trainer.data.align import align_routes
-from trainer.data.batch import PaddedBatch
+from trainer.layout.align import align_routes
+from trainer.layout.batch import PaddedBatch
 from trainer.model.build import build_model
 from trainer.model.hf_config import UnsupportedConfig, read_hf_config, transformer_config
 

@@ -9,6 +9,7 @@ import torch
 pytest.importorskip("megatron.core")
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+from routereplay.domain.record import MASKED, Geometry
 from routereplay.errors import InvalidArgument
 from tests.trainer.helpers import (
     capture_routing,
@@ -20,9 +21,10 @@ from tests.trainer.helpers import (
     random_routes,
     record_natural_routes,
 )
-from trainer.data.align import align_routes, routes_from_recorded
+from trainer.layout.align import align_routes, routes_from_recorded
+from trainer.layout.batch import PaddedBatch
 from trainer.model.build import build_model
-from trainer.model.replay import MASKED
+from trainer.reshard import Layout, RankCoords, shard_padded
 
 
 @pytest.fixture
@@ -131,6 +133,21 @@ def test_alignment_matches_an_independent_computation(built, padding_side):
         np.testing.assert_array_equal(stage.indices[j].numpy(), expected[layer - 1])
 
 
+def test_uint16_expert_ids_survive_alignment_and_resharding():
+    """Ids above 32767 (and 65535) stay themselves: never the MASKED marker, never negative."""
+    geometry = Geometry((0,), 2, 65536, "m")
+    ids = np.array([[[65535, 40000]], [[1, 32768]]], dtype=np.uint16)  # [2 rows, 1 layer, k 2]
+    batch = PaddedBatch.packed(["s"], [np.array([5, 6, 7])], multiple=2)
+    record = make_record("s", np.array([5, 6, 7]), ids, geometry)
+    aligned = align_routes(batch, [record], geometry, [0])
+    np.testing.assert_array_equal(aligned.indices[0][:2].numpy(), ids[:, 0].astype(np.int64))
+    assert (aligned.indices[0][2:] == MASKED).all()
+    local = shard_padded(
+        aligned.indices[0], batch.seq_len, Layout(tp=2, sequence_parallel=True), RankCoords()
+    )
+    np.testing.assert_array_equal(local.numpy(), ids[:, 0].astype(np.int64))
+
+
 def test_missing_record_fails_or_routes_natively(built):
     geometry = built.geometry
     batch = random_batch(4, [5, 6], "right")
@@ -145,8 +162,6 @@ def test_missing_record_fails_or_routes_natively(built):
 
 
 def test_bad_records_are_refused_naming_both_sides(built):
-    from routereplay.domain.record import Geometry
-
     geometry = built.geometry
     batch = random_batch(5, [5], "right")
     routes = [random_routes(0, 4, geometry)]

@@ -20,9 +20,10 @@ from routereplay.domain.record_file import load_records
 from routereplay.errors import InvalidArgument
 from tests.trainer.helpers import capture_routing, one_hot
 from tests.trainer.tolerance import loss_atol
+from trainer import layout
 from trainer.config import load_config
-from trainer.data.align import align_routes
 from trainer.data.source import BatchPlan, CacheSource, FileSource, Prefetcher, Sample
+from trainer.layout.align import align_routes
 from trainer.rl import metrics, objective
 from trainer.rl.step import RLStep
 from trainer.train import build, train
@@ -85,7 +86,7 @@ def test_r2_update_passes_replay_the_recorded_routes_after_optimizer_steps(
     with capture_routing(built.routers) as (maps, _):
         report = stepper.run(fetched)
     recorded = {r.sample_id: r for r in stepper.routes_used}
-    mbs = objective.micro_batches(
+    mbs = layout.micro_batches(
         fetched.samples, fetched.records, np.zeros(8, np.float32), 4, "right"
     )
     layers = list(built.replay.layers)
@@ -113,8 +114,8 @@ def test_micro_batches_pad_to_the_layouts_multiple(rollout_file, rollout, side):
     never generated, no rollout log-prob, and the samples' tokens unmoved on their side."""
     fetched = _fetch(rollout_file, rollout)
     adv = np.zeros(8, np.float32)
-    plain = objective.micro_batches(fetched.samples, fetched.records, adv, 4, side)
-    padded = objective.micro_batches(fetched.samples, fetched.records, adv, 4, side, multiple=7)
+    plain = layout.micro_batches(fetched.samples, fetched.records, adv, 4, side)
+    padded = layout.micro_batches(fetched.samples, fetched.records, adv, 4, side, multiple=7)
     for a, b in zip(plain, padded, strict=True):
         seq, extra = a.batch.seq_len, b.batch.seq_len - a.batch.seq_len
         assert b.batch.seq_len % 7 == 0 and 0 <= extra < 7
@@ -305,7 +306,7 @@ def test_replay_followed_checks_the_records_not_the_replay_ids(
         aligned.indices = [torch.roll(i, batch.num_rows, dims=0) for i in aligned.indices]
         return aligned
 
-    monkeypatch.setattr("trainer.rl.step.align_routes", shifted)
+    monkeypatch.setattr("trainer.layout.plan.align_routes", shifted)
     off = _step(config, pg_collection, rollout)[2]
     followed = off.replay_followed
     print(f"one token off: replay_followed {followed}, |d loss| {abs(off.loss - report.loss)}")

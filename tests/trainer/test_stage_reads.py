@@ -1,4 +1,4 @@
-"""Stage reads (``trainer.parallel.stage_reads``): each (DP rank, pipeline stage) reads its
+"""Stage reads (``trainer.data.stage_reads``): each (DP rank, pipeline stage) reads its
 stage's layers once and shares them with its TP/CP group.
 
 The 4-rank run (TP2+SP x PP2, real megatron-core on gloo, a real route cache over a
@@ -25,7 +25,7 @@ from route_cache.store import RouteStore, connect
 from routereplay.domain.record import Geometry, Record, Turn
 from routereplay.domain.record_file import load_records
 from routereplay.rpc.client import RouteCacheClient
-from trainer.parallel.stage_reads import pack_records, unpack_records
+from trainer.data.stage_reads import pack_records, unpack_records
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVED = "route_cache_route_bytes_served_total"
@@ -73,8 +73,8 @@ def test_a_stage_record_aligns_as_the_whole_records_columns_and_needs_its_layers
     import dataclasses
 
     from routereplay.errors import InvalidArgument
-    from trainer.data.align import align_routes
-    from trainer.data.batch import PaddedBatch
+    from trainer.layout.align import align_routes
+    from trainer.layout.batch import PaddedBatch
 
     whole = [_record("a", 7, np.uint8), _record("b", 5, np.uint8)]
     # MoE layers (1, 2, 4): a second stage holding positions 1 and 2, layers 2 and 4.
@@ -177,7 +177,7 @@ def _share(rank: int, port: int, target: str, ids: list[str], out: str) -> None:
 
     from routereplay.errors import InvalidArgument
     from trainer.data.source import CacheSource
-    from trainer.parallel.stage_reads import StageReads
+    from trainer.data.stage_reads import StageReads
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)  # fmt: skip

@@ -47,12 +47,23 @@ def logprob_spacing(vocab: int) -> float:
     return float(np.spacing(np.float32(math.log(vocab))))
 
 
-def loss_atol(tokens: int, group_size: int, vocab: int) -> float:
+def loss_atol(tokens: int, group_size: int, vocab: int, logprob_noise: float = 0.0) -> float:
     """The loss's bound (module docstring) for mini-batches of ``tokens`` generated tokens,
-    GRPO groups of ``group_size`` and a vocabulary of ``vocab``."""
+    GRPO groups of ``group_size`` and a vocabulary of ``vocab``. ``logprob_noise``: for a
+    model whose log-probs two summation orders move by more than one spacing
+    (``FAMILY_LOGPROB_NOISE``)."""
     max_advantage = math.sqrt(group_size - 1)
-    return max_advantage * (2 * logprob_spacing(vocab) + (tokens - 1) * EPS)
+    noise = max(logprob_spacing(vocab), logprob_noise)
+    return max_advantage * (2 * noise + (tokens - 1) * EPS)
 
+
+# Families whose log-probs move by more than one spacing between summation orders, as measured
+# against transformers (tests/trainer/test_model_parity.py, max |logit difference|, right
+# padding): gpt-oss's tiny model runs its experts with weights large enough for the SwiGLU
+# clamp to act, and its activations, so their rounding, are larger: 2.44e-6, where the other
+# families stay at 3.9e-7 to 6.0e-7 (within the spacing above). Measured between TP2+SP x EP2
+# and one rank: |d loss| 1.0e-6 and 3.5e-6 on different runs; the bound for it is 6.7e-6.
+FAMILY_LOGPROB_NOISE = {"gpt_oss": 2.5e-6}
 
 # The layout tests' steps: mini-batches of 2 samples with 8 generated tokens, groups of 2, the
 # tiny models' 512 tokens: 2.74e-6.

@@ -11,7 +11,7 @@ import torch
 from routereplay.domain.model_geometry import MoEGeometry
 from routereplay.domain.record import Record
 from tests.trainer.helpers import capture_routing, one_hot
-from trainer.data.batch import PaddedBatch
+from trainer.layout.batch import PaddedBatch
 from trainer.model.build import build_model
 from trainer.model.hf_config import read_hf_config
 

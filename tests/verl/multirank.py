@@ -51,7 +51,7 @@ def run(args) -> dict:
 
     from routereplay.domain.record_file import load_records
     from tests.verl.helpers import check_rows, geometry_of, nested, replay_r3, verl_model
-    from trainer.data.batch import PaddedBatch
+    from trainer.layout.batch import PaddedBatch
     from trainer.parallel.world import init_world, model_overrides
     from trainer.reshard import Layout
     from verl_integration.trainer import RouteFetcher, worker_source

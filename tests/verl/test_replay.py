@@ -29,8 +29,8 @@ from tests.verl.helpers import (
     token_output,
     verl_model,
 )
-from trainer.data.batch import PaddedBatch
 from trainer.data.source import CacheSource
+from trainer.layout.batch import PaddedBatch
 from verl_integration.rollout import ID_FIELD, TurnWriter, without_routes
 from verl_integration.trainer import RouteFetcher, native_where_missing
 

@@ -97,7 +97,7 @@ class FetchedBatch:
 class CacheSource:
     """Records from the route cache: one ``read_batch`` call per batch. ``security``: a
     ``routereplay.rpc.security.ClientSecurity`` (default: plaintext). Under model parallelism the
-    trainer reads it through ``trainer.parallel.stage_reads`` (each stage's layers, once)."""
+    trainer reads it through ``trainer.data.stage_reads`` (each stage's layers, once)."""
 
     reads = True  # this rank's fetches are route cache reads (FetchedBatch.route_bytes)
 

@@ -40,8 +40,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-MASKED = -1
-"""Index value of a row that routes natively (no recorded route)."""
+from routereplay.domain.record import MASKED
 
 
 class MaskedRouterReplay(RouterReplay):

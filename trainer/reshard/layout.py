@@ -5,12 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
-ROUTE_DTYPE = np.int32
-"""Host dtype of routes while resharding: holds every uint16 expert id and ``MASKED`` (-1).
-int16 would turn expert 65535 into ``MASKED`` and ids above 32767 negative."""
-
 
 class LayoutError(ValueError):
     """A parallel layout that cannot replay the records as configured (raised before a step)."""

@@ -1,5 +1,5 @@
-"""Packing, context parallel and sequence parallel (steps 4-6): where each token of a packed
-(THD) micro-batch sits, and which rows one CP rank and one SP rank keep."""
+"""Packing, context parallel and sequence parallel (steps 4-6): where each sequence of a packed
+micro-batch sits, and which rows of a sequence one CP rank and one SP rank keep."""
 
 from __future__ import annotations
 
@@ -8,16 +8,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trainer.model.replay import MASKED
-from trainer.reshard.layout import ROUTE_DTYPE, LayoutError
+from trainer.reshard.layout import LayoutError
 
 # --------------------------------------------------------------------------------------------
-# 4. Packing (THD)
+# 4. Packing
 
 
 @dataclass(frozen=True)
 class PackPlan:
-    """Where each sequence sits in a packed (THD) micro-batch.
+    """Where each sequence sits in a packed micro-batch (``PaddedBatch.packed``: one row).
 
     Attributes:
         lengths: int64 ``[n]`` real tokens per sequence.
@@ -53,81 +52,6 @@ class PackPlan:
     def padded_lengths(self) -> np.ndarray:
         return np.diff(self.cu_seqlens_padded)
 
-    @property
-    def max_seqlen(self) -> int:
-        return int(self.padded_lengths.max())
-
-    def valid(self) -> np.ndarray:
-        """bool ``[total]``: True on real tokens."""
-        out = np.zeros(self.total, dtype=bool)
-        for start, n in zip(self.cu_seqlens_padded[:-1], self.lengths, strict=True):
-            out[start : start + n] = True
-        return out
-
-    def position_ids(self) -> np.ndarray:
-        """int64 ``[total]``: 0 at each sequence's first token, counting on through its
-        padding (what megatron's THD batches carry)."""
-        starts = np.repeat(self.cu_seqlens_padded[:-1], self.padded_lengths)
-        return np.arange(self.total, dtype=np.int64) - starts
-
-
-def pack_rows(rows: Sequence[np.ndarray], plan: PackPlan, fill) -> np.ndarray:
-    """Concatenate per-sequence arrays along axis 0 at the plan's padded offsets.
-
-    Args:
-        rows: Per sequence ``[r_i, ...]`` with ``r_i <= lengths[i]`` (tokens: ``r_i = T_i``;
-            a record's routes: ``r_i = T_i - 1``, so the final token stays ``fill``).
-        plan: The packing plan.
-        fill: Value of every row not given (padding, the final tokens' routes).
-
-    Returns:
-        ``[plan.total, ...]`` with ``rows``' trailing shape and dtype.
-    """
-    if len(rows) != plan.lengths.size:
-        raise LayoutError(f"{len(rows)} sequences for a plan of {plan.lengths.size}")
-    first = np.asarray(rows[0])
-    out = np.full((plan.total, *first.shape[1:]), fill, dtype=first.dtype)
-    for i, r in enumerate(rows):
-        if r.shape[0] > plan.lengths[i] or r.shape[1:] != first.shape[1:]:
-            raise LayoutError(
-                f"sequence {i}: {tuple(r.shape)} rows for {int(plan.lengths[i])} tokens"
-            )
-        start = int(plan.cu_seqlens_padded[i])
-        out[start : start + r.shape[0]] = r
-    return out
-
-
-def pack_routes(
-    routes: Sequence[np.ndarray], plan: PackPlan, columns: Sequence[int] | None = None
-) -> np.ndarray:
-    """Pack records' routes exactly as their tokens: ``ROUTE_DTYPE`` ``[plan.total, L', k]``.
-
-    Args:
-        routes: Per sequence a record's ``[T_i - 1, L, k]`` (uint8 / uint16).
-        plan: Built from the sequences' token counts ``T_i``.
-        columns: Record columns to keep (this stage's layers); all when None.
-
-    Row ``cu_seqlens_padded[i] + j`` is token j of sequence i; each final token and all padding
-    are ``MASKED``.
-    """
-    for i, r in enumerate(routes):
-        if r.shape[0] != plan.lengths[i] - 1:
-            raise LayoutError(
-                f"sequence {i}: {r.shape[0]} route rows for {int(plan.lengths[i])} tokens "
-                "(a record has one row per token but the last)"
-            )
-    sel = [r if columns is None else r[:, columns] for r in routes]
-    return pack_rows([r.astype(ROUTE_DTYPE, copy=False) for r in sel], plan, MASKED)
-
-
-def unpack_rows(packed: np.ndarray, plan: PackPlan, rows: Sequence[int] | None = None) -> list:
-    """Inverse of ``pack_rows``: per sequence its first ``rows[i]`` (default: all real) rows."""
-    rows = plan.lengths if rows is None else rows
-    return [
-        packed[int(s) : int(s) + int(n)]
-        for s, n in zip(plan.cu_seqlens_padded[:-1], rows, strict=True)
-    ]
-
 
 # --------------------------------------------------------------------------------------------
 # 5. Context parallel
@@ -156,22 +80,6 @@ def cp_index(seq_len: int, cp_size: int, cp_rank: int) -> np.ndarray:
     first = np.arange(cp_rank * c, (cp_rank + 1) * c)
     second = np.arange((chunks - 1 - cp_rank) * c, (chunks - cp_rank) * c)
     return np.concatenate([first, second]).astype(np.int64)
-
-
-def cp_packed_index(plan: PackPlan, cp_size: int, cp_rank: int) -> np.ndarray:
-    """int64: the packed rows one CP rank keeps, sequence by sequence (``cp_index`` applied to
-    each padded sequence), in packed order."""
-    parts = [
-        int(start) + cp_index(int(n), cp_size, cp_rank)
-        for start, n in zip(plan.cu_seqlens_padded[:-1], plan.padded_lengths, strict=True)
-    ]
-    return np.concatenate(parts)
-
-
-def cp_local_plan(plan: PackPlan, cp_size: int) -> np.ndarray:
-    """int64 ``[n + 1]``: cumulative padded lengths of the CP-local packed sequence (each
-    sequence keeps ``padded / cp`` rows on every CP rank)."""
-    return plan.cu_seqlens_padded // cp_size
 
 
 # --------------------------------------------------------------------------------------------

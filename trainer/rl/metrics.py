@@ -22,10 +22,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from routereplay.domain.record import Record
+from routereplay.domain.record import MASKED, Record
 from routereplay.domain.route_stats import agreement, overlap_counts
-from trainer.data.batch import PaddedBatch
-from trainer.model.replay import MASKED
+from trainer.layout.batch import PaddedBatch
 
 
 @dataclass

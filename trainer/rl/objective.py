@@ -20,15 +20,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from routereplay.domain.record import Record
-from trainer.data.batch import PACKED, PaddedBatch
 from trainer.data.source import Sample
-from trainer.reshard import padded_length
 
 TARGET_MODULUS = 8
 REWARD_RULE = f"fraction of generated tokens whose id is a multiple of {TARGET_MODULUS}"
@@ -108,77 +104,3 @@ def ppo_loss(
     loss = (per_token * mask).sum() / n
     clip_fraction = float(((unclipped != clipped) & mask).sum() / n)
     return loss, clip_fraction
-
-
-@dataclass
-class MicroBatch:
-    """One micro-batch, padded or packed, with what the step needs per token.
-
-    Attributes:
-        samples / records: in micro-batch order (records None where missing).
-        index: Each sample's position in the step's batch (results go back there).
-        batch: The token layout (``[rows, seq]``: a sample per row, or packed in one row).
-        generated: bool ``[rows, seq]``, generated tokens (the loss and gap positions).
-        rollout_logp: float32 ``[rows, seq]``, the rollout's log-probs (NaN where none).
-        advantages: float32 ``[rows, seq]``, each token its sample's advantage.
-    """
-
-    samples: list[Sample]
-    records: list[Record | None]
-    index: tuple[int, ...]
-    batch: PaddedBatch
-    generated: torch.Tensor
-    rollout_logp: torch.Tensor
-    advantages: torch.Tensor
-
-    def per_sample(self, values: torch.Tensor) -> list[torch.Tensor]:
-        """A ``[rows, seq, ...]`` tensor cut into each sample's columns."""
-        return [self.batch.sample_values(values, b) for b in range(self.batch.batch_size)]
-
-
-def micro_batches(
-    samples: Sequence[Sample],
-    records: Sequence[Record | None],
-    advantages: np.ndarray,
-    size: int,
-    padding_side: str,
-    multiple: int = 1,
-    *,
-    groups: Sequence[Sequence[int]] | None = None,
-    shape: tuple[int, int] | None = None,
-) -> list[MicroBatch]:
-    """Split a batch into micro-batches: consecutive runs of ``size`` samples, or the given
-    ``groups`` of sample positions (``reshard.dynamic_microbatches``: a token budget).
-
-    Each micro-batch is laid out on its own: padded (``padding_side`` right or left) to its
-    longest sample rounded up to a multiple of ``multiple`` (a parallel layout's: sequence
-    parallelism splits the sequence over the TP ranks), or ``"packed"``: its samples back to
-    back in one row, each padded to that multiple. ``shape`` ``(rows, seq)`` pads every
-    micro-batch to one shape (pipeline stages exchange activations of a fixed shape).
-    """
-    if groups is None:
-        groups = [range(lo, min(lo + size, len(samples))) for lo in range(0, len(samples), size)]
-    out = []
-    for group in groups:
-        chunk = [samples[i] for i in group]
-        ids, tokens = [s.sample_id for s in chunk], [s.token_ids for s in chunk]
-        rows, seq = shape or (None, None)
-        if padding_side == PACKED:
-            batch = PaddedBatch.packed(ids, tokens, multiple=multiple, max_length=seq)
-        else:
-            longest = padded_length(max(s.token_ids.size for s in chunk), multiple)
-            batch = PaddedBatch.from_samples(
-                ids, tokens, padding_side=padding_side, max_length=seq or longest, num_rows=rows
-            )
-        generated = torch.zeros(batch.token_ids.shape, dtype=torch.bool)
-        rollout = torch.full(batch.token_ids.shape, float("nan"))
-        adv = torch.zeros(batch.token_ids.shape)
-        for b, (i, s) in enumerate(zip(group, chunk, strict=True)):
-            batch.sample_values(generated, b)[:] = torch.from_numpy(s.generated)
-            batch.sample_values(rollout, b)[:] = torch.from_numpy(s.rollout_logprobs)
-            batch.sample_values(adv, b)[:] = float(advantages[i])
-        # Column 0 of a sample has no log-prob (nothing before it): never a loss position.
-        generated &= batch.position_ids() > 0
-        out.append(MicroBatch(chunk, [records[i] for i in group], tuple(group), batch,
-                              generated, rollout, adv))  # fmt: skip
-    return out

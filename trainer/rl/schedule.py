@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from trainer.data.batch import PaddedBatch
+from trainer.layout.batch import PaddedBatch
 from trainer.model.build import TrainerModel
 from trainer.model.replay import RouterReplayControl
 

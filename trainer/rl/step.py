@@ -18,7 +18,7 @@ Which routing each pass uses (``PASSES``):
 Replay ids stay this rank's ids inside a step: the rollout's records are aligned and cut to
 this rank's layers and rows once; R2 keeps what each router chose in the old-logprob pass on
 this rank's rows as the update passes' ids. Records are built only for ``record_file``. With
-stage reads (``trainer.parallel.stage_reads``) a rank's records hold only its stage's layers;
+stage reads (``trainer.data.stage_reads``) a rank's records hold only its stage's layers;
 ``record_file`` gets them whole, gathered over the pipeline stages. ``route_bytes`` in the
 report: what the ranks read from the route cache against the batch's whole records' bytes.
 
@@ -56,23 +56,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from routereplay.domain.record import Record, Turn
+from routereplay.domain.record import MASKED, Record, Turn
 from trainer.config import ReplayMode, TrainerConfig
-from trainer.data.align import align_routes, routes_from_recorded
-from trainer.data.batch import PACKED, PaddedBatch
 from trainer.data.source import FetchedBatch
+from trainer.layout import MicroBatch, RankShare, StepLayout, plan_step
+from trainer.layout.align import routes_from_recorded
+from trainer.layout.batch import PaddedBatch
 from trainer.model.build import TrainerModel
-from trainer.model.replay import MASKED
 from trainer.parallel.dp import SINGLE, DataParallel
 from trainer.report.step_report import Gap, RouteBytes, Rows, StepReport, Times
-from trainer.reshard import (
-    Layout,
-    LayoutError,
-    cp_index,
-    dynamic_microbatches,
-    padded_length,
-    shard_padded,
-)
 from trainer.rl import measure, metrics, objective
 from trainer.rl.schedule import Schedule
 
@@ -106,9 +98,10 @@ class _Work:
 
     fetched: FetchedBatch
     rewards: list[float] = field(default_factory=list)
-    minis: list[list[objective.MicroBatch]] = field(default_factory=list)
-    mbs: list[objective.MicroBatch] = field(default_factory=list)
+    minis: list[list[MicroBatch]] = field(default_factory=list)
+    mbs: list[MicroBatch] = field(default_factory=list)
     rollout: list = field(default_factory=list)  # per micro-batch: (replay ids, replayed rows)
+    replayable: list[torch.Tensor] = field(default_factory=list)  # this rank's rows with a route
     recorded: list = field(default_factory=list)  # R3: per micro-batch, the record routes
     old: object = None  # the old-logprob pass's result
     old_logp: list[torch.Tensor] = field(default_factory=list)
@@ -153,7 +146,7 @@ class RLStep:
         self.built = built
         self.dp = dp
         self.mp = dp.model
-        self.layout = self.mp.layout if self.mp is not None else Layout()
+        self.share = RankShare(self.mp)
         self.optimizer = optimizer
         self.config = config
         self.mode = config.router_replay.mode
@@ -169,109 +162,18 @@ class RLStep:
 
     # -- layout ----------------------------------------------------------------------------
 
-    def _shard(self, batch: PaddedBatch, x):
-        """This rank's rows of a micro-batch's rows in megatron order (its sequence shard)."""
-        if self.mp is None:
-            return x
-        return shard_padded(x, batch.seq_len, self.layout, self.mp.coords)
+    def _plan(self, samples, records, adv) -> StepLayout:
+        """This rank's micro-batches and replay ids (``trainer.layout.plan_step``)."""
+        return plan_step(
+            samples, records, adv, train=self.config.train, dp=self.dp, share=self.share,
+            geometry=self.built.geometry, router_layers=[r.layer for r in self.built.routers],
+            model_id=self.config.model.model_id or None,
+        )  # fmt: skip
 
-    def _micro_batches(self, samples, records, adv) -> list[list[objective.MicroBatch]]:
-        """This rank's mini-batches, each a list of micro-batches (fixed size, or filled up to
-        ``train.max_tokens_per_micro_batch`` with the same count on every DP rank)."""
-        cfg, dp = self.config.train, self.dp
-        local_mini = cfg.mini_batch_size_or_micro // dp.size
-        local_micro = max(cfg.micro_batch_size // dp.size, 1)
-        side = PACKED if cfg.packing else cfg.padding_side
-        multiple = self.layout.multiple
-        minis = [list(range(lo, min(lo + local_mini, len(samples))))
-                 for lo in range(0, len(samples), local_mini)]  # fmt: skip
-        minis += [[]] * (int(dp.max(len(minis))) - len(minis))  # a rank short of samples
-        groups, error = [], ""
-        for mine in minis:
-            if cfg.max_tokens_per_micro_batch is None:
-                groups.append(
-                    [mine[lo : lo + local_micro] for lo in range(0, len(mine), local_micro)]
-                )
-            else:
-                lengths = [samples[j].token_ids.size for j in mine]
-                plan, problem = self._budget(lengths)
-                error = error or problem
-                groups.append([[mine[g] for g in group] for group in plan])
-        self._raise_everywhere(error)
-        shape = None
-        if self.layout.pp > 1:
-            # Megatron's pipeline schedules exchange activations of one shape: every
-            # micro-batch of the step gets the largest (rows, seq) among them.
-            padded = [[padded_length(samples[j].token_ids.size, multiple) for j in group]
-                      for mini in groups for group in mini]  # fmt: skip
-            if side == PACKED:
-                shape = (1, max((sum(p) for p in padded), default=0))
-            else:
-                shape = (max(map(len, padded), default=0), max(map(max, padded), default=0))
-        return [
-            objective.micro_batches(samples, records, adv, 0, side, multiple, groups=g, shape=shape)
-            for g in groups
-        ]
-
-    def _budget(self, lengths: list[int]) -> tuple[list[tuple[int, ...]], str]:
-        """One mini-batch's micro-batches under the token budget (positions in ``lengths``),
-        as many on every DP rank (a multiple of pp under virtual stages: the interleaved
-        schedule runs no other counts), and the error that prevents it, if any. Every rank
-        takes part in the count's collective, error or not."""
-        budget, multiple = self.config.train.max_tokens_per_micro_batch, self.layout.multiple
-        step = self.layout.pp if self.layout.vp is not None else 1
-        count, error = 0, ""
-        if lengths:
-            try:
-                count = len(dynamic_microbatches(lengths, budget, multiple=multiple).groups)
-            except LayoutError as exc:
-                error = str(exc)
-        count = int(self.dp.max(-(-count // step) * step))
-        if not lengths or error:
-            return [], error
-        try:
-            plan = dynamic_microbatches(lengths, budget, multiple=multiple, min_microbatches=count)
-        except LayoutError as exc:
-            return [], str(exc)
-        return list(plan.groups), ""
-
-    def _raise_everywhere(self, error: str) -> None:
-        """Raise ``error`` on every rank when any rank has one (no rank left in a collective)."""
-        errors = [error]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            errors = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, error)
-        first = next((e for e in errors if e), "")
-        if first:
-            raise LayoutError(first)
-
-    def _replayable(self, batch: PaddedBatch) -> torch.Tensor:
-        """bool ``[local tokens]``: this rank's rows that have a route (a real token followed
-        by one of the same sample), megatron order."""
-        seg = batch.segments()
-        ok = torch.zeros_like(seg, dtype=torch.bool)
-        ok[:, :-1] = (seg[:, :-1] >= 0) & (seg[:, :-1] == seg[:, 1:])
-        return self._shard(batch, ok.T.reshape(-1))
-
-    def _megatron_share(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's share of a ``[seq, rows, ...]`` tensor as megatron cuts the tokens:
-        its sequence-parallel split of the embeddings (``scatter_to_sequence_parallel_region``,
-        along seq) after the context-parallel chunks (cut before the model, as the tokens
-        are: ``cp_index``; CP needs TransformerEngine, so that path does not run here)."""
-        if self.mp is None:
-            return x
-        if self.layout.cp > 1:
-            x = x[torch.from_numpy(cp_index(x.shape[0], self.layout.cp, self.mp.coords.cp_rank))]
-        if self.layout.sequence_parallel and self.layout.tp > 1:
-            from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
-
-            x = scatter_to_sequence_parallel_region(x, group=self.mp.tp_group)
-        return x
-
-    def _recorded(self, mb: objective.MicroBatch) -> dict[int, torch.Tensor]:
+    def _recorded(self, mb: MicroBatch) -> dict[int, torch.Tensor]:
         """Per router of this rank, the record's route of each of its rows (``MASKED``: none)."""
         layers = [r.layer for r in self.built.routers]
-        return metrics.recorded_routes(mb.batch, mb.records, layers, self._megatron_share)
+        return metrics.recorded_routes(mb.batch, mb.records, layers, self.share.megatron_share)
 
     def _followed(self, result, recorded: list[dict[int, torch.Tensor]]) -> np.ndarray:
         """``_counts`` of what the routing maps used in a replayed pass (each forward, and
@@ -290,16 +192,6 @@ class RLStep:
             for used, reference in zip(calls, recorded, strict=True):
                 out += self._counts({layer: {"used": used}}, {layer: reference[layer]}, "used")
         return out
-
-    def _rollout_ids(self, mb: objective.MicroBatch) -> tuple[list[torch.Tensor], int]:
-        """This rank's replay ids of the rollout's routes (per router) and the micro-batch's
-        replayed rows (all ranks' rows, one layer)."""
-        built = self.built
-        aligned = align_routes(
-            mb.batch, mb.records, built.geometry, [r.layer for r in built.routers],
-            missing="native", model_id=self.config.model.model_id or None,
-        )  # fmt: skip
-        return [self._shard(mb.batch, i) for i in aligned.indices], int(aligned.replayed.sum())
 
     def _by_layer(self, ids: list[torch.Tensor]) -> dict[int, torch.Tensor]:
         return {r.layer: i for r, i in zip(self.built.routers, ids, strict=True)}
@@ -332,9 +224,10 @@ class RLStep:
         not from the replay ids, so a wrong alignment or cut shows)."""
         cfg, dp = self.config.train, self.dp
         work.rewards, adv = self._advantages(work.samples, cfg.mini_batch_size_or_micro // dp.size)
-        work.minis = self._micro_batches(work.samples, work.fetched.records, adv)
-        work.mbs = [mb for mini in work.minis for mb in mini]
-        work.rollout = [self._rollout_ids(mb) for mb in work.mbs]
+        laid = self._plan(work.samples, work.fetched.records, adv)
+        work.minis, work.mbs = laid.minis, laid.micro_batches
+        work.rollout = list(zip(laid.replay_ids, laid.replayed, strict=True))
+        work.replayable = laid.replayable
         if self.mode is ReplayMode.R3:
             work.recorded = [self._recorded(mb) for mb in work.mbs]
         work.followed = self._no_counts()
@@ -359,10 +252,9 @@ class RLStep:
         work.old = old
         work.old_logp = [o["logp"] for o in old.outputs]
         work.natural_routes = old.routes
-        replayable = [self._replayable(b) for b in work.batches]
         work.chosen = [
             {layer: torch.where(ok[:, None], seen["natural"], MASKED) for layer, seen in mb.items()}
-            for mb, ok in zip(old.routes, replayable, strict=True)
+            for mb, ok in zip(old.routes, work.replayable, strict=True)
         ]  # fmt: skip
         if self.passes.old is Routing.ROLLOUT:
             work.followed += self._followed(old, work.recorded)
@@ -615,7 +507,7 @@ class RLStep:
 
     def _whole_records(self, records: list[Record | None]) -> list[Record | None]:
         """The rollout's records with every MoE layer: stage reads hold each stage's layers
-        (``trainer.parallel.stage_reads``), gathered here over the pipeline stages."""
+        (``trainer.data.stage_reads``), gathered here over the pipeline stages."""
         group = self.mp.pp_group if self.mp is not None else None
         selected = any(r is not None and r.layers is not None for r in records)
         # Every stage reads the same way: all take part in the gather or none does.

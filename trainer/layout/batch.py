@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from trainer.reshard import PackPlan
+
 PADDING_SIDES = ("right", "left")
 PACKED = "packed"
 
@@ -72,10 +74,7 @@ class PaddedBatch:
         max_length: int | None = None,
     ) -> PaddedBatch:
         """Pack samples back to back in one row, each padded to a multiple of ``multiple``
-        (``reshard.PackPlan``: the same plan the routes are packed with), the row padded to
-        ``max_length`` when given."""
-        from trainer.reshard import PackPlan
-
+        (``reshard.PackPlan``), the row padded to ``max_length`` when given."""
         if len(sample_ids) != len(tokens):
             raise ValueError(f"{len(sample_ids)} sample ids for {len(tokens)} token lists")
         plan = PackPlan.build([len(t) for t in tokens], multiple)

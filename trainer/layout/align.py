@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from routereplay.domain.record import Geometry, Record
+from routereplay.domain.record import MASKED, Geometry, Record
 from routereplay.errors import InvalidArgument
-from trainer.data.batch import PaddedBatch
-from trainer.model.replay import MASKED
+from trainer.layout.batch import PaddedBatch
 
 log = logging.getLogger(__name__)
 
