@@ -13,6 +13,15 @@ Entries hold ``sample_id``, ``group_id``, ``num_tokens`` and ``policy_versions``
 versions, comma-separated). The stream is capped near ``maxlen`` entries (``XADD MAXLEN ~``):
 a consumer group more than that far behind loses the oldest entries it had not read, and
 pending entries trimmed before their acknowledgement come back as ``trimmed`` counts.
+
+With the route cache's ``--wait-replicas``, an announcement is answered only once that many
+replicas hold it (``WAIT``, as for records), so a failover of the stream's master cannot lose
+an announcement the writer was told of; fewer raise Unavailable, and the writer's retry
+announces again. An acknowledgement waits for the replicas too, but is answered with its
+count whatever WAIT says: an Unavailable after Redis applied it would have the consumer's
+retry find nothing pending, and ``ReadyConsumer.settle`` would then drop the group untrained.
+A lost acknowledgement is a redelivery, which consumers already expect. Reads (which move
+entries into a consumer's pending list) are not waited for.
 """
 
 from __future__ import annotations
@@ -23,9 +32,9 @@ from collections.abc import Callable, Sequence
 
 import redis
 
-from route_cache.store import domain_errors_from_redis
+from route_cache.store import WAIT_TIMEOUT_MS, domain_errors_from_redis, replicated
 from routereplay.domain.feed import ReadyEntry, ReadyPage, ReadyRead
-from routereplay.errors import InvalidArgument
+from routereplay.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +60,24 @@ class ReadyFeed:
         client: a ``redis.Redis`` or ``redis.cluster.RedisCluster`` (passed in, never global).
         stream: the stream's key.
         maxlen: keep about this many entries (approximate trimming); 0 keeps all.
+        wait_replicas, wait_timeout_ms: replicas that must hold an announcement or an
+            acknowledgement before it is answered (see the module docstring), and how long to
+            wait for them.
     """
 
-    def __init__(self, client, stream: str, maxlen: int = 100_000):
+    def __init__(
+        self,
+        client,
+        stream: str,
+        maxlen: int = 100_000,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = WAIT_TIMEOUT_MS,
+    ):
         self.client = client
         self.stream = stream
         self.maxlen = maxlen
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
 
     def publish(self, entry: ReadyEntry) -> str:
         """Append ``entry`` (its ``entry_id`` is ignored). Returns the new entry id."""
@@ -66,9 +87,17 @@ class ReadyFeed:
             "num_tokens": entry.num_tokens,
             "policy_versions": ",".join(str(v) for v in entry.policy_versions),
         }
+        maxlen = self.maxlen or None
         with domain_errors_from_redis():
-            entry_id = self.client.xadd(
-                self.stream, fields, maxlen=self.maxlen or None, approximate=True
+            if not self.wait_replicas:
+                return _text(self.client.xadd(self.stream, fields, maxlen=maxlen, approximate=True))
+            entry_id, replicas = self._replicated(
+                lambda pipe: pipe.xadd(self.stream, fields, maxlen=maxlen, approximate=True)
+            )
+        if replicas < self.wait_replicas:
+            raise Unavailable(
+                f"{replicas} of {self.wait_replicas} replicas confirmed the announcement of "
+                f"{entry.sample_id!r} within {self.wait_timeout_ms} ms"
             )
         return _text(entry_id)
 
@@ -139,9 +168,22 @@ class ReadyFeed:
         return [(_text(g["name"]), g.get("lag"), int(g["pending"])) for g in groups]
 
     def ack(self, group: str, entry_ids: Sequence[str]) -> int:
-        """Acknowledge entries of ``group``. Returns how many were pending."""
+        """Acknowledge entries of ``group``. Returns how many were pending (answered even
+        when fewer replicas than ``wait_replicas`` confirmed it: see the module docstring)."""
         with domain_errors_from_redis():
-            return int(self.client.xack(self.stream, group, *entry_ids))
+            if not self.wait_replicas:
+                return int(self.client.xack(self.stream, group, *entry_ids))
+            count, replicas = self._replicated(
+                lambda pipe: pipe.xack(self.stream, group, *entry_ids)
+            )
+        if replicas < self.wait_replicas:
+            log.warning("%d of %d replicas confirmed an acknowledgement on %r within %d ms",
+                        replicas, self.wait_replicas, group, self.wait_timeout_ms)  # fmt: skip
+        return int(count)
+
+    def _replicated(self, queue) -> tuple[object, int]:
+        """The one command ``queue(pipe)`` queues, then WAIT, on the stream's master."""
+        return replicated(self.client, self.stream, queue, self.wait_replicas, self.wait_timeout_ms)
 
     def _in_group(self, group: str, start_from_latest: bool, call: Callable):
         """``call()``, creating the consumer group first when Redis says it does not exist."""

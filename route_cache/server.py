@@ -305,7 +305,13 @@ class RouteCacheServer:
         self.config = config
         self.store = store
         self.feed = (
-            ReadyFeed(store.client, config.ready_stream, config.ready_maxlen)
+            ReadyFeed(
+                store.client,
+                config.ready_stream,
+                config.ready_maxlen,
+                store.wait_replicas,
+                store.wait_timeout_ms,
+            )
             if config.ready_stream
             else None
         )
