@@ -32,7 +32,12 @@ from collections.abc import Callable, Sequence
 
 import redis
 
-from route_cache.store import WAIT_TIMEOUT_MS, domain_errors_from_redis, replicated
+from route_cache.store import (
+    WAIT_TIMEOUT_MS,
+    domain_errors_from_redis,
+    replicated,
+    settled_key,
+)
 from routereplay.domain.feed import ReadyEntry, ReadyPage, ReadyRead
 from routereplay.errors import InvalidArgument, Unavailable
 
@@ -63,6 +68,8 @@ class ReadyFeed:
         wait_replicas, wait_timeout_ms: replicas that must hold an announcement or an
             acknowledgement before it is answered (see the module docstring), and how long to
             wait for them.
+        settled_ttl_ms: how long a sample's claim by the entry that settled it is kept (the
+            records' time to live: a repeat can only announce a stored record); 0 keeps it.
     """
 
     def __init__(
@@ -72,12 +79,14 @@ class ReadyFeed:
         maxlen: int = 100_000,
         wait_replicas: int = 0,
         wait_timeout_ms: int = WAIT_TIMEOUT_MS,
+        settled_ttl_ms: int = 0,
     ):
         self.client = client
         self.stream = stream
         self.maxlen = maxlen
         self.wait_replicas = wait_replicas
         self.wait_timeout_ms = wait_timeout_ms
+        self.settled_ttl_ms = settled_ttl_ms
 
     def publish(self, entry: ReadyEntry) -> str:
         """Append ``entry`` (its ``entry_id`` is ignored). Returns the new entry id."""
@@ -91,7 +100,7 @@ class ReadyFeed:
         with domain_errors_from_redis():
             if not self.wait_replicas:
                 return _text(self.client.xadd(self.stream, fields, maxlen=maxlen, approximate=True))
-            entry_id, replicas = self._replicated(
+            (entry_id,), replicas = self._replicated(
                 lambda pipe: pipe.xadd(self.stream, fields, maxlen=maxlen, approximate=True)
             )
         if replicas < self.wait_replicas:
@@ -168,18 +177,74 @@ class ReadyFeed:
         return [(_text(g["name"]), g.get("lag"), int(g["pending"])) for g in groups]
 
     def ack(self, group: str, entry_ids: Sequence[str]) -> int:
-        """Acknowledge entries of ``group``. Returns how many were pending (answered even
-        when fewer replicas than ``wait_replicas`` confirmed it: see the module docstring)."""
+        """Acknowledge entries of ``group``. Returns how many this call settled: entries it
+        took off the pending list whose sample no other entry settled in ``group`` first.
+
+        A sample can be announced twice (a retried write or final append announces again),
+        and two consumers of a group can each hold one of its entries; both train it. The
+        first to acknowledge its entry claims the sample (``settled_key``: consumer group ->
+        entry id, kept as long as records are); the other's entry is acknowledged but not
+        counted, so ``ReadyConsumer.settle`` tells it not to commit. Entries of one sample
+        acknowledged in one call (a repeat filed with its group) count alike. The claim comes
+        before the acknowledgement, so a retry after a failed acknowledgement finds its own
+        claim. Entries trimmed from the stream count on their acknowledgement alone. The
+        count is answered even when fewer replicas than ``wait_replicas`` confirmed it
+        (module docstring).
+        """
         with domain_errors_from_redis():
-            if not self.wait_replicas:
-                return int(self.client.xack(self.stream, group, *entry_ids))
-            count, replicas = self._replicated(
-                lambda pipe: pipe.xack(self.stream, group, *entry_ids)
-            )
-        if replicas < self.wait_replicas:
-            log.warning("%d of %d replicas confirmed an acknowledgement on %r within %d ms",
-                        replicas, self.wait_replicas, group, self.wait_timeout_ms)  # fmt: skip
-        return int(count)
+            samples = self._samples(entry_ids)
+            owners = self._claim(group, samples)
+            if self.wait_replicas:
+                acked, replicas = self._replicated(
+                    lambda pipe: [pipe.xack(self.stream, group, e) for e in entry_ids]
+                )
+                if replicas < self.wait_replicas:
+                    log.warning("%d of %d replicas confirmed an acknowledgement on %r within "
+                                "%d ms", replicas, self.wait_replicas, group,
+                                self.wait_timeout_ms)  # fmt: skip
+            else:
+                pipe = self.client.pipeline(transaction=False)
+                for entry_id in entry_ids:
+                    pipe.xack(self.stream, group, entry_id)
+                acked = pipe.execute()
+        ours = set(entry_ids)  # a repeat acknowledged with its sample's first entry counts
+        return sum(
+            bool(n) and owners.get(entry_id, entry_id) in ours
+            for entry_id, n in zip(entry_ids, acked, strict=True)
+        )
+
+    def _samples(self, entry_ids: Sequence[str]) -> dict[str, str]:
+        """The sample id of each entry still in the stream."""
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id in entry_ids:
+            pipe.xrange(self.stream, min=entry_id, max=entry_id, count=1)
+        samples = {}
+        for entry_id, found in zip(entry_ids, pipe.execute(), strict=True):
+            # A bare "<ms>" as the range's end reaches past "<ms>-0", the entry XACK means.
+            full_id = entry_id if "-" in entry_id else f"{entry_id}-0"
+            entry = _entry(_text(found[0][0]), found[0][1]) if found else None
+            if entry is not None and entry.entry_id == full_id:
+                samples[entry_id] = entry.sample_id
+        return samples
+
+    def _claim(self, group: str, samples: dict[str, str]) -> dict[str, str]:
+        """Claim each entry's sample for it in ``group`` unless another entry has; returns
+        the entry that holds each claim."""
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id, sample_id in samples.items():
+            key = settled_key(sample_id)
+            pipe.hsetnx(key, group, entry_id)
+            pipe.hget(key, group)
+            if self.settled_ttl_ms:
+                pipe.pexpire(key, self.settled_ttl_ms)
+        results = iter(pipe.execute())
+        owners = {}
+        for entry_id in samples:
+            next(results)
+            owners[entry_id] = _text(next(results))
+            if self.settled_ttl_ms:
+                next(results)
+        return owners
 
     def _replicated(self, queue) -> tuple[object, int]:
         """The one command ``queue(pipe)`` queues, then WAIT, on the stream's master."""

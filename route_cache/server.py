@@ -311,6 +311,7 @@ class RouteCacheServer:
                 config.ready_maxlen,
                 store.wait_replicas,
                 store.wait_timeout_ms,
+                store.ttl_ms,
             )
             if config.ready_stream
             else None

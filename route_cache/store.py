@@ -188,6 +188,12 @@ def record_key(sample_id: str) -> str:
     return f"rr:{{{sample_id}}}"
 
 
+def settled_key(sample_id: str) -> str:
+    """The hash of which ready-feed entry settled the sample, per consumer group (beside its
+    record, in its slot; see ``ReadyFeed.ack``)."""
+    return f"rr:{{{sample_id}}}:settled"
+
+
 # Records are megabytes: redis-py's default 64 KiB socket reads cost about a tenth of a batch
 # read (GETs of 12 MiB values: 699 MiB/s at 64 KiB, 773 at 256 KiB, 813 at 1 MiB, one run).
 SOCKET_READ_BYTES = 256 * 1024
@@ -213,10 +219,10 @@ def connect(url: str, cluster: bool, **kwargs) -> redis.Redis | redis.cluster.Re
     return redis.Redis.from_url(url, **kwargs)
 
 
-def replicated(client, key: str, queue, replicas: int, timeout_ms: int) -> tuple[object, int]:
-    """Run the one command ``queue(pipe)`` puts on a pipeline, then ``WAIT replicas
-    timeout_ms``, in one round trip on one connection to ``key``'s master (WAIT counts the
-    replicas that hold that connection's own writes).
+def replicated(client, key: str, queue, replicas: int, timeout_ms: int) -> tuple[list, int]:
+    """Run the commands ``queue(pipe)`` puts on a pipeline (all on ``key``'s slot), then
+    ``WAIT replicas timeout_ms``, in one round trip on one connection to ``key``'s master
+    (WAIT counts the replicas that hold that connection's own writes).
 
     In a cluster that connection is the master's own, which does not follow a failover as the
     cluster client's commands do: when it fails (the old master is down, or answers MOVED as
@@ -225,7 +231,7 @@ def replicated(client, key: str, queue, replicas: int, timeout_ms: int) -> tuple
     went on to the old master until some other command happened to refresh the map.
 
     Returns:
-        (the command's result, how many replicas confirmed it).
+        (the commands' results, how many replicas confirmed them).
     """
     if not isinstance(client, redis.cluster.RedisCluster):
         return _run_and_wait(client, queue, replicas, timeout_ms)
@@ -243,12 +249,12 @@ def replicated(client, key: str, queue, replicas: int, timeout_ms: int) -> tuple
     return _run_and_wait(client.get_redis_connection(moved_to), queue, replicas, timeout_ms)
 
 
-def _run_and_wait(node: redis.Redis, queue, replicas: int, timeout_ms: int) -> tuple[object, int]:
+def _run_and_wait(node: redis.Redis, queue, replicas: int, timeout_ms: int) -> tuple[list, int]:
     with node.pipeline(transaction=False) as pipe:
         queue(pipe)
         pipe.execute_command("WAIT", replicas, timeout_ms)
-        result, confirmed = pipe.execute()
-    return result, int(confirmed)
+        *results, confirmed = pipe.execute()
+    return results, int(confirmed)
 
 
 class RouteStore:
@@ -370,7 +376,7 @@ class RouteStore:
         """
         if not self.wait_replicas:
             return script(keys=keys, args=args)
-        result, replicas = replicated(
+        (result,), replicas = replicated(
             self.client,
             keys[0],
             lambda pipe: script(keys=keys, args=args, client=pipe),
@@ -477,6 +483,8 @@ class RouteStore:
         with domain_errors_from_redis():
             if not self.client.delete(record_key(sample_id)):
                 raise NotFound(f"no record for sample_id {sample_id!r}")
+            # A record written again under this id is announced again, and trained anew.
+            self.client.delete(settled_key(sample_id))
 
 
 class domain_errors_from_redis:

@@ -249,15 +249,17 @@ class ReadyConsumer:
 
     def settle(self, groups: Iterable[ReadyGroup]) -> list[ReadyGroup]:
         """Acknowledge each of ``groups`` on its own, and return those this consumer settled:
-        the groups whose every entry this acknowledgement took off the pending list. Commit
-        the training of those only.
+        the groups whose every entry this acknowledgement settled (``AckReady``'s count).
+        Commit the training of those only.
 
         A consumer that stalls past ``claim_idle_ms`` (a paused process, a long step) loses
         its entries to another consumer, which trains and acknowledges them too; so does one
         whose read was answered while it was paused. Acknowledging is atomic in Redis, so of
         two consumers holding the same entry only one sees it still pending: the other gets
         the group back here as not settled (counted in ``taken``), and must not commit it.
-        One call per group: the count the server returns is per call.
+        The same holds for two entries of one sample (announced twice): the route cache
+        counts only the first entry acknowledged of a sample. One call per group: the count
+        the server returns is per call.
         """
         won = []
         for group in groups:
