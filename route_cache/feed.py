@@ -176,24 +176,25 @@ class ReadyFeed:
             return []
         return [(_text(g["name"]), g.get("lag"), int(g["pending"])) for g in groups]
 
-    def ack(self, group: str, entry_ids: Sequence[str]) -> int:
+    def ack(self, group: str, entry_ids: Sequence[str], consumer: str = "") -> int:
         """Acknowledge entries of ``group``. Returns how many this call settled: entries it
         took off the pending list whose sample no other entry settled in ``group`` first.
 
         A sample can be announced twice (a retried write or final append announces again),
         and two consumers of a group can each hold one of its entries; both train it. The
         first to acknowledge its entry claims the sample (``settled_key``: consumer group ->
-        entry id, kept as long as records are); the other's entry is acknowledged but not
-        counted, so ``ReadyConsumer.settle`` tells it not to commit. Entries of one sample
-        acknowledged in one call (a repeat filed with its group) count alike. The claim comes
-        before the acknowledgement, so a retry after a failed acknowledgement finds its own
-        claim. Entries trimmed from the stream count on their acknowledgement alone. The
-        count is answered even when fewer replicas than ``wait_replicas`` confirmed it
-        (module docstring).
+        entry id and ``consumer``, kept as long as records are); the other's entry is
+        acknowledged but not counted, so ``ReadyConsumer.settle`` tells it not to commit.
+        Entries of one sample acknowledged in one call (a repeat filed with its group) count
+        alike. The claim comes before the acknowledgement, and a named consumer's retry that
+        finds its own claim counts even when XACK finds nothing pending any more (its first
+        answer was lost: say, past its deadline while the consumer was paused). Entries
+        trimmed from the stream count on their acknowledgement alone. The count is answered
+        even when fewer replicas than ``wait_replicas`` confirmed it (module docstring).
         """
         with domain_errors_from_redis():
             samples = self._samples(entry_ids)
-            owners = self._claim(group, samples)
+            owners = self._claim(group, samples, consumer)
             if self.wait_replicas:
                 acked, replicas = self._replicated(
                     lambda pipe: [pipe.xack(self.stream, group, e) for e in entry_ids]
@@ -208,10 +209,14 @@ class ReadyFeed:
                     pipe.xack(self.stream, group, entry_id)
                 acked = pipe.execute()
         ours = set(entry_ids)  # a repeat acknowledged with its sample's first entry counts
-        return sum(
-            bool(n) and owners.get(entry_id, entry_id) in ours
-            for entry_id, n in zip(entry_ids, acked, strict=True)
-        )
+        settled = 0
+        for entry_id, n in zip(entry_ids, acked, strict=True):
+            if entry_id not in owners:  # trimmed: no sample to claim
+                settled += bool(n)
+                continue
+            owner, by = owners[entry_id]
+            settled += owner in ours and (bool(n) or (bool(consumer) and by == consumer))
+        return settled
 
     def _samples(self, entry_ids: Sequence[str]) -> dict[str, str]:
         """The sample id of each entry still in the stream."""
@@ -227,13 +232,15 @@ class ReadyFeed:
                 samples[entry_id] = entry.sample_id
         return samples
 
-    def _claim(self, group: str, samples: dict[str, str]) -> dict[str, str]:
-        """Claim each entry's sample for it in ``group`` unless another entry has; returns
-        the entry that holds each claim."""
+    def _claim(
+        self, group: str, samples: dict[str, str], consumer: str
+    ) -> dict[str, tuple[str, str]]:
+        """Claim each entry's sample for it (and ``consumer``) in ``group`` unless another
+        entry has; returns the (entry, consumer) that holds each claim."""
         pipe = self.client.pipeline(transaction=False)
         for entry_id, sample_id in samples.items():
             key = settled_key(sample_id)
-            pipe.hsetnx(key, group, entry_id)
+            pipe.hsetnx(key, group, f"{entry_id} {consumer}")
             pipe.hget(key, group)
             if self.settled_ttl_ms:
                 pipe.pexpire(key, self.settled_ttl_ms)
@@ -241,7 +248,8 @@ class ReadyFeed:
         owners = {}
         for entry_id in samples:
             next(results)
-            owners[entry_id] = _text(next(results))
+            owner, _, by = _text(next(results)).partition(" ")
+            owners[entry_id] = (owner, by)
             if self.settled_ttl_ms:
                 next(results)
         return owners

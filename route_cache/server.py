@@ -101,7 +101,9 @@ class RouteCacheServicer(route_cache_pb2_grpc.RouteCacheServicer):
         return ready_page_to_pb(self.cache.read_ready(ready_read_from_pb(request)))
 
     def AckReady(self, request, context):
-        acknowledged = self.cache.ack_ready(request.consumer_group, request.entry_ids)
+        acknowledged = self.cache.ack_ready(
+            request.consumer_group, request.entry_ids, request.consumer
+        )
         return route_cache_pb2.AckReadyResponse(acknowledged=acknowledged)
 
 

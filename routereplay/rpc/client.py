@@ -335,10 +335,11 @@ class RouteCacheClient(_Base):
                 _after_lost_reply(request)
                 time.sleep(pause)
 
-    def ack_ready(self, consumer_group: str, entry_ids: Sequence[str]) -> int:
-        """Acknowledge ready entries (idempotent). Returns how many were still pending."""
+    def ack_ready(self, consumer_group: str, entry_ids: Sequence[str], consumer: str = "") -> int:
+        """Acknowledge ready entries (idempotent). Returns how many it settled (see AckReady:
+        with ``consumer`` named, a retry after a lost answer counts them again)."""
         request = route_cache_pb2.AckReadyRequest(
-            consumer_group=consumer_group, entry_ids=list(entry_ids)
+            consumer_group=consumer_group, entry_ids=list(entry_ids), consumer=consumer
         )
         return self._call(lambda: self.stub.AckReady(request, timeout=self.timeout_s)).acknowledged
 
@@ -450,9 +451,11 @@ class AsyncRouteCacheClient(_Base):
                 _after_lost_reply(request)
                 await asyncio.sleep(pause)
 
-    async def ack_ready(self, consumer_group: str, entry_ids: Sequence[str]) -> int:
+    async def ack_ready(
+        self, consumer_group: str, entry_ids: Sequence[str], consumer: str = ""
+    ) -> int:
         request = route_cache_pb2.AckReadyRequest(
-            consumer_group=consumer_group, entry_ids=list(entry_ids)
+            consumer_group=consumer_group, entry_ids=list(entry_ids), consumer=consumer
         )
         response = await self._call(lambda: self.stub.AckReady(request, timeout=self.timeout_s))
         return response.acknowledged

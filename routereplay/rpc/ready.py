@@ -41,7 +41,9 @@ class ReadyClient(Protocol):
         start_from_latest: bool = ...,
     ) -> ReadyPage: ...
 
-    def ack_ready(self, consumer_group: str, entry_ids: Sequence[str]) -> int: ...
+    def ack_ready(
+        self, consumer_group: str, entry_ids: Sequence[str], consumer: str = ...
+    ) -> int: ...
 
 
 @dataclass
@@ -175,7 +177,7 @@ class ReadyConsumer:
         self.trimmed += page.trimmed
         stale = [entry.entry_id for entry in page.entries if not self._accept(entry)]
         if stale:
-            self.client.ack_ready(self.consumer_group, stale)
+            self.client.ack_ready(self.consumer_group, stale, self.consumer)
         return len(page.entries)
 
     def _accept(self, entry: ReadyEntry) -> bool:
@@ -242,7 +244,9 @@ class ReadyConsumer:
         ids = [entry_id for group in groups for entry_id in group.entry_ids]
         acknowledged = 0
         for start in range(0, len(ids), chunk):
-            acknowledged += self.client.ack_ready(self.consumer_group, ids[start : start + chunk])
+            acknowledged += self.client.ack_ready(
+                self.consumer_group, ids[start : start + chunk], self.consumer
+            )
         for group in groups:
             self._forget(group)
         return acknowledged
@@ -263,7 +267,9 @@ class ReadyConsumer:
         """
         won = []
         for group in groups:
-            acknowledged = self.client.ack_ready(self.consumer_group, group.entry_ids)
+            acknowledged = self.client.ack_ready(
+                self.consumer_group, group.entry_ids, self.consumer
+            )
             self._forget(group)
             if acknowledged == len(group.entry_ids):
                 won.append(group)

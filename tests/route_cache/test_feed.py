@@ -234,6 +234,22 @@ def test_a_sample_announced_twice_is_settled_by_one_consumer_only(feed, rng, sid
     assert third.settle([again]) == [again]
 
 
+def test_a_retried_settle_whose_first_answer_was_lost_still_settles(feed, rng, sid):
+    """Found by the fault run: a consumer SIGSTOPped with its acknowledgement in flight; the
+    route cache applied it, the call ran past its deadline, and the retry found nothing
+    pending: the group was dropped as taken, and nobody trained the sample. The claim names
+    the consumer, so its own retry counts; another consumer's acknowledgement still does not."""
+    record = feed.write(rng, sid())
+    consumer = feed.consumer("c0")
+    (group,) = consumer.next_groups(1, timeout_s=1)
+    # The first attempt, applied by the route cache; its answer never reached the consumer.
+    assert feed.client.ack_ready("trainer", group.entry_ids, "c0") == 1
+    assert consumer.settle([group]) == [group] and consumer.taken == 0
+    assert feed.client.ack_ready("trainer", group.entry_ids, "c1") == 0
+    assert feed.client.ack_ready("trainer", group.entry_ids) == 0  # unnamed: XACK alone
+    assert group.sample_ids == [record.sample_id]
+
+
 def test_a_repeat_settled_with_its_group_counts(feed, rng, sid):
     """A consumer that reads both announcements of a sample files the repeat with the group
     and acknowledges both entries together: the group is settled."""
