@@ -12,7 +12,7 @@ On loopback, bounded in time and operations:
   clients reach through one target naming both (``ipv4:A,B``, what a headless Service gives),
   with client-side round-robin balancing and failover;
 - writers at a fixed rate, each sample a write and two appends (the last one ``final``, which
-  announces it on the ready feed), through the blocking client and its retries;
+  announces it on the ready feed), through the blocking client and its default retries;
 - two ready-feed consumer processes (``fault_consumer.py``) that train a stand-in step,
   commit, then acknowledge.
 
@@ -64,8 +64,9 @@ from routereplay.domain.record import Record  # noqa: E402
 from routereplay.errors import RouteReplayError  # noqa: E402
 from routereplay.rpc.client import RetryPolicy, RouteCacheClient  # noqa: E402
 
-# The writers' retry budget: about 6 s of backoff, enough for a failover (about 2 s here).
-RETRY = RetryPolicy(attempts=12, initial_backoff_s=0.1, max_backoff_s=1.0)
+# The writers' retry budget: the client's defaults (9.4-18.7 s of backoff, pauses of at most
+# 0.5 s), what a caller that names none gets.
+RETRY = RetryPolicy()
 OP_TIMEOUT_S = 5.0
 IN_FLIGHT_S = 0.5
 

@@ -320,10 +320,12 @@ class RouteCache:
             check_entry_id(read.claim_cursor, "claim_cursor")
         return feed.read(read)
 
-    def ack_ready(self, group: str, entry_ids: Sequence[str]) -> int:
+    def ack_ready(self, group: str, entry_ids: Sequence[str], consumer: str = "") -> int:
         feed = self._feed()
         check_sample_id(group, "consumer_group")
-        return feed.ack(group, self._ids(entry_ids, "entry_ids", check_entry_id))
+        if consumer:
+            check_sample_id(consumer, "consumer")
+        return feed.ack(group, self._ids(entry_ids, "entry_ids", check_entry_id), consumer)
 
     def _ids(self, values: Sequence[str], name: str, check) -> list[str]:
         """A non-empty list of at most ``max_batch`` ids, each passing ``check``."""

@@ -13,6 +13,15 @@ Entries hold ``sample_id``, ``group_id``, ``num_tokens`` and ``policy_versions``
 versions, comma-separated). The stream is capped near ``maxlen`` entries (``XADD MAXLEN ~``):
 a consumer group more than that far behind loses the oldest entries it had not read, and
 pending entries trimmed before their acknowledgement come back as ``trimmed`` counts.
+
+With the route cache's ``--wait-replicas``, an announcement is answered only once that many
+replicas hold it (``WAIT``, as for records), so a failover of the stream's master cannot lose
+an announcement the writer was told of; fewer raise Unavailable, and the writer's retry
+announces again. An acknowledgement waits for the replicas too, but is answered with its
+count whatever WAIT says: an Unavailable after Redis applied it would have the consumer's
+retry find nothing pending, and ``ReadyConsumer.settle`` would then drop the group untrained.
+A lost acknowledgement is a redelivery, which consumers already expect. Reads (which move
+entries into a consumer's pending list) are not waited for.
 """
 
 from __future__ import annotations
@@ -23,9 +32,14 @@ from collections.abc import Callable, Sequence
 
 import redis
 
-from route_cache.store import domain_errors_from_redis
+from route_cache.store import (
+    WAIT_TIMEOUT_MS,
+    domain_errors_from_redis,
+    replicated,
+    settled_key,
+)
 from routereplay.domain.feed import ReadyEntry, ReadyPage, ReadyRead
-from routereplay.errors import InvalidArgument
+from routereplay.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +65,28 @@ class ReadyFeed:
         client: a ``redis.Redis`` or ``redis.cluster.RedisCluster`` (passed in, never global).
         stream: the stream's key.
         maxlen: keep about this many entries (approximate trimming); 0 keeps all.
+        wait_replicas, wait_timeout_ms: replicas that must hold an announcement or an
+            acknowledgement before it is answered (see the module docstring), and how long to
+            wait for them.
+        settled_ttl_ms: how long a sample's claim by the entry that settled it is kept (the
+            records' time to live: a repeat can only announce a stored record); 0 keeps it.
     """
 
-    def __init__(self, client, stream: str, maxlen: int = 100_000):
+    def __init__(
+        self,
+        client,
+        stream: str,
+        maxlen: int = 100_000,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = WAIT_TIMEOUT_MS,
+        settled_ttl_ms: int = 0,
+    ):
         self.client = client
         self.stream = stream
         self.maxlen = maxlen
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
+        self.settled_ttl_ms = settled_ttl_ms
 
     def publish(self, entry: ReadyEntry) -> str:
         """Append ``entry`` (its ``entry_id`` is ignored). Returns the new entry id."""
@@ -66,9 +96,17 @@ class ReadyFeed:
             "num_tokens": entry.num_tokens,
             "policy_versions": ",".join(str(v) for v in entry.policy_versions),
         }
+        maxlen = self.maxlen or None
         with domain_errors_from_redis():
-            entry_id = self.client.xadd(
-                self.stream, fields, maxlen=self.maxlen or None, approximate=True
+            if not self.wait_replicas:
+                return _text(self.client.xadd(self.stream, fields, maxlen=maxlen, approximate=True))
+            (entry_id,), replicas = self._replicated(
+                lambda pipe: pipe.xadd(self.stream, fields, maxlen=maxlen, approximate=True)
+            )
+        if replicas < self.wait_replicas:
+            raise Unavailable(
+                f"{replicas} of {self.wait_replicas} replicas confirmed the announcement of "
+                f"{entry.sample_id!r} within {self.wait_timeout_ms} ms"
             )
         return _text(entry_id)
 
@@ -138,10 +176,87 @@ class ReadyFeed:
             return []
         return [(_text(g["name"]), g.get("lag"), int(g["pending"])) for g in groups]
 
-    def ack(self, group: str, entry_ids: Sequence[str]) -> int:
-        """Acknowledge entries of ``group``. Returns how many were pending."""
+    def ack(self, group: str, entry_ids: Sequence[str], consumer: str = "") -> int:
+        """Acknowledge entries of ``group``. Returns how many this call settled: entries it
+        took off the pending list whose sample no other entry settled in ``group`` first.
+
+        A sample can be announced twice (a retried write or final append announces again),
+        and two consumers of a group can each hold one of its entries; both train it. The
+        first to acknowledge its entry claims the sample (``settled_key``: consumer group ->
+        entry id and ``consumer``, kept as long as records are); the other's entry is
+        acknowledged but not counted, so ``ReadyConsumer.settle`` tells it not to commit.
+        Entries of one sample acknowledged in one call (a repeat filed with its group) count
+        alike. The claim comes before the acknowledgement, and a named consumer's retry that
+        finds its own claim counts even when XACK finds nothing pending any more (its first
+        answer was lost: say, past its deadline while the consumer was paused). Entries
+        trimmed from the stream count on their acknowledgement alone. The count is answered
+        even when fewer replicas than ``wait_replicas`` confirmed it (module docstring).
+        """
         with domain_errors_from_redis():
-            return int(self.client.xack(self.stream, group, *entry_ids))
+            samples = self._samples(entry_ids)
+            owners = self._claim(group, samples, consumer)
+            if self.wait_replicas:
+                acked, replicas = self._replicated(
+                    lambda pipe: [pipe.xack(self.stream, group, e) for e in entry_ids]
+                )
+                if replicas < self.wait_replicas:
+                    log.warning("%d of %d replicas confirmed an acknowledgement on %r within "
+                                "%d ms", replicas, self.wait_replicas, group,
+                                self.wait_timeout_ms)  # fmt: skip
+            else:
+                pipe = self.client.pipeline(transaction=False)
+                for entry_id in entry_ids:
+                    pipe.xack(self.stream, group, entry_id)
+                acked = pipe.execute()
+        ours = set(entry_ids)  # a repeat acknowledged with its sample's first entry counts
+        settled = 0
+        for entry_id, n in zip(entry_ids, acked, strict=True):
+            if entry_id not in owners:  # trimmed: no sample to claim
+                settled += bool(n)
+                continue
+            owner, by = owners[entry_id]
+            settled += owner in ours and (bool(n) or (bool(consumer) and by == consumer))
+        return settled
+
+    def _samples(self, entry_ids: Sequence[str]) -> dict[str, str]:
+        """The sample id of each entry still in the stream."""
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id in entry_ids:
+            pipe.xrange(self.stream, min=entry_id, max=entry_id, count=1)
+        samples = {}
+        for entry_id, found in zip(entry_ids, pipe.execute(), strict=True):
+            # A bare "<ms>" as the range's end reaches past "<ms>-0", the entry XACK means.
+            full_id = entry_id if "-" in entry_id else f"{entry_id}-0"
+            entry = _entry(_text(found[0][0]), found[0][1]) if found else None
+            if entry is not None and entry.entry_id == full_id:
+                samples[entry_id] = entry.sample_id
+        return samples
+
+    def _claim(
+        self, group: str, samples: dict[str, str], consumer: str
+    ) -> dict[str, tuple[str, str]]:
+        """Claim each entry's sample for it (and ``consumer``) in ``group`` unless another
+        entry has; returns the (entry, consumer) that holds each claim."""
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id, sample_id in samples.items():
+            key = settled_key(sample_id)
+            pipe.hsetnx(key, group, f"{entry_id} {consumer}")
+            pipe.hget(key, group)
+            if self.settled_ttl_ms:
+                pipe.pexpire(key, self.settled_ttl_ms)
+        results = iter(pipe.execute())
+        owners = {}
+        for entry_id in samples:
+            next(results)
+            owner, _, by = _text(next(results)).partition(" ")
+            owners[entry_id] = (owner, by)
+            if self.settled_ttl_ms:
+                next(results)
+        return owners
+
+    def _replicated(self, queue) -> tuple[object, int]:
+        """The one command ``queue(pipe)`` queues, then WAIT, on the stream's master."""
+        return replicated(self.client, self.stream, queue, self.wait_replicas, self.wait_timeout_ms)
 
     def _in_group(self, group: str, start_from_latest: bool, call: Callable):
         """``call()``, creating the consumer group first when Redis says it does not exist."""

@@ -104,7 +104,9 @@ class RouteCacheServicer(route_cache_pb2_grpc.RouteCacheServicer):
         return ready_page_to_pb(self.cache.read_ready(ready_read_from_pb(request)))
 
     def AckReady(self, request, context):
-        acknowledged = self.cache.ack_ready(request.consumer_group, request.entry_ids)
+        acknowledged = self.cache.ack_ready(
+            request.consumer_group, request.entry_ids, request.consumer
+        )
         return route_cache_pb2.AckReadyResponse(acknowledged=acknowledged)
 
 
@@ -308,7 +310,14 @@ class RouteCacheServer:
         self.config = config
         self.store = store
         self.feed = (
-            ReadyFeed(store.client, config.ready_stream, config.ready_maxlen)
+            ReadyFeed(
+                store.client,
+                config.ready_stream,
+                config.ready_maxlen,
+                store.wait_replicas,
+                store.wait_timeout_ms,
+                store.ttl_ms,
+            )
             if config.ready_stream
             else None
         )

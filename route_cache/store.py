@@ -50,6 +50,8 @@ import numpy as np
 import redis
 import redis.cluster
 import xxhash
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
 
 from routereplay.domain.codec import EncodedRoutes, Encoding, LayerParts, split_layers
 from routereplay.domain.record import Geometry, Turn, check_layer_selection
@@ -205,17 +207,73 @@ def record_key(sample_id: str) -> str:
     return f"rr:{{{sample_id}}}"
 
 
+def settled_key(sample_id: str) -> str:
+    """The hash of which ready-feed entry settled the sample, per consumer group (beside its
+    record, in its slot; see ``ReadyFeed.ack``)."""
+    return f"rr:{{{sample_id}}}:settled"
+
+
 # Records are megabytes: redis-py's default 64 KiB socket reads cost about a tenth of a batch
 # read (GETs of 12 MiB values: 699 MiB/s at 64 KiB, 773 at 256 KiB, 813 at 1 MiB, one run).
 SOCKET_READ_BYTES = 256 * 1024
+
+
+# How a cluster client retries a command (after reading the slot map again) when a node cannot
+# be reached. redis-py's default pauses up to 1 s between its 10 retries, so a write through
+# a MULTI that began during a failover went on 1-2 s after the promotion (3.8 s in all,
+# measured): pauses of at most 0.1 s find the new master within 0.1 s, and the 10 retries
+# end within about 0.8 s, after which the writer's own retry policy takes over.
+CLUSTER_RETRY_CAP_S = 0.1
 
 
 def connect(url: str, cluster: bool, **kwargs) -> redis.Redis | redis.cluster.RedisCluster:
     """A redis-py client for a single server or a cluster; the rest of the code is the same."""
     kwargs.setdefault("socket_read_size", SOCKET_READ_BYTES)
     if cluster:
+        kwargs.setdefault(
+            "retry",
+            Retry(ExponentialWithJitterBackoff(base=0.01, cap=CLUSTER_RETRY_CAP_S), retries=10),
+        )
         return redis.cluster.RedisCluster.from_url(url, **kwargs)
     return redis.Redis.from_url(url, **kwargs)
+
+
+def replicated(client, key: str, queue, replicas: int, timeout_ms: int) -> tuple[list, int]:
+    """Run the commands ``queue(pipe)`` puts on a pipeline (all on ``key``'s slot), then
+    ``WAIT replicas timeout_ms``, in one round trip on one connection to ``key``'s master
+    (WAIT counts the replicas that hold that connection's own writes).
+
+    In a cluster that connection is the master's own, which does not follow a failover as the
+    cluster client's commands do: when it fails (the old master is down, or answers MOVED as
+    a replica), the slot map is read again, and the command runs once more at once if the key
+    has another master now (callers' commands are safe to run twice). Without that, appends
+    went on to the old master until some other command happened to refresh the map.
+
+    Returns:
+        (the commands' results, how many replicas confirmed them).
+    """
+    if not isinstance(client, redis.cluster.RedisCluster):
+        return _run_and_wait(client, queue, replicas, timeout_ms)
+    node = client.get_node_from_key(key)
+    try:
+        return _run_and_wait(client.get_redis_connection(node), queue, replicas, timeout_ms)
+    except redis.exceptions.MovedError as exc:  # the slot's master is the one it names
+        client.nodes_manager.move_slot(exc)
+        moved_to = client.get_node_from_key(key)
+    except CONNECTION_ERRORS:
+        client.nodes_manager.initialize()
+        moved_to = client.get_node_from_key(key)
+        if moved_to.name == node.name:
+            raise
+    return _run_and_wait(client.get_redis_connection(moved_to), queue, replicas, timeout_ms)
+
+
+def _run_and_wait(node: redis.Redis, queue, replicas: int, timeout_ms: int) -> tuple[list, int]:
+    with node.pipeline(transaction=False) as pipe:
+        queue(pipe)
+        pipe.execute_command("WAIT", replicas, timeout_ms)
+        *results, confirmed = pipe.execute()
+    return results, int(confirmed)
 
 
 class RouteStore:
@@ -330,21 +388,20 @@ class RouteStore:
         return status == 1, int(rows)
 
     def _replicated(self, script, keys: list[str], args: list):
-        """Run ``script``; with ``wait_replicas``, then WAIT on the same connection (WAIT
-        counts the replication of that connection's own writes).
+        """Run ``script``; with ``wait_replicas``, confirmed by that many replicas.
 
         Raises:
             Unavailable: fewer replicas than ``wait_replicas`` confirmed in time.
         """
         if not self.wait_replicas:
             return script(keys=keys, args=args)
-        node = self.client
-        if isinstance(node, redis.cluster.RedisCluster):
-            node = node.get_redis_connection(node.get_node_from_key(keys[0]))
-        with node.pipeline(transaction=False) as pipe:
-            script(keys=keys, args=args, client=pipe)
-            pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
-            result, replicas = pipe.execute()
+        (result,), replicas = replicated(
+            self.client,
+            keys[0],
+            lambda pipe: script(keys=keys, args=args, client=pipe),
+            self.wait_replicas,
+            self.wait_timeout_ms,
+        )
         if replicas < self.wait_replicas:
             raise Unavailable(
                 f"{replicas} of {self.wait_replicas} replicas confirmed the write of {keys[0]} "
@@ -456,6 +513,8 @@ class RouteStore:
         with domain_errors_from_redis():
             if not self.client.delete(record_key(sample_id)):
                 raise NotFound(f"no record for sample_id {sample_id!r}")
+            # A record written again under this id is announced again, and trained anew.
+            self.client.delete(settled_key(sample_id))
 
 
 class domain_errors_from_redis:

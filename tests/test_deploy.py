@@ -564,26 +564,45 @@ def _bytes(size: str) -> float:
     return float(number) * scale[unit.lower()]
 
 
-def test_redis_maxmemory_leaves_half_the_limit_for_the_rewrite():
-    """The append-only file's rewrite forks, and the child's pages are copied as Redis writes:
-    up to the dataset again. maxmemory is at most half the memory limit, in compose, in the
-    single Redis and in the cluster's nodes."""
+def _redis_settings() -> dict[str, tuple[str, str]]:
+    """Each deployed Redis's settings as text (the command line of compose's and of the
+    single Redis, the cluster nodes' redis.conf) and its container memory limit."""
     yaml = pytest.importorskip("yaml")
     redis = compose_services()["redis"]
-    (maxmemory,) = re.findall(r"--maxmemory (\S+)", " ".join(redis["command"]))
-    pairs = {"compose": (maxmemory, str(redis["mem_limit"]))}
+    found = {"compose": (" ".join(redis["command"]), str(redis["mem_limit"]))}
     (single,) = [d for d in yaml.safe_load_all((BASE / "redis.yaml").read_text())
                  if d["kind"] == "StatefulSet"]  # fmt: skip
     spec = single["spec"]["template"]["spec"]["containers"][0]
-    (maxmemory,) = re.findall(r"--maxmemory (\S+)", " ".join(spec["command"]))
-    pairs["k8s redis"] = (maxmemory, spec["resources"]["limits"]["memory"])
+    found["k8s redis"] = (" ".join(spec["command"]), spec["resources"]["limits"]["memory"])
     docs = list(
         yaml.safe_load_all((K8S / "components/redis-cluster/redis-cluster.yaml").read_text())
     )
     (conf,) = [d for d in docs if d["kind"] == "ConfigMap" and "redis.conf" in d.get("data", {})]
-    (maxmemory,) = re.findall(r"^maxmemory (\S+)$", conf["data"]["redis.conf"], re.MULTILINE)
     (nodes,) = [d for d in docs if d["kind"] == "StatefulSet"]
     limit = nodes["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"]
-    pairs["k8s redis-cluster"] = (maxmemory, limit)
-    for where, (maxmemory, limit) in pairs.items():
+    found["k8s redis-cluster"] = (conf["data"]["redis.conf"], limit)
+    return found
+
+
+def _setting(text: str, name: str) -> str:
+    """The one value of ``name`` in a command line (``--name value``) or a redis.conf."""
+    (value,) = re.findall(rf"(?:--|^){name} (\S+)", text, re.MULTILINE)
+    return value
+
+
+def test_redis_maxmemory_leaves_half_the_limit_for_the_rewrite():
+    """The append-only file's rewrite forks, and the child's pages are copied as Redis writes:
+    up to the dataset again. maxmemory is at most half the memory limit, in compose, in the
+    single Redis and in the cluster's nodes."""
+    for where, (text, limit) in _redis_settings().items():
+        maxmemory = _setting(text, "maxmemory")
         assert _bytes(maxmemory) <= 0.5 * _bytes(limit), (where, maxmemory, limit)
+
+
+def test_redis_starts_a_full_resync_at_once():
+    """With the route cache's --wait-replicas, a shard's writes wait for its replica; after a
+    full resync (a replica or master restarted) Redis's default repl-diskless-sync-delay holds
+    the transfer back 5 s, writes meanwhile failing WAIT (docs/reliability.md). Every
+    deployed Redis sets it to 0."""
+    for where, (text, _) in _redis_settings().items():
+        assert _setting(text, "repl-diskless-sync-delay") == "0", where

@@ -91,9 +91,23 @@ class RecordInfo:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    attempts: int = 5
+    """UNAVAILABLE is retried up to ``attempts`` times in all, pausing ``backoff(attempt)``
+    between: ``initial_backoff_s`` doubled each time up to ``max_backoff_s``, times a random
+    0.5-1.
+
+    The defaults ride through a Redis Cluster failover with the deployment's
+    ``cluster-node-timeout`` of 5 s: the failover takes that time-out plus 1-1.5 s (the
+    failure report and the replica's election delay; 2.0-2.5 s measured with a 1 s time-out),
+    about 6.5 s, and the route cache then finds the new master within 0.1 s. The pauses add
+    up to at least 9.35 s (0.05 + 0.1 + 0.2, then 36 of at least 0.25 s; at most 18.7 s), not
+    counting the attempts themselves. The 0.5 s cap bounds how long a writer waits once
+    Redis is back. (The earlier 5 attempts paused 0.75-1.5 s in all: writes failed through a
+    failover.)
+    """
+
+    attempts: int = 40
     initial_backoff_s: float = 0.1
-    max_backoff_s: float = 2.0
+    max_backoff_s: float = 0.5
 
     def backoff(self, attempt: int) -> float:
         base = min(self.max_backoff_s, self.initial_backoff_s * 2**attempt)
@@ -323,10 +337,11 @@ class RouteCacheClient(_Base):
                 _after_lost_reply(request)
                 time.sleep(pause)
 
-    def ack_ready(self, consumer_group: str, entry_ids: Sequence[str]) -> int:
-        """Acknowledge ready entries (idempotent). Returns how many were still pending."""
+    def ack_ready(self, consumer_group: str, entry_ids: Sequence[str], consumer: str = "") -> int:
+        """Acknowledge ready entries (idempotent). Returns how many it settled (see AckReady:
+        with ``consumer`` named, a retry after a lost answer counts them again)."""
         request = route_cache_pb2.AckReadyRequest(
-            consumer_group=consumer_group, entry_ids=list(entry_ids)
+            consumer_group=consumer_group, entry_ids=list(entry_ids), consumer=consumer
         )
         return self._call(lambda: self.stub.AckReady(request, timeout=self.timeout_s)).acknowledged
 
@@ -438,9 +453,11 @@ class AsyncRouteCacheClient(_Base):
                 _after_lost_reply(request)
                 await asyncio.sleep(pause)
 
-    async def ack_ready(self, consumer_group: str, entry_ids: Sequence[str]) -> int:
+    async def ack_ready(
+        self, consumer_group: str, entry_ids: Sequence[str], consumer: str = ""
+    ) -> int:
         request = route_cache_pb2.AckReadyRequest(
-            consumer_group=consumer_group, entry_ids=list(entry_ids)
+            consumer_group=consumer_group, entry_ids=list(entry_ids), consumer=consumer
         )
         response = await self._call(lambda: self.stub.AckReady(request, timeout=self.timeout_s))
         return response.acknowledged

@@ -41,7 +41,9 @@ class ReadyClient(Protocol):
         start_from_latest: bool = ...,
     ) -> ReadyPage: ...
 
-    def ack_ready(self, consumer_group: str, entry_ids: Sequence[str]) -> int: ...
+    def ack_ready(
+        self, consumer_group: str, entry_ids: Sequence[str], consumer: str = ...
+    ) -> int: ...
 
 
 @dataclass
@@ -175,7 +177,7 @@ class ReadyConsumer:
         self.trimmed += page.trimmed
         stale = [entry.entry_id for entry in page.entries if not self._accept(entry)]
         if stale:
-            self.client.ack_ready(self.consumer_group, stale)
+            self.client.ack_ready(self.consumer_group, stale, self.consumer)
         return len(page.entries)
 
     def _accept(self, entry: ReadyEntry) -> bool:
@@ -242,26 +244,32 @@ class ReadyConsumer:
         ids = [entry_id for group in groups for entry_id in group.entry_ids]
         acknowledged = 0
         for start in range(0, len(ids), chunk):
-            acknowledged += self.client.ack_ready(self.consumer_group, ids[start : start + chunk])
+            acknowledged += self.client.ack_ready(
+                self.consumer_group, ids[start : start + chunk], self.consumer
+            )
         for group in groups:
             self._forget(group)
         return acknowledged
 
     def settle(self, groups: Iterable[ReadyGroup]) -> list[ReadyGroup]:
         """Acknowledge each of ``groups`` on its own, and return those this consumer settled:
-        the groups whose every entry this acknowledgement took off the pending list. Commit
-        the training of those only.
+        the groups whose every entry this acknowledgement settled (``AckReady``'s count).
+        Commit the training of those only.
 
         A consumer that stalls past ``claim_idle_ms`` (a paused process, a long step) loses
         its entries to another consumer, which trains and acknowledges them too; so does one
         whose read was answered while it was paused. Acknowledging is atomic in Redis, so of
         two consumers holding the same entry only one sees it still pending: the other gets
         the group back here as not settled (counted in ``taken``), and must not commit it.
-        One call per group: the count the server returns is per call.
+        The same holds for two entries of one sample (announced twice): the route cache
+        counts only the first entry acknowledged of a sample. One call per group: the count
+        the server returns is per call.
         """
         won = []
         for group in groups:
-            acknowledged = self.client.ack_ready(self.consumer_group, group.entry_ids)
+            acknowledged = self.client.ack_ready(
+                self.consumer_group, group.entry_ids, self.consumer
+            )
             self._forget(group)
             if acknowledged == len(group.entry_ids):
                 won.append(group)

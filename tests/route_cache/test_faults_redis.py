@@ -3,6 +3,7 @@ append-only file, and a Redis Cluster master SIGKILLed with replicas present."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -20,6 +21,7 @@ from routereplay.errors import NotFound, ResourceExhausted, Unavailable
 from routereplay.rpc.client import RetryPolicy, RouteCacheClient
 from tests.route_cache.conftest import SMALL
 from tests.route_cache.test_process import CacheProcess
+from tests.route_cache.test_store import block
 
 # Long enough to carry a write across a Redis restart or a cluster failover (a few seconds).
 RETRY = RetryPolicy(attempts=30, initial_backoff_s=0.1, max_backoff_s=0.5)
@@ -116,16 +118,43 @@ def test_redis_killed_and_restarted_from_its_append_only_file(appendfsync):
         node.stop()
 
 
-def wait_promoted(replica: RedisProcess, timeout_s: float = 30) -> float:
-    """Seconds until ``replica`` is a master of a cluster in state ok."""
-    client, start = redis.Redis(port=replica.port), time.monotonic()
-    while (
-        client.info("replication")["role"] != "master"
-        or client.cluster("INFO")["cluster_state"] != "ok"
-    ):
+def wait_promoted(*candidates: RedisProcess, timeout_s: float = 30) -> RedisProcess:
+    """The one of ``candidates`` (replicas of one master) that became a master of a cluster
+    in state ok, once one has."""
+    start = time.monotonic()
+    while True:
+        for node in candidates:
+            client = redis.Redis(port=node.port)
+            if (
+                client.info("replication")["role"] == "master"
+                and client.cluster("INFO")["cluster_state"] == "ok"
+            ):
+                return node
         assert time.monotonic() - start < timeout_s, "no failover"
         time.sleep(0.05)
-    return time.monotonic() - start
+
+
+def wait_linked(replica: RedisProcess, timeout_s: float = 30) -> None:
+    """Until ``replica``'s link to its (new) master is up."""
+    client, deadline = redis.Redis(port=replica.port), time.monotonic() + timeout_s
+    while client.info("replication").get("master_link_status") != "up":
+        assert time.monotonic() < deadline, "the replica did not link"
+        time.sleep(0.05)
+
+
+def wait_known(nodes: list[RedisProcess], master: RedisProcess, timeout_s: float = 30) -> None:
+    """Until every one of ``nodes`` names ``master`` as the master of slots (gossip has
+    spread its promotion): a client reading the slot map from any of them finds it."""
+    deadline = time.monotonic() + timeout_s
+    while not all(
+        any(
+            m[1] == master.port
+            for _, _, m, *_ in redis.Redis(port=n.port).execute_command("CLUSTER SLOTS")
+        )
+        for n in nodes
+    ):
+        assert time.monotonic() < deadline, "the promotion did not spread"
+        time.sleep(0.05)
 
 
 def cut_off_replica(master: RedisProcess, replica: RedisProcess) -> None:
@@ -176,7 +205,9 @@ def failover_under_writes(wait_replicas: int, cut_off: bool, record_property):
                 time.sleep(0.3)  # the writes go on meanwhile
             victim.kill()
             acked_at_kill = len(writer.acked)
-            failover_s = wait_promoted(heir)
+            killed_at = time.monotonic()
+            wait_promoted(heir)
+            failover_s = time.monotonic() - killed_at
             # Restarted (empty, keeping its cluster config), the old master rejoins as a
             # replica of its heir: until then WAIT 1 cannot succeed on that shard.
             victim.start()
@@ -247,7 +278,7 @@ def test_wait_refuses_to_acknowledge_a_write_no_replica_confirms(redis_node):
         with RouteCacheClient(f"127.0.0.1:{server.port}", retry=once) as cache:
             with pytest.raises(Unavailable, match="0 of 1 replicas confirmed"):
                 cache.write(record)
-            store.wait_replicas = 0
+            store.wait_replicas = server.feed.wait_replicas = 0
             assert cache.write(record).duplicate  # the retry finds it stored whole
             assert_same(cache.read(record.sample_id), record)
     finally:
@@ -279,3 +310,151 @@ def test_a_payload_redis_refuses_leaves_only_an_expiring_staging_hash():
         server.stop(0)
         client.close()
         node.stop()
+
+
+def on_shard_of(client, node: RedisProcess, prefix: str) -> str:
+    """A sample id whose record key lies in a slot ``node`` serves as a master."""
+    ranges = victim_slot_ranges(node)
+    return next(
+        f"{prefix}-{i}"
+        for i in range(10_000)
+        if any(a <= client.keyslot(record_key(f"{prefix}-{i}")) <= b for a, b in ranges)
+    )
+
+
+# With WAIT, a write's script and its WAIT go over the key's master's own connection, which
+# does not follow a failover as the cluster client's commands do. These appends were refused
+# for ever (the old master answered MOVED, or could not be reached) until some other command
+# refreshed the route cache's slot map: the first append after the failover must succeed.
+# "manual": CLUSTER FAILOVER swaps master and replica (the old master answers MOVED).
+# "kill": SIGKILL the master of a shard with two replicas (one is promoted, the other follows
+# it, so WAIT 1 can succeed; the old master's address refuses connections).
+@pytest.mark.parametrize("how", ["manual", "kill"])
+def test_an_append_with_wait_follows_a_failover_at_once(how, rng):
+    masters, replicas = start_cluster_with_replicas(3, 1 if how == "manual" else 2, 1000)
+    client = connect(masters[1].url.rsplit("/", 1)[0], cluster=True)
+    store = RouteStore(client, wait_replicas=1)
+    victim = masters[0]
+    heirs = replicas[: 1 if how == "manual" else 2]
+    sample_id = on_shard_of(client, victim, f"follow-{how}")
+    try:
+        store.write(sample_id, "g", SMALL, block(rng, 0, 4))
+        if how == "manual":
+            redis.Redis(port=heirs[0].port).execute_command("CLUSTER FAILOVER")
+            wait_promoted(heirs[0])
+            wait_linked(victim)
+        else:
+            victim.kill()
+            promoted = wait_promoted(*heirs)
+            wait_linked(next(h for h in heirs if h is not promoted))
+            wait_known(masters[1:] + replicas[2:], promoted)
+        rows = 3
+        for _ in range(3):  # the first append after the failover, and two more
+            duplicate, rows = store.append(sample_id, SMALL, block(rng, rows, 2))
+            assert not duplicate
+        assert rows == 3 + 3 * 2
+    finally:
+        client.close()
+        for node in masters + replicas:
+            node.kill()
+
+
+# The client's default retry policy rides through a Redis Cluster failover with the
+# deployment's cluster-node-timeout (5 s). The defaults before (5 attempts, 0.75-1.5 s of
+# pauses) gave up first: they run beside it as the control, through the same failover.
+def test_default_retries_ride_through_a_failover_with_the_deployments_node_timeout():
+    masters, replicas = start_cluster_with_replicas(3, 1, node_timeout_ms=5000)
+    victim, heir = masters[0], replicas[0]
+    client = connect(masters[1].url.rsplit("/", 1)[0], cluster=True, socket_connect_timeout=5)
+    server = RouteCacheServer(
+        Config(host="127.0.0.1", port=0, grace_s=1, health_interval_s=0.1), RouteStore(client)
+    ).start()
+    rng = np.random.default_rng(14)
+    policies = {"default": None, "old": RetryPolicy(attempts=5, max_backoff_s=2.0)}
+    sent = {
+        name: synthetic_record(on_shard_of(client, victim, f"ride-{name}"), SMALL, 64, rng)
+        for name in policies
+    }
+    outcome: dict[str, object] = {}
+
+    def write(name: str) -> None:
+        target = f"127.0.0.1:{server.port}"
+        with RouteCacheClient(target, retry=policies[name], timeout_s=10) as cache:
+            try:
+                outcome[name] = cache.write(sent[name])
+            except Exception as exc:  # noqa: BLE001 - asserted below
+                outcome[name] = exc
+
+    writers = [threading.Thread(target=write, args=(name,)) for name in policies]
+    try:
+        victim.kill()
+        killed_at = time.monotonic()
+        for thread in writers:
+            thread.start()
+        wait_promoted(heir)
+        failover_s = time.monotonic() - killed_at
+        for thread in writers:
+            thread.join(60)
+        print(f"failover {failover_s:.2f} s; outcomes {outcome}")
+        assert failover_s > 5  # no failover before the node time-out: the writes had to wait
+        assert isinstance(outcome["old"], Unavailable), outcome
+        assert not isinstance(outcome["default"], Exception), outcome
+        with RouteCacheClient(f"127.0.0.1:{server.port}") as cache:
+            assert_same(cache.read(sent["default"].sample_id), sent["default"])
+    finally:
+        server.stop(0)
+        client.close()
+        for node in masters + replicas:
+            node.kill()
+
+
+def test_with_wait_an_announcement_is_on_the_replica_when_the_write_returns():
+    """With --wait-replicas 1, the ready feed's announcement (XADD, on the stream's own shard)
+    waits for that shard's replica like the record does: while the replica is SIGSTOPped the
+    write is not answered; once it resumes, the entry is on the replica as the write returns.
+    The record is on another shard, so only the announcement's WAIT holds the write back.
+    An acknowledgement waits too, but is answered with its count when WAIT falls short."""
+    masters, replicas = start_cluster_with_replicas(3, 1, node_timeout_ms=5000)
+    client = connect(masters[1].url.rsplit("/", 1)[0], cluster=True)
+    store = RouteStore(client, wait_replicas=1, wait_timeout_ms=1500)
+    config = Config(host="127.0.0.1", port=0, grace_s=1, health_interval_s=0.1)
+    server = RouteCacheServer(config, store).start()
+    shard = {m.port: r for m, r in zip(masters, replicas, strict=True)}
+    stream_master = client.get_node_from_key(config.ready_stream)
+    replica = shard[stream_master.port]
+    record_on = next(m for m in masters if m.port != stream_master.port)
+    record = synthetic_record(on_shard_of(client, record_on, "announced"), SMALL, 64,
+                              np.random.default_rng(15))  # fmt: skip
+    outcome: list = []
+
+    def write() -> None:
+        with RouteCacheClient(f"127.0.0.1:{server.port}", retry=RetryPolicy(attempts=1)) as c:
+            outcome.append(c.write(record))
+
+    on_replica = redis.Redis(port=replica.port)
+    on_replica.execute_command("READONLY")
+    writer = threading.Thread(target=write)
+    try:
+        replica.proc.send_signal(signal.SIGSTOP)
+        writer.start()
+        writer.join(0.7)
+        assert writer.is_alive() and not outcome  # held back by the stopped replica
+        replica.proc.send_signal(signal.SIGCONT)
+        writer.join(10)
+        assert outcome and outcome[0].sample_id == record.sample_id
+        entries = on_replica.xrange(config.ready_stream)
+        assert [f[b"sample_id"].decode() for _, f in entries] == [record.sample_id]
+
+        with RouteCacheClient(f"127.0.0.1:{server.port}", retry=RetryPolicy(attempts=1)) as c:
+            (entry,) = c.read_ready("trainers", "t0").entries
+            replica.proc.send_signal(signal.SIGSTOP)
+            started = time.monotonic()
+            assert c.ack_ready("trainers", [entry.entry_id]) == 1
+            assert time.monotonic() - started >= 1.4  # it did wait for the replica
+    finally:
+        if replica.proc.poll() is None:
+            replica.proc.send_signal(signal.SIGCONT)
+        server.stop(0)
+        client.close()
+        for node in masters + replicas:
+            node.kill()

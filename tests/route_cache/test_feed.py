@@ -212,6 +212,56 @@ def test_a_stalled_consumer_does_not_settle_what_another_claimed(feed, rng, sid)
     assert stalled.settle([held]) == [held] and other.settle([claimed]) == []
 
 
+def test_a_sample_announced_twice_is_settled_by_one_consumer_only(feed, rng, sid):
+    """A retried write announces its sample again. With two consumers in a group, the two
+    entries can reach different consumers: both train it, and ``settle`` lets only the first
+    to acknowledge commit (the fence is by sample, not by entry). Deleted and written again,
+    the sample is announced and settled anew."""
+    record = feed.write(rng, sid())
+    assert feed.client.write(record).duplicate  # the retry: announced a second time
+    first, second = feed.consumer("c0", max_entries=1), feed.consumer("c1", max_entries=1)
+    (held,) = first.next_groups(1, timeout_s=1)
+    (other,) = second.next_groups(1, timeout_s=1)
+    assert held.sample_ids == other.sample_ids == [record.sample_id]
+    assert held.entry_ids != other.entry_ids
+    assert second.settle([other]) == [other]
+    assert first.settle([held]) == [] and first.taken == 1
+    assert feed.pending() == 0
+    feed.client.delete(record.sample_id)
+    feed.client.write(record)
+    third = feed.consumer("c2")
+    (again,) = third.next_groups(1, timeout_s=1)
+    assert third.settle([again]) == [again]
+
+
+def test_a_retried_settle_whose_first_answer_was_lost_still_settles(feed, rng, sid):
+    """Found by the fault run: a consumer SIGSTOPped with its acknowledgement in flight; the
+    route cache applied it, the call ran past its deadline, and the retry found nothing
+    pending: the group was dropped as taken, and nobody trained the sample. The claim names
+    the consumer, so its own retry counts; another consumer's acknowledgement still does not."""
+    record = feed.write(rng, sid())
+    consumer = feed.consumer("c0")
+    (group,) = consumer.next_groups(1, timeout_s=1)
+    # The first attempt, applied by the route cache; its answer never reached the consumer.
+    assert feed.client.ack_ready("trainer", group.entry_ids, "c0") == 1
+    assert consumer.settle([group]) == [group] and consumer.taken == 0
+    assert feed.client.ack_ready("trainer", group.entry_ids, "c1") == 0
+    assert feed.client.ack_ready("trainer", group.entry_ids) == 0  # unnamed: XACK alone
+    assert group.sample_ids == [record.sample_id]
+
+
+def test_a_repeat_settled_with_its_group_counts(feed, rng, sid):
+    """A consumer that reads both announcements of a sample files the repeat with the group
+    and acknowledges both entries together: the group is settled."""
+    record = feed.write(rng, sid())
+    feed.client.write(record)
+    consumer = feed.consumer("c0")
+    consumer.poll(block_ms=200)
+    (group,) = consumer.next_groups(1, timeout_s=1)
+    assert len(group.entry_ids) == 2 and consumer.duplicates == 1
+    assert consumer.settle([group]) == [group]
+
+
 def test_trimmed_pending_entries_are_counted_and_dropped(feed, rng, sid):
     for _ in range(2):
         feed.write(rng, sid())
