@@ -179,9 +179,9 @@ def main(argv: list[str] | None = None) -> dict:
         k: v for k, v in LAYOUTS.items() if not args.quick or k in QUICK
     }  # fmt: skip
 
+    from routereplay.dev.hf_rollout import random_prompts, rollout_records
     from routereplay.dev.tiny_model import MoESize, build_tiny_model
     from routereplay.domain.record_file import save_records
-    from tests.trainer.hf_rollout import random_prompts, rollout_records
 
     times: dict[str, dict[str, list[float]]] = {k: {"disabled": [], "R3": []} for k in layouts}
     with tempfile.TemporaryDirectory() as tmp:

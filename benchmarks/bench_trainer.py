@@ -122,21 +122,27 @@ step (target: hidden); fetch + align is {fetch["fetch_align_share"] * 100:.2f}% 
 
 def time_replay(model_dir, groups, lengths, repeats: int):
     """Step times of ``disabled`` and R3 (alignment included) and of alignment alone, in
-    alternation, on one batch of ``lengths`` random tokens and the same weights.
+    alternation, on one batch of ``lengths`` tokens and the same weights. The records are the
+    transformers reference rollout's (``routereplay.dev.hf_rollout``; float32 routes equal
+    megatron's natural routes) of random prompts one token shorter.
 
     Returns:
         ``(times, replay, records)``: seconds per repeat under ``disabled``, ``R3`` and
         ``align``; the model built for replay; the batch's records (its natural routes).
     """
-    from tests.trainer.helpers import make_record, random_batch, record_natural_routes
+    from routereplay.dev.hf_rollout import random_prompts, rollout_records
     from trainer.layout.align import align_routes
+    from trainer.layout.batch import PaddedBatch
     from trainer.model.build import build_model
 
     plain = build_model(model_dir, routing_replay=False, pg_collection=groups)
     replay = build_model(model_dir, routing_replay=True, pg_collection=groups)
-    batch = random_batch(0, lengths, "right", vocab=512)
-    _, recorded = record_natural_routes(replay, [batch], step_loss)
-    records = [make_record(r.sample_id, r.token_ids, r.routes, replay.geometry) for r in recorded]
+    prompts = random_prompts(len(lengths), [n - 1 for n in lengths], vocab=512, seed=0)
+    records = rollout_records(model_dir, prompts, group_size=1, new_tokens=1)
+    batch = PaddedBatch.from_samples(
+        [r.sample_id for r in records], [r.token_ids for r in records], padding_side="right",
+        pad_id=1,
+    )  # fmt: skip
     layers = replay.replay.layers
 
     def align():

@@ -33,7 +33,7 @@ from collections.abc import Iterable
 import torch
 
 from trainer import checkpoint
-from trainer.config import TrainerConfig
+from trainer.config import Dtype, TrainerConfig
 from trainer.data.source import BatchPlan, CacheSource, FeedPlans, FileSource, Prefetcher
 from trainer.data.stage_reads import stage_reads
 from trainer.model.build import TrainerModel, build_model
@@ -66,7 +66,7 @@ def build(config: TrainerConfig, pg_collection=None) -> tuple[TrainerModel, Adam
         num_layers_in_first_pipeline_stage=config.parallel.first_stage_layers,
         num_layers_in_last_pipeline_stage=config.parallel.last_stage_layers,
     )
-    if config.train.dtype == "bfloat16":
+    if config.train.dtype is Dtype.BFLOAT16:
         overrides.update(params_dtype=torch.bfloat16, bf16=True)
         if "pipeline_dtype" in overrides:
             overrides["pipeline_dtype"] = torch.bfloat16

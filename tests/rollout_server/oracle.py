@@ -34,7 +34,7 @@ def oracle(hf_model, geometry, token_ids):
     """
     import torch
 
-    from tests.trainer.hf_rollout import hf_routers
+    from routereplay.dev.hf_rollout import hf_routers
 
     chosen: dict[int, torch.Tensor] = {}
     handles = [

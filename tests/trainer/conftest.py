@@ -29,7 +29,7 @@ def pg_collection(tmp_path_factory):
 def rollout(tiny_model_dir):
     """2 prompts x 4 samples, 10 generated tokens each, float32 (identical to the trainer's
     natural routing on fresh weights). One per test module, which may change it."""
-    from tests.trainer.hf_rollout import random_prompts, rollout_records
+    from routereplay.dev.hf_rollout import random_prompts, rollout_records
 
     prompts = random_prompts(2, [5, 8], 512, seed=3)
     return rollout_records(tiny_model_dir, prompts, group_size=4, new_tokens=10, seed=0)

@@ -52,7 +52,7 @@ def _trainer_args(model_dir, records, out: Path, *extra) -> list[str]:
 
 @pytest.fixture(scope="module")
 def records(tiny_model_dir, tmp_path_factory):
-    from tests.trainer.hf_rollout import random_prompts, rollout_records
+    from routereplay.dev.hf_rollout import random_prompts, rollout_records
 
     prompts = random_prompts(2, [5, 8], 512, seed=3)
     recs = rollout_records(tiny_model_dir, prompts, group_size=2, new_tokens=8, seed=0)

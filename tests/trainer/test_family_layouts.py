@@ -41,7 +41,7 @@ def _against_one_rank(model_dir, prompt_lengths, tmp_path, layout, nproc, order=
     Returns:
         (the layout's process, one rank's step reports, the layout's step reports).
     """
-    from tests.trainer.hf_rollout import random_prompts, rollout_records
+    from routereplay.dev.hf_rollout import random_prompts, rollout_records
 
     prompts = random_prompts(2, prompt_lengths, 512, seed=3)
     recs = rollout_records(model_dir, prompts, group_size=2, new_tokens=8, seed=0)

@@ -17,9 +17,9 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from routereplay.dev.hf_rollout import hf_routers
 from tests.conftest import OTHER_FAMILIES
 from tests.trainer.helpers import capture_routing, one_hot, random_batch
-from tests.trainer.hf_rollout import hf_routers
 from trainer.model.build import build_model
 from trainer.model.hf_config import UnsupportedConfig
 

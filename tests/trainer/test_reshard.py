@@ -40,7 +40,6 @@ from trainer.reshard import (
     padded_length,
     shard_padded,
     sp_slice,
-    split_padded_microbatches,
     stage_moe_layers,
 )
 
@@ -261,15 +260,6 @@ def test_dp_shard_and_a_batch_that_does_not_divide():
     with pytest.raises(LayoutError, match="sequence_parallel"):
         Layout(tp=2).dp(2)
     assert Layout(tp=2, ep=2, etp=1, sequence_parallel=True).dp(2) == 1
-
-
-def test_padded_microbatches_are_consecutive_samples_in_megatron_order():
-    seq, batch = 5, 4
-    rows = torch.arange(seq * batch)  # row s * batch + b
-    parts = split_padded_microbatches(rows, seq, 2)
-    for m, part in enumerate(parts):
-        expected = [s * batch + b for s in range(seq) for b in (2 * m, 2 * m + 1)]
-        assert part.tolist() == expected
 
 
 @SETTINGS

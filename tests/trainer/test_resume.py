@@ -45,7 +45,7 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def cache_with_samples(tiny_model_dir, redis_node):
     """A route cache holding 8 rollout samples of the tiny model; yields (target, ids)."""
-    from tests.trainer.hf_rollout import random_prompts, rollout_records
+    from routereplay.dev.hf_rollout import random_prompts, rollout_records
 
     prompts = random_prompts(2, [5, 8], 512, seed=3)
     records = rollout_records(

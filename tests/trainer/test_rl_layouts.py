@@ -102,7 +102,7 @@ def test_pipeline_stages_train_like_one_rank(
 
 @pytest.fixture(scope="module")
 def records8(tiny8_model_dir, tmp_path_factory):
-    from tests.trainer.hf_rollout import random_prompts, rollout_records
+    from routereplay.dev.hf_rollout import random_prompts, rollout_records
 
     prompts = random_prompts(2, [5, 8], 512, seed=3)
     recs = rollout_records(tiny8_model_dir, prompts, group_size=2, new_tokens=8, seed=0)

@@ -98,7 +98,7 @@ def cache(tiny_model_dir, redis_node):
     """A route cache holding 8 rollout samples of the tiny model (3 MoE layers); yields
     (server, target, records)."""
     pytest.importorskip("megatron.core")
-    from tests.trainer.hf_rollout import random_prompts, rollout_records
+    from routereplay.dev.hf_rollout import random_prompts, rollout_records
 
     prompts = random_prompts(2, [5, 8], 512, seed=3)
     records = rollout_records(tiny_model_dir, prompts, group_size=4, new_tokens=8, seed=0,

@@ -13,8 +13,8 @@ import asyncio
 
 import numpy as np
 
+from routereplay.dev.hf_rollout import rollout_records
 from routereplay.rpc.client import AsyncRouteCacheClient, RouteCacheClient
-from tests.trainer.hf_rollout import rollout_records
 from tests.verl.cpu import needs_verl
 from tests.verl.helpers import geometry_of, token_output
 from verl_integration.rollout import ID_FIELD, AsyncTurnWriter, RouteCacheGenerate

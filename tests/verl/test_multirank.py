@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from routereplay.dev.hf_rollout import random_prompts, rollout_records
 from routereplay.domain.record_file import save_records
 from routereplay.rpc.client import RouteCacheClient
-from tests.trainer.hf_rollout import random_prompts, rollout_records
 from tests.verl.cpu import needs_verl
 from tests.verl.helpers import geometry_of, token_output
 from verl_integration.rollout import TurnWriter

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
+from routereplay.dev.hf_rollout import rollout_records
 from routereplay.dev.tiny_model import build_tiny_model
 from routereplay.rpc.client import RouteCacheClient
-from tests.trainer.hf_rollout import rollout_records
 from tests.verl.cpu import needs_verl
 from tests.verl.helpers import (
     check_rows,

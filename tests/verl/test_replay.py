@@ -1,6 +1,6 @@
 """The integration against verl 0.9.1's own code, on the trainer's megatron model (CPU, gloo).
 
-Records come from the transformers rollout (``tests/trainer/hf_rollout.py``), reach the route
+Records come from the transformers rollout (``routereplay/dev/hf_rollout.py``), reach the route
 cache (real server, real redis-server) through the rollout seam as verl ``TokenOutput``s, and
 come back through the trainer seam; verl's ``align_r3_router_replay_data``,
 ``build_r3_replay_mask`` and ``set_router_replay_data`` then set the routers' targets, and a
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from routereplay.dev.hf_rollout import random_prompts, rollout_records
 from routereplay.errors import InvalidArgument, NotFound
 from routereplay.rpc.client import RouteCacheClient
-from tests.trainer.hf_rollout import random_prompts, rollout_records
 from tests.verl.cpu import needs_verl
 from tests.verl.helpers import (
     check_rows,

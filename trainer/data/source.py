@@ -26,6 +26,7 @@ import numpy as np
 from routereplay.domain.record import Record
 from routereplay.domain.record_file import load_records
 from routereplay.errors import InvalidArgument
+from trainer.config import MissingRecord
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ def resolve(plan: BatchPlan, records: list[Record | None], missing: str) -> Fetc
         InvalidArgument: a record is missing under ``missing="error"``.
     """
     absent = [s for s, r in zip(plan.sample_ids, records, strict=True) if r is None]
-    if absent and missing == "error":
+    if absent and missing == MissingRecord.ERROR:
         raise InvalidArgument(
             f"no record in the route cache for {len(absent)} of {len(records)} samples: "
             f"{absent[:8]} (router_replay.missing_record=native trains them natively)"

@@ -19,11 +19,10 @@ import torch
 
 from routereplay.domain.record import MASKED, Geometry, Record
 from routereplay.errors import InvalidArgument
+from trainer.config import MissingRecord
 from trainer.layout.batch import PaddedBatch
 
 log = logging.getLogger(__name__)
-
-MISSING_POLICIES = ("error", "native")
 
 
 @dataclass
@@ -107,8 +106,8 @@ def align_routes(
         InvalidArgument: A geometry, token or model mismatch, or a missing record under
             ``missing="error"``.
     """
-    if missing not in MISSING_POLICIES:
-        raise ValueError(f"missing={missing!r}; expected one of {MISSING_POLICIES}")
+    if missing not in tuple(MissingRecord):
+        raise ValueError(f"missing={missing!r}; expected one of {[m.value for m in MissingRecord]}")
     if len(records) != batch.batch_size:
         raise ValueError(f"{len(records)} records for a batch of {batch.batch_size}")
     unknown = sorted(set(layers) - set(geometry.moe_layers))
@@ -121,7 +120,7 @@ def align_routes(
     for b, record in enumerate(records):
         sample_id = batch.sample_ids[b]
         if record is None:
-            if missing == "error":
+            if missing == MissingRecord.ERROR:
                 raise InvalidArgument(f"no record for sample {sample_id!r}")
             absent.append(sample_id)
             continue

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from trainer.config import PaddingSide
 from trainer.reshard import PackPlan
 
 PADDING_SIDES = ("right", "left")
@@ -59,7 +60,7 @@ class PaddedBatch:
             raise ValueError(f"a sample has {max(lengths)} tokens; max_length is {seq}")
         ids = torch.full((max(num_rows or 0, len(tokens)), seq), pad_id, dtype=torch.int64)
         for b, t in enumerate(tokens):
-            start = 0 if padding_side == "right" else seq - len(t)
+            start = 0 if padding_side == PaddingSide.RIGHT else seq - len(t)
             ids[b, start : start + len(t)] = torch.as_tensor(np.asarray(t, dtype=np.int64))
         return cls(tuple(sample_ids), ids, torch.tensor(lengths, dtype=torch.int64), padding_side)
 
@@ -112,7 +113,7 @@ class PaddedBatch:
         """int64 ``[batch]``: the column of each sample's first token."""
         if self.packed_starts is not None:
             return self.packed_starts
-        if self.padding_side == "right":
+        if self.padding_side == PaddingSide.RIGHT:
             return torch.zeros_like(self.lengths)
         return self.seq_len - self.lengths
 
@@ -144,7 +145,7 @@ class PaddedBatch:
         pos = torch.zeros(self.token_ids.shape, dtype=torch.int64)
         for row, start, n in zip(self.rows, self.starts, self.lengths, strict=True):
             pos[row, start : start + n] = torch.arange(int(n))
-        if self.packed_starts is None and self.padding_side == "right":
+        if self.packed_starts is None and self.padding_side == PaddingSide.RIGHT:
             # Right padding continues counting (what the padded layout always gave).
             pos = torch.arange(self.seq_len).expand(self.num_rows, -1).clone()
         return pos

@@ -11,7 +11,7 @@ tokens go through, in this order:
    layer split, re-derived here and checked against megatron's own functions in the tests;
    each stage's routers replay only their layers' record columns.
 3. **Micro-batches** (``dynamic_microbatches`` by token budget, with the permutation that puts
-   results back in the original order; ``split_padded_microbatches`` for a padded batch).
+   results back in the original order; a padded batch is cut along its samples).
    A packed micro-batch is packed on its own, so micro-batch assignment comes before packing.
 4. **Packing** (``PackPlan``): a micro-batch's sequences back to back in one row, each padded
    to the multiple the layout needs (``pad_multiple``: TP x CP x 2 with CP, TP with SP); a
@@ -51,7 +51,6 @@ from trainer.reshard.layout import (
 from trainer.reshard.microbatch import (
     DynamicBatches,
     dynamic_microbatches,
-    split_padded_microbatches,
 )
 from trainer.reshard.packing import PackPlan, cp_index, sp_slice
 from trainer.reshard.share import shard_padded
@@ -73,6 +72,5 @@ __all__ = [
     "padded_length",
     "shard_padded",
     "sp_slice",
-    "split_padded_microbatches",
     "stage_moe_layers",
 ]

@@ -1,5 +1,5 @@
-"""Micro-batches (step 3): a padded batch cut along its samples, and dynamic batching of
-packed samples under a token budget, with the permutation back to the original order."""
+"""Micro-batches (step 3): dynamic batching of samples under a token budget, with the
+permutation back to the original order."""
 
 from __future__ import annotations
 
@@ -8,28 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from trainer.reshard.layout import LayoutError, padded_length
-
-
-def split_padded_microbatches(x: torch.Tensor, seq: int, num_microbatches: int) -> list:
-    """Split a padded batch's rows (megatron order ``[seq * batch, ...]``) into micro-batches
-    of consecutive samples: micro-batch m holds samples ``[m * b / M, (m + 1) * b / M)``, each
-    returned in megatron order ``[seq * (b / M), ...]``."""
-    batch = x.shape[0] // seq
-    if seq * batch != x.shape[0]:
-        raise LayoutError(f"{x.shape[0]} rows are not seq={seq} x a batch size")
-    if batch % num_microbatches:
-        raise LayoutError(
-            f"a batch of {batch} does not split into {num_microbatches} micro-batches"
-        )
-    per = batch // num_microbatches
-    view = x.reshape(seq, batch, *x.shape[1:])
-    return [
-        view[:, m * per : (m + 1) * per].reshape(seq * per, *x.shape[1:])
-        for m in range(num_microbatches)
-    ]
 
 
 @dataclass(frozen=True)

@@ -78,17 +78,6 @@ def agreement_counts(natural: Sequence[np.ndarray], rollout: Sequence[np.ndarray
     return np.concatenate(counts) if counts else np.zeros((0, 0), np.int64)
 
 
-def agreement_from_counts(counts: np.ndarray, k: int) -> dict[str, list[float] | int]:
-    """``routing_agreement`` from ``agreement_counts`` (of one rank or several concatenated)."""
-    if counts.size == 0:
-        return {"exact": [], "overlap": [], "rows": 0}
-    return {
-        "exact": [float(x) for x in (counts == k).mean(axis=0)],
-        "overlap": [float(x) for x in (counts / k).mean(axis=0)],
-        "rows": int(counts.shape[0]),
-    }
-
-
 def natural_choice(router, logits: torch.Tensor) -> torch.Tensor:
     """The experts megatron's ``router`` chooses for ``logits`` without replay.
 

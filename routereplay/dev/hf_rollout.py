@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from routereplay.domain.model_geometry import load_geometry
 from routereplay.domain.record import Record, Turn
-from trainer.model.hf_config import model_geometry, read_hf_config
 
 
 def rollout_records(
@@ -52,8 +52,7 @@ def rollout_records(
     """
     from transformers import AutoModelForCausalLM
 
-    hf_config = read_hf_config(model_dir)
-    geometry = model_geometry(hf_config, model_id or Path(model_dir).name)
+    geometry = load_geometry(model_dir, model_id or Path(model_dir).name).record
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     torch.manual_seed(seed)
     records = []
@@ -69,7 +68,7 @@ def rollout_records(
                 temperature=1.0,
                 max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens,
-                pad_token_id=hf_config.get("pad_token_id"),
+                pad_token_id=model.config.pad_token_id,
             )
             out, chosen = _forward_with_routes(model, sequences)
         n, total = sequences.shape
