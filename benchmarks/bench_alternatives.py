@@ -80,9 +80,16 @@ def bench(geometry, samples: int, tokens: int, repeats: int, rng) -> list[dict]:
     for name, fn in cases.items():
         size = fn()
         seconds = median_time(fn, repeats)
-        results.append({"geometry": geometry.model_id, "form": name, "bytes": size,
-                        "bytes_per_token": size / rows, "seconds": seconds,
-                        "mib_per_s": raw / seconds / MIB})  # fmt: skip
+        results.append(
+            {
+                "geometry": geometry.model_id,
+                "form": name,
+                "bytes": size,
+                "bytes_per_token": size / rows,
+                "seconds": seconds,
+                "mib_per_s": raw / seconds / MIB,
+            }
+        )
     floor = results[0]["seconds"]
     for r in results:
         r["x_memcpy"] = r["seconds"] / floor

@@ -44,9 +44,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     size = None if args.quick else BENCH_SIZE  # None: the family's tiny test size
     rollout_args = argparse.Namespace(
-        prompts=2 if args.quick else 8, n=2 if args.quick else 4,
-        max_tokens=16 if args.quick else 64, repeats=2 if args.quick else args.rollout_repeats,
-    )  # fmt: skip
+        prompts=2 if args.quick else 8,
+        n=2 if args.quick else 4,
+        max_tokens=16 if args.quick else 64,
+        repeats=2 if args.quick else args.rollout_repeats,
+    )
     repeats = 3 if args.quick else args.repeats
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(f"{tmp}/model", seed=0, size=size, family=args.family)
@@ -76,13 +78,24 @@ def main(argv: list[str] | None = None) -> dict:
     results = {
         "family": args.family,
         "size": "family tiny test size" if args.quick else str(BENCH_SIZE),
-        "rollout": {"runs": rollout, "tokens_per_s": rates, "capture_ratio": capture_ratio,
-                    "workload": vars(rollout_args), "seconds": rollout_s},
-        "trainer": {"tokens": sum(LENGTHS), "repeats": repeats, "median_s": med,
-                    "all_s": times, "replay_ratio": ratio, "seconds": trainer_s},
+        "rollout": {
+            "runs": rollout,
+            "tokens_per_s": rates,
+            "capture_ratio": capture_ratio,
+            "workload": vars(rollout_args),
+            "seconds": rollout_s,
+        },
+        "trainer": {
+            "tokens": sum(LENGTHS),
+            "repeats": repeats,
+            "median_s": med,
+            "all_s": times,
+            "replay_ratio": ratio,
+            "seconds": trainer_s,
+        },
         "machine": machine(),
         "torch": torch.__version__,
-    }  # fmt: skip
+    }
     w = rollout_args
     rows = ""
     for first, r in rollout.items():

@@ -95,11 +95,23 @@ class FaultConfig:
 
 # (start s, fault, its parameter): the full schedule and the test suite's compressed one.
 SCHEDULES = {
-    False: [(8, "cache_kill", 3.0), (20, "master_failover", 0), (36, "master_aof_restart", 1),
-            (48, "consumer_stop", 2.0), (62, "proxy_delay", 6.0), (74, "proxy_drop", 2.0)],
-    True: [(3, "cache_kill", 1.5), (7, "master_failover", 0), (13, "master_aof_restart", 1),
-           (16, "consumer_stop", 1.5), (21, "proxy_delay", 2.0), (24, "proxy_drop", 1.5)],
-}  # fmt: skip
+    False: [
+        (8, "cache_kill", 3.0),
+        (20, "master_failover", 0),
+        (36, "master_aof_restart", 1),
+        (48, "consumer_stop", 2.0),
+        (62, "proxy_delay", 6.0),
+        (74, "proxy_drop", 2.0),
+    ],
+    True: [
+        (3, "cache_kill", 1.5),
+        (7, "master_failover", 0),
+        (13, "master_aof_restart", 1),
+        (16, "consumer_stop", 1.5),
+        (21, "proxy_delay", 2.0),
+        (24, "proxy_drop", 1.5),
+    ],
+}
 
 
 class Environment:
@@ -121,13 +133,25 @@ class Environment:
 
     def _node(self) -> RedisProcess:
         """A cluster node with an append-only file, announcing its proxy's port."""
-        node = RedisProcess("--appendonly", "yes", "--appendfsync", "everysec",
-                            "--repl-diskless-sync-delay", str(self.config.sync_delay_s),
-                            cluster=True, workdir=tempfile.mkdtemp(dir=self.workdir))  # fmt: skip
+        node = RedisProcess(
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "everysec",
+            "--repl-diskless-sync-delay",
+            str(self.config.sync_delay_s),
+            cluster=True,
+            workdir=tempfile.mkdtemp(dir=self.workdir),
+        )
         proxy = FaultProxy(node.port).start()
-        node.extra += ["--cluster-announce-ip", "127.0.0.1",
-                       "--cluster-announce-port", str(proxy.port),
-                       "--cluster-announce-bus-port", str(node.bus_port)]  # fmt: skip
+        node.extra += [
+            "--cluster-announce-ip",
+            "127.0.0.1",
+            "--cluster-announce-port",
+            str(proxy.port),
+            "--cluster-announce-bus-port",
+            str(node.bus_port),
+        ]
         self.proxies[node.port] = proxy
         return node
 
@@ -141,10 +165,24 @@ class Environment:
 
     def start_cache(self, i: int) -> None:
         seed = self.proxies[self.masters[1].port].port
-        args = [sys.executable, "-m", "route_cache", "--host", "127.0.0.1",
-                "--port", str(self.cache_ports[i]), "--redis-url", f"redis://127.0.0.1:{seed}",
-                "--redis-cluster", "--wait-replicas", str(self.config.wait_replicas),
-                "--grace-s", "1", "--health-interval-s", "0.2"]  # fmt: skip
+        args = [
+            sys.executable,
+            "-m",
+            "route_cache",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.cache_ports[i]),
+            "--redis-url",
+            f"redis://127.0.0.1:{seed}",
+            "--redis-cluster",
+            "--wait-replicas",
+            str(self.config.wait_replicas),
+            "--grace-s",
+            "1",
+            "--health-interval-s",
+            "0.2",
+        ]
         with open(self.workdir / f"cache{i}.log", "ab") as log:
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, process_group=0)
         wait_serving(f"127.0.0.1:{self.cache_ports[i]}", proc, 30)
@@ -152,11 +190,22 @@ class Environment:
 
     def start_consumers(self) -> None:
         for i in range(2):
-            args = [sys.executable, str(ROOT / "benchmarks" / "fault_consumer.py"),
-                    "--target", self.target, "--name", f"c{i}",
-                    "--history", str(self.workdir / f"c{i}.jsonl"),
-                    "--stop-file", str(self.stop_file), "--start", repr(self.start),
-                    "--claim-idle-ms", str(self.config.claim_idle_ms)]  # fmt: skip
+            args = [
+                sys.executable,
+                str(ROOT / "benchmarks" / "fault_consumer.py"),
+                "--target",
+                self.target,
+                "--name",
+                f"c{i}",
+                "--history",
+                str(self.workdir / f"c{i}.jsonl"),
+                "--stop-file",
+                str(self.stop_file),
+                "--start",
+                repr(self.start),
+                "--claim-idle-ms",
+                str(self.config.claim_idle_ms),
+            ]
             if self.config.drop_ack and i == 1:
                 args += ["--drop-ack-step", "3"]
             with open(self.workdir / f"c{i}.log", "ab") as log:
@@ -228,8 +277,11 @@ def inject(env: Environment, name: str, value: float) -> dict:
         failover_s = time.monotonic() - started
         env.restart_node(victim)  # rejoins as the new master's replica, from its AOF
         wait_until(lambda: _role(victim).get("master_link_status") == "up", 30, "resync")
-        return {"node": victim.port, "failover_s": round(failover_s, 2),
-                "replica_linked_s": round(time.monotonic() - started, 2)}  # fmt: skip
+        return {
+            "node": victim.port,
+            "failover_s": round(failover_s, 2),
+            "replica_linked_s": round(time.monotonic() - started, 2),
+        }
     if name == "master_aof_restart":
         victim = env.master_of(int(value))
         replica = env.replicas[1] if victim is env.masters[1] else env.masters[1]
@@ -239,8 +291,11 @@ def inject(env: Environment, name: str, value: float) -> dict:
         env.restart_node(victim)
         role = _role(victim).get("role")
         wait_until(lambda: _role(replica).get("master_link_status") == "up", 30, "resync")
-        return {"node": victim.port, "role_after": role,
-                "replica_linked_s": round(time.monotonic() - started, 2)}  # fmt: skip
+        return {
+            "node": victim.port,
+            "role_after": role,
+            "replica_linked_s": round(time.monotonic() - started, 2),
+        }
     if name == "consumer_stop":
         stopped_s = env.config.claim_idle_ms / 1000 + value
         env.consumers[0].send_signal(signal.SIGSTOP)
@@ -273,15 +328,23 @@ def nemesis(env: Environment, history: History, schedule, stop: threading.Event)
             detail = inject(env, name, value)
         except Exception as exc:  # noqa: BLE001 - logged; the checker still runs
             detail = {"error": repr(exc)}
-        history.log("fault", t=round(start, 3), name=name, end=round(history.now(), 3),
-                    detail=detail)  # fmt: skip
+        history.log(
+            "fault", t=round(start, 3), name=name, end=round(history.now(), 3), detail=detail
+        )
 
 
 # --- load -------------------------------------------------------------------------------------
 
 
-def writer(w: int, env: Environment, history: History, config: FaultConfig, prefix: str,
-           ops: list[int], deadline: float) -> None:  # fmt: skip
+def writer(
+    w: int,
+    env: Environment,
+    history: History,
+    config: FaultConfig,
+    prefix: str,
+    ops: list[int],
+    deadline: float,
+) -> None:
     """Samples one after the other, one operation every 1 / rate seconds (no catching up)."""
     period = 1.0 / config.rate
     next_at = time.monotonic()
@@ -304,9 +367,16 @@ def writer(w: int, env: Environment, history: History, config: FaultConfig, pref
                     ok, status = True, None
                 except RouteReplayError as exc:
                     ok, status = False, exc.status
-                history.log("append" if turn else "write", t=round(start, 4), sample=sample_id,
-                            turn=turn, final=final, ok=ok, status=status,
-                            ms=round((history.now() - start) * 1000, 2))  # fmt: skip
+                history.log(
+                    "append" if turn else "write",
+                    t=round(start, 4),
+                    sample=sample_id,
+                    turn=turn,
+                    final=final,
+                    ok=ok,
+                    status=status,
+                    ms=round((history.now() - start) * 1000, 2),
+                )
                 if not ok:
                     break  # the sample is abandoned: its later turns are never attempted
 
@@ -332,8 +402,11 @@ def _pcts(ms: list[float]) -> dict:
     if not ms:
         return {"count": 0, "p50_ms": None, "p99_ms": None}
     a = np.asarray(ms)
-    return {"count": len(ms), "p50_ms": round(float(np.percentile(a, 50)), 1),
-            "p99_ms": round(float(np.percentile(a, 99)), 1)}  # fmt: skip
+    return {
+        "count": len(ms),
+        "p50_ms": round(float(np.percentile(a, 50)), 1),
+        "p99_ms": round(float(np.percentile(a, 99)), 1),
+    }
 
 
 def figures(history: list[dict], config: FaultConfig, after_s: float = 3.0) -> dict:
@@ -342,8 +415,7 @@ def figures(history: list[dict], config: FaultConfig, after_s: float = 3.0) -> d
     ops = [e for e in history if e["op"] in ("write", "append")]
     faults = [e for e in history if e["op"] == "fault"]
     spans = [(f["t"], f["end"] + after_s) for f in faults]
-    outside = [e["ms"] for e in ops if e["ok"]
-               and not any(a <= e["t"] < b for a, b in spans)]  # fmt: skip
+    outside = [e["ms"] for e in ops if e["ok"] and not any(a <= e["t"] < b for a, b in spans)]
     base_p99 = float(np.percentile(outside, 99)) if outside else 100.0
     slow_ms = max(3 * base_p99, 250.0)
     # An operation that failed or was slow counts against the last fault that began before it
@@ -358,17 +430,25 @@ def figures(history: list[dict], config: FaultConfig, after_s: float = 3.0) -> d
     per_fault = []
     for f, recovery in zip(faults, recovered, strict=True):
         during = [e for e in ops if f["t"] <= e["t"] < f["end"] + after_s]
-        per_fault.append({
-            "fault": f["name"], "start_s": f["t"], "healed_s": round(f["end"] - f["t"], 2),
-            "detail": f["detail"], "ops": len(during),
-            "failed": sum(not e["ok"] for e in during),
-            **_pcts([e["ms"] for e in during if e["ok"]]),
-            "recovery_s": round(recovery, 2),
-            "after_heal_s": round(max(0.0, recovery - (f["end"] - f["t"])), 2),
-        })  # fmt: skip
+        per_fault.append(
+            {
+                "fault": f["name"],
+                "start_s": f["t"],
+                "healed_s": round(f["end"] - f["t"], 2),
+                "detail": f["detail"],
+                "ops": len(during),
+                "failed": sum(not e["ok"] for e in during),
+                **_pcts([e["ms"] for e in during if e["ok"]]),
+                "recovery_s": round(recovery, 2),
+                "after_heal_s": round(max(0.0, recovery - (f["end"] - f["t"])), 2),
+            }
+        )
     published = {e["sample"]: e["t"] + e["ms"] / 1000 for e in ops if e["ok"] and e["final"]}
-    delays = [e["t"] - published[e["sample"]] for e in history
-              if e["op"] == "train" and e["sample"] in published]  # fmt: skip
+    delays = [
+        e["t"] - published[e["sample"]]
+        for e in history
+        if e["op"] == "train" and e["sample"] in published
+    ]
     ok = sum(e["ok"] for e in ops)
     return {
         "operations": len(ops),
@@ -381,7 +461,7 @@ def figures(history: list[dict], config: FaultConfig, after_s: float = 3.0) -> d
                     for s in {e.get("status") for e in ops if not e["ok"]}
                 }.items()
             )
-        ),  # fmt: skip
+        ),
         "latency_outside_faults": _pcts(outside),
         "slow_threshold_ms": round(slow_ms, 1),
         "faults": per_fault,
@@ -434,8 +514,15 @@ def timeline(history: list[dict], path: Path, title: str) -> None:
     for f in (e for e in history if e["op"] == "fault"):
         for ax in (top, bottom):
             ax.axvspan(f["t"], max(f["end"], f["t"] + 0.3), color="grey", alpha=0.25)
-        top.text(f["t"], top.get_ylim()[1] * 0.97, f["name"], fontsize=6, rotation=90,
-                 va="top", ha="right")  # fmt: skip
+        top.text(
+            f["t"],
+            top.get_ylim()[1] * 0.97,
+            f["name"],
+            fontsize=6,
+            rotation=90,
+            va="top",
+            ha="right",
+        )
     top.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
@@ -465,16 +552,20 @@ def run(config: FaultConfig, out: Path, png: Path | None = None) -> dict:
         chaos = threading.Thread(target=nemesis, args=(env, history, schedule, stop))
         chaos.start()
         ops = [0]
-        writers = [threading.Thread(target=writer, args=(w, env, history, config, prefix, ops,
-                                                         t0 + config.duration_s))
-                   for w in range(config.writers)]  # fmt: skip
+        writers = [
+            threading.Thread(
+                target=writer, args=(w, env, history, config, prefix, ops, t0 + config.duration_s)
+            )
+            for w in range(config.writers)
+        ]
         for thread in writers:
             thread.start()
         for thread in writers:
             thread.join()
         chaos.join()
-        published = {e["sample"] for e in history.entries
-                     if e["op"] == "append" and e["ok"] and e["final"]}  # fmt: skip
+        published = {
+            e["sample"] for e in history.entries if e["op"] == "append" and e["ok"] and e["final"]
+        }
         consumer_logs = [workdir / "c0.jsonl", workdir / "c1.jsonl"]
         drain_deadline = time.monotonic() + 30
         while time.monotonic() < drain_deadline:  # every published sample trained, or give up
@@ -493,9 +584,14 @@ def run(config: FaultConfig, out: Path, png: Path | None = None) -> dict:
         history.close()
         env.stop()
     (out / "faults-history.jsonl").write_text("".join(json.dumps(e) + "\n" for e in entries))
-    results = {"config": asdict(config), "verdict": verdict.ok, "verdict_lines": verdict.lines(),
-               "checker": {k: v for k, v in asdict(verdict).items() if k != "counts"},
-               "counts": verdict.counts, **figures(entries, config)}  # fmt: skip
+    results = {
+        "config": asdict(config),
+        "verdict": verdict.ok,
+        "verdict_lines": verdict.lines(),
+        "checker": {k: v for k, v in asdict(verdict).items() if k != "counts"},
+        "counts": verdict.counts,
+        **figures(entries, config),
+    }
     if png is not None:
         wait = f"--wait-replicas {config.wait_replicas}"
         timeline(entries, png, f"fault run, {wait}: writes and training under faults (shaded)")
@@ -509,18 +605,25 @@ def report(results: dict) -> str:
     """The verdict and the figures, as printed and as the docs section."""
     f = results
     out = list(f["verdict_lines"])
-    out.append(f"write availability: {f['succeeded']} of {f['operations']} operations "
-               f"({100 * (f['availability'] or 0):.2f}%); failed by status: "
-               f"{f['failed_by_status'] or 'none'}")  # fmt: skip
+    out.append(
+        f"write availability: {f['succeeded']} of {f['operations']} operations "
+        f"({100 * (f['availability'] or 0):.2f}%); failed by status: "
+        f"{f['failed_by_status'] or 'none'}"
+    )
     o = f["latency_outside_faults"]
-    out.append(f"latency outside faults: p50 {o['p50_ms']} ms, p99 {o['p99_ms']} ms "
-               f"({o['count']} ops)")  # fmt: skip
-    out.append(f"{'fault':20} {'start s':>7} {'healed s':>8} {'ops':>4} {'failed':>6} "
-               f"{'p50 ms':>7} {'p99 ms':>8} {'recovery s':>10} {'after heal s':>12}")  # fmt: skip
+    out.append(
+        f"latency outside faults: p50 {o['p50_ms']} ms, p99 {o['p99_ms']} ms ({o['count']} ops)"
+    )
+    out.append(
+        f"{'fault':20} {'start s':>7} {'healed s':>8} {'ops':>4} {'failed':>6} "
+        f"{'p50 ms':>7} {'p99 ms':>8} {'recovery s':>10} {'after heal s':>12}"
+    )
     for x in f["faults"]:
-        out.append(f"{x['fault']:20} {x['start_s']:7.1f} {x['healed_s']:8.1f} {x['ops']:4} "
-                   f"{x['failed']:6} {x['p50_ms'] or '-':>7} {x['p99_ms'] or '-':>8} "
-                   f"{x['recovery_s']:10.2f} {x['after_heal_s']:12.2f}  {x['detail']}")  # fmt: skip
+        out.append(
+            f"{x['fault']:20} {x['start_s']:7.1f} {x['healed_s']:8.1f} {x['ops']:4} "
+            f"{x['failed']:6} {x['p50_ms'] or '-':>7} {x['p99_ms'] or '-':>8} "
+            f"{x['recovery_s']:10.2f} {x['after_heal_s']:12.2f}  {x['detail']}"
+        )
     out.append(
         f"recovery target: {f['recovery_target_s']} s; publish -> trained: "
         f"p50 {f['publish_to_train_s']['p50']} s, max {f['publish_to_train_s']['max']} s"
@@ -541,13 +644,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="run_all's smoke run: --short")
     args = parser.parse_args(argv)
     short = args.short or args.quick
-    config = FaultConfig(duration_s=args.duration or (28.0 if short else 90.0), short=short,
-                         wait_replicas=args.wait_replicas, drop_ack=args.drop_ack)  # fmt: skip
+    config = FaultConfig(
+        duration_s=args.duration or (28.0 if short else 90.0),
+        short=short,
+        wait_replicas=args.wait_replicas,
+        drop_ack=args.drop_ack,
+    )
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from common import RESULTS, machine, write_section
 
-    name = "faults" + ("_no_wait" if not args.wait_replicas else "") + (
-        "_drop_ack" if args.drop_ack else "")  # fmt: skip
+    name = (
+        "faults"
+        + ("_no_wait" if not args.wait_replicas else "")
+        + ("_drop_ack" if args.drop_ack else "")
+    )
     png = None
     if not short and name == "faults":
         png = ROOT / "docs" / "reliability-faults.png"
@@ -555,11 +665,18 @@ def main(argv: list[str] | None = None) -> int:
     text = report(results)
     print(text)
     results["machine"] = machine()
-    command = "python benchmarks/bench_faults.py" + " --short" * short + (
-        f" --wait-replicas {args.wait_replicas}" if args.wait_replicas != 1 else "") + (
-        " --drop-ack" * args.drop_ack)  # fmt: skip
-    write_section(name, f"## Fault run: {name}\n\n`{command}`. Machine: {results['machine']}."
-                  f"\n\n```\n{text}\n```\n", results)  # fmt: skip
+    command = (
+        "python benchmarks/bench_faults.py"
+        + " --short" * short
+        + (f" --wait-replicas {args.wait_replicas}" if args.wait_replicas != 1 else "")
+        + (" --drop-ack" * args.drop_ack)
+    )
+    write_section(
+        name,
+        f"## Fault run: {name}\n\n`{command}`. Machine: {results['machine']}."
+        f"\n\n```\n{text}\n```\n",
+        results,
+    )
     return 0 if results["verdict"] else 1
 
 

@@ -57,19 +57,34 @@ READ_QUICK = ("TP2+SP", "TP2+SP x PP2")
 READS = {"stage": [], "whole": ["data.stage_reads=false"]}
 
 
-def trainer_reports(model_dir, source: str, out: Path, mode: str, ranks: int, extra,
-                    steps: int, ids: list[str] = ()) -> list[dict]:  # fmt: skip
+def trainer_reports(
+    model_dir, source: str, out: Path, mode: str, ranks: int, extra, steps: int, ids: list[str] = ()
+) -> list[dict]:
     """The step reports of one ``python -m trainer`` run; ``source``: where records come from
     (``data.records_file=...``, or ``route_cache.target=...`` with ``ids``)."""
     head = [sys.executable]
     if ranks > 1:
         head += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     report = out / f"{mode}.json"
-    args = ["-m", "trainer", f"model.path={model_dir}", source,
-            f"router_replay.mode={mode}", "train.batch_size=8", "train.micro_batch_size=4",
-            "train.mini_batch_size=8", "train.ppo_epochs=1", "report.compare=false",
-            "data.prefetch=false", *extra, *(["--ids", ",".join(ids)] if ids else []),
-            "--steps", str(steps), "--report", str(report)]  # fmt: skip
+    args = [
+        "-m",
+        "trainer",
+        f"model.path={model_dir}",
+        source,
+        f"router_replay.mode={mode}",
+        "train.batch_size=8",
+        "train.micro_batch_size=4",
+        "train.mini_batch_size=8",
+        "train.ppo_epochs=1",
+        "report.compare=false",
+        "data.prefetch=false",
+        *extra,
+        *(["--ids", ",".join(ids)] if ids else []),
+        "--steps",
+        str(steps),
+        "--report",
+        str(report),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT))
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run([*head, *args], cwd=ROOT, env=env, capture_output=True, text=True)
@@ -80,8 +95,9 @@ def trainer_reports(model_dir, source: str, out: Path, mode: str, ranks: int, ex
 
 def run_trainer(model_dir, records, out: Path, mode: str, ranks: int, extra, steps: int):
     """Step times (s) of one ``python -m trainer`` run, the first step left out."""
-    reports = trainer_reports(model_dir, f"data.records_file={records}", out, mode, ranks,
-                              extra, steps)  # fmt: skip
+    reports = trainer_reports(
+        model_dir, f"data.records_file={records}", out, mode, ranks, extra, steps
+    )
     return [r["time_s"]["old_logprob"] + r["time_s"]["update"] for r in reports[1:]]
 
 
@@ -119,8 +135,9 @@ def route_reads(model_dir, recs, tmp: Path, layouts: dict, steps: int = 2) -> di
                 folder = tmp / f"reads-{ranks}-{len(out['layouts'])}-{reads}"
                 folder.mkdir()
                 before = served("route_cache_route_bytes_served_total") or 0.0
-                reports = trainer_reports(model_dir, source, folder, "R3", ranks,
-                                          [*extra, *how], steps, ids)  # fmt: skip
+                reports = trainer_reports(
+                    model_dir, source, folder, "R3", ranks, [*extra, *how], steps, ids
+                )
                 total = served("route_cache_route_bytes_served_total") - before
                 # The trainer's own count of what it read agrees with the route cache's.
                 assert sum(r["route_bytes"]["read"] for r in reports) == total, (name, reads)
@@ -175,9 +192,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.repeats = 3, 1
-    layouts = {} if args.reads_only else {
-        k: v for k, v in LAYOUTS.items() if not args.quick or k in QUICK
-    }  # fmt: skip
+    layouts = (
+        {}
+        if args.reads_only
+        else {k: v for k, v in LAYOUTS.items() if not args.quick or k in QUICK}
+    )
 
     from routereplay.dev.hf_rollout import random_prompts, rollout_records
     from routereplay.dev.tiny_model import MoESize, build_tiny_model

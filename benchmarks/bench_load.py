@@ -179,8 +179,11 @@ def run_load(target: str, config: LoadConfig) -> dict:
         ids = list(stats.acked_ids)
         for i in range(0, len(ids), 64):
             window = ids[i : i + 64]
-            got = {r.sample_id: r for r in client.read_batch(window, skip_missing=True)
-                   if isinstance(r, Record)}  # fmt: skip
+            got = {
+                r.sample_id: r
+                for r in client.read_batch(window, skip_missing=True)
+                if isinstance(r, Record)
+            }
             lost += sum(s not in got or not _same(got[s], sent(s)) for s in window)
         for sample_id in ids:  # leave the store as it was
             client.delete(sample_id)

@@ -88,17 +88,31 @@ def fetch_and_reshard(source: CacheSource, ids: list[str], budget: int) -> dict:
     routes = [r.routes for r in records]
     lengths = [r.num_tokens for r in records]
     geometry = records[0].geometry
-    train = TrainConfig(batch_size=len(ids), micro_batch_size=len(ids),
-                        max_tokens_per_micro_batch=budget, packing=True)  # fmt: skip
+    train = TrainConfig(
+        batch_size=len(ids),
+        micro_batch_size=len(ids),
+        max_tokens_per_micro_batch=budget,
+        packing=True,
+    )
     laid = plan_step(
-        [Sample.from_record(r) for r in records], records, np.zeros(len(ids), np.float32),
-        train=train, dp=DataParallel(), share=RankShare(None), geometry=geometry,
+        [Sample.from_record(r) for r in records],
+        records,
+        np.zeros(len(ids), np.float32),
+        train=train,
+        dp=DataParallel(),
+        share=RankShare(None),
+        geometry=geometry,
         router_layers=geometry.moe_layers,
-    )  # fmt: skip
+    )
     local_bytes = sum(t.numel() * t.element_size() for mb in laid.replay_ids for t in mb)
     t2 = time.perf_counter()
-    return {"fetch": t1 - t0, "reshard": t2 - t1, "route_bytes": sum(r.nbytes for r in routes),
-            "record_tokens": sum(lengths), "local_bytes": local_bytes}  # fmt: skip
+    return {
+        "fetch": t1 - t0,
+        "reshard": t2 - t1,
+        "route_bytes": sum(r.nbytes for r in routes),
+        "record_tokens": sum(lengths),
+        "local_bytes": local_bytes,
+    }
 
 
 async def run_batches(engine: VLLMEngine, cache: str, stores: tuple[bool, ...], args):
@@ -107,8 +121,14 @@ async def run_batches(engine: VLLMEngine, cache: str, stores: tuple[bool, ...], 
     taking turns batch by batch. Returns per server the stages of each batch."""
     servers = []
     for store in stores:
-        config = Config(host="127.0.0.1", port=0, route_cache=cache, capture_routes=store,
-                        max_n=args.n, grace_s=5)  # fmt: skip
+        config = Config(
+            host="127.0.0.1",
+            port=0,
+            route_cache=cache,
+            capture_routes=store,
+            max_n=args.n,
+            grace_s=5,
+        )
         servers.append(await RolloutServer(config, engine).start())
     clients = [AsyncRolloutClient(f"127.0.0.1:{server.port}") for server in servers]
     source = CacheSource(cache)
@@ -201,8 +221,9 @@ def markdown(results: dict, args) -> str:
         for b in BASELINES
         if b in summary
     )
-    spreads = "; ".join(f"{BASELINES.get(k, 'capture on, storing')} {spread(v)} s"
-                        for k, v in runs.items())  # fmt: skip
+    spreads = "; ".join(
+        f"{BASELINES.get(k, 'capture on, storing')} {spread(v)} s" for k, v in runs.items()
+    )
     capture_off_note = (
         " The capture-off engine adds capture inside the engine, but runs after the others and"
         " so carries the machine's drift."
@@ -234,8 +255,11 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--budget", type=int, default=4096, help="tokens per micro-batch")
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny, 2 x 2 samples of 16 tokens, 2 repeats, one engine")  # fmt: skip
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny, 2 x 2 samples of 16 tokens, 2 repeats, one engine",
+    )
     args = parser.parse_args()
     if args.quick:
         args.size, args.prompts, args.n, args.max_tokens, args.repeats = "tiny", 2, 2, 16, 2

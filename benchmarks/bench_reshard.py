@@ -115,12 +115,19 @@ def main() -> None:
 
         def plan(share=share, routers=routers, out=out):
             laid = plan_step(
-                samples, records, advantages, train=train, dp=DataParallel(), share=share,
-                geometry=geometry, router_layers=routers,
-            )  # fmt: skip
+                samples,
+                records,
+                advantages,
+                train=train,
+                dp=DataParallel(),
+                share=share,
+                geometry=geometry,
+                router_layers=routers,
+            )
             out["micro_batches"] = len(laid.micro_batches)
-            out["local_bytes"] = sum(t.numel() * t.element_size()
-                                     for ids in laid.replay_ids for t in ids)  # fmt: skip
+            out["local_bytes"] = sum(
+                t.numel() * t.element_size() for ids in laid.replay_ids for t in ids
+            )
 
         try:
             times = _times(plan, args.repeats)

@@ -66,8 +66,12 @@ async def one_batch(client: AsyncRolloutClient, args) -> dict:
             tokens += event.generated_tokens
             stored += event.stored
             delays.append(now - last_token[event.sample_id])
-    return {"tokens": tokens, "seconds": time.perf_counter() - t0, "stored": stored,
-            "delays": delays}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "seconds": time.perf_counter() - t0,
+        "stored": stored,
+        "delays": delays,
+    }
 
 
 def start_engine(model: Path, capture: bool, args) -> VLLMEngine:
@@ -84,8 +88,14 @@ def start_engine(model: Path, capture: bool, args) -> VLLMEngine:
 
 async def run_mode(model: Path, cache_target: str, capture: bool, args) -> dict:
     engine = start_engine(model, capture, args)
-    config = Config(host="127.0.0.1", port=0, route_cache=cache_target, capture_routes=capture,
-                    max_n=args.n, grace_s=5)  # fmt: skip
+    config = Config(
+        host="127.0.0.1",
+        port=0,
+        route_cache=cache_target,
+        capture_routes=capture,
+        max_n=args.n,
+        grace_s=5,
+    )
     server = await RolloutServer(config, engine).start()
     client = AsyncRolloutClient(f"127.0.0.1:{server.port}")
     try:
@@ -136,8 +146,12 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--first", choices=["on", "off"], default="on",
-                        help="which run goes first (swap it to see order effects)")  # fmt: skip
+    parser.add_argument(
+        "--first",
+        choices=["on", "off"],
+        default="on",
+        help="which run goes first (swap it to see order effects)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args()
 
@@ -157,8 +171,10 @@ def main() -> None:
     print()
     print("| run | tokens/s (median) | last token -> record stored, median / p95 |")
     print("|---|---|---|")
-    print(f"| capture + cache writes | {on['tokens_per_s_median']:.1f} | "
-          f"{on['store_delay_ms_median']:.1f} / {on['store_delay_ms_p95']:.1f} ms |")  # fmt: skip
+    print(
+        f"| capture + cache writes | {on['tokens_per_s_median']:.1f} | "
+        f"{on['store_delay_ms_median']:.1f} / {on['store_delay_ms_p95']:.1f} ms |"
+    )
     print(f"| capture off | {off['tokens_per_s_median']:.1f} | - |")
     print(f"overhead: {overhead:.1f}%")
     if args.out:

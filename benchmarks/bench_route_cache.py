@@ -60,8 +60,9 @@ MIB = 2**20
 DISTRIBUTIONS = {"uniform": 0.0, "zipf": 1.0}
 
 
-def bench_case(args, raw_client, grpc_client, floor_client, cache, writers, geometry, tokens,
-               dist, rng):  # fmt: skip
+def bench_case(
+    args, raw_client, grpc_client, floor_client, cache, writers, geometry, tokens, dist, rng
+):
     batch = 8 if tokens <= 4096 else 4
     # Two distinct records, cycled: generating 32K-token routes is slower than storing them.
     pool = [synthetic_record("x", geometry, tokens, rng, skew=DISTRIBUTIONS[dist]) for _ in (0, 1)]
@@ -152,8 +153,11 @@ def bench_case(args, raw_client, grpc_client, floor_client, cache, writers, geom
         for key in raw_client.scan_iter(match=f"rr:{{bench-{prefix}-*"):
             raw_client.delete(key)
     lk = geometry.num_moe_layers * geometry.topk
-    result.update(int32_bytes_per_token=4 * lk, int16_bytes_per_token=2 * lk,
-                  uint8_bytes_per_token=lk * geometry.dtype.itemsize)  # fmt: skip
+    result.update(
+        int32_bytes_per_token=4 * lk,
+        int16_bytes_per_token=2 * lk,
+        uint8_bytes_per_token=lk * geometry.dtype.itemsize,
+    )
     result["write_ratio"] = result["service_raw_write_mibs"] / result["redis_write_mibs"]
     result["read_ratio"] = result["service_raw_read_mibs"] / result["redis_read_mibs"]
     result["write_ratio_grpc"] = result["service_raw_write_mibs"] / result["grpc_write_mibs"]
@@ -216,15 +220,19 @@ def pin(cpu: int, pids: list[int | None]) -> None:
     pid) elsewhere."""
     service_pids = [p for p in pids[:-1] if p is not None]
     for pid in service_pids:
-        subprocess.run(["taskset", "-a", "-p", "-c", str(cpu), str(pid)], check=True,
-                       stdout=subprocess.DEVNULL)  # fmt: skip
+        subprocess.run(
+            ["taskset", "-a", "-p", "-c", str(cpu), str(pid)], check=True, stdout=subprocess.DEVNULL
+        )
     others = set(range(os.cpu_count() or 1)) - {cpu}
     if not others:
         raise SystemExit("--pin-service needs at least 2 cores")
     os.sched_setaffinity(0, others)
     if pids[-1] is not None:
-        subprocess.run(["taskset", "-a", "-p", "-c", ",".join(map(str, sorted(others))),
-                        str(pids[-1])], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+        subprocess.run(
+            ["taskset", "-a", "-p", "-c", ",".join(map(str, sorted(others))), str(pids[-1])],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
 
 
 def embedded_pid(embedded) -> int | None:
@@ -246,8 +254,9 @@ def main() -> int:
         metavar="CPU",
         help="run both gRPC services on this core alone, the rest elsewhere",
     )
-    parser.add_argument("--section", default="route_cache",
-                        help="the docs/benchmarks.md section to write")  # fmt: skip
+    parser.add_argument(
+        "--section", default="route_cache", help="the docs/benchmarks.md section to write"
+    )
     args = parser.parse_args()
     if args.quick:
         args.repeats = 2
@@ -267,8 +276,10 @@ def main() -> int:
             "benchmarks.raw_grpc", "--redis-url", url, quiet=True
         )
         if args.pin_service is not None:
-            pin(args.pin_service,
-                [server.pid, raw_server.pid, floor_server.pid, embedded_pid(embedded)])  # fmt: skip
+            pin(
+                args.pin_service,
+                [server.pid, raw_server.pid, floor_server.pid, embedded_pid(embedded)],
+            )
         grpc_client, floor_client = RawClient(raw_target), RawClient(floor_target)
         raw_client = redis.Redis.from_url(url)
         redis_version = raw_client.info("server").get("redis_version")
@@ -278,18 +289,31 @@ def main() -> int:
             ThreadPoolExecutor(args.writers) as writers,
         ):
             for geometry, tokens, dist in itertools.product(
-                (QWEN3_30B_A3B, DEEPSEEK_V3), (4096,) if args.quick else (4096, 32768),
+                (QWEN3_30B_A3B, DEEPSEEK_V3),
+                (4096,) if args.quick else (4096, 32768),
                 DISTRIBUTIONS,
-            ):  # fmt: skip
-                r = bench_case(args, raw_client, grpc_client, floor_client, cache, writers,
-                               geometry, tokens, dist, rng)  # fmt: skip
+            ):
+                r = bench_case(
+                    args,
+                    raw_client,
+                    grpc_client,
+                    floor_client,
+                    cache,
+                    writers,
+                    geometry,
+                    tokens,
+                    dist,
+                    rng,
+                )
                 results.append(r)
-                print(f"{r['geometry']} {tokens} {dist}: service/redis-py write "
-                      f"{r['write_ratio']:.2f}, read {r['read_ratio']:.2f}; service/raw gRPC "
-                      f"write {r['write_ratio_grpc']:.2f}, "
-                      f"read {r['read_ratio_grpc']:.2f}; service/gRPC + Redis write "
-                      f"{r['write_ratio_floor']:.2f}, "
-                      f"read {r['read_ratio_floor']:.2f}")  # fmt: skip
+                print(
+                    f"{r['geometry']} {tokens} {dist}: service/redis-py write "
+                    f"{r['write_ratio']:.2f}, read {r['read_ratio']:.2f}; service/raw gRPC "
+                    f"write {r['write_ratio_grpc']:.2f}, "
+                    f"read {r['read_ratio_grpc']:.2f}; service/gRPC + Redis write "
+                    f"{r['write_ratio_floor']:.2f}, "
+                    f"read {r['read_ratio_floor']:.2f}"
+                )
         grpc_client.close()
         floor_client.close()
     finally:

@@ -30,10 +30,16 @@ from benchmarks.common import machine, write_section
 # Small enough for a CPU step well under a second, with many routers and experts so that
 # per-router costs weigh as much as they can.
 SIZE_KW = dict(
-    hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=8,
-    num_attention_heads=8, num_key_value_heads=4, head_dim=32, num_experts=32,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+    num_experts=32,
     num_experts_per_tok=4,
-)  # fmt: skip
+)
 
 
 LENGTHS = [256, 200, 160, 256]  # one micro-batch of 4 samples
@@ -140,9 +146,11 @@ def time_replay(model_dir, groups, lengths, repeats: int):
     prompts = random_prompts(len(lengths), [n - 1 for n in lengths], vocab=512, seed=0)
     records = rollout_records(model_dir, prompts, group_size=1, new_tokens=1)
     batch = PaddedBatch.from_samples(
-        [r.sample_id for r in records], [r.token_ids for r in records], padding_side="right",
+        [r.sample_id for r in records],
+        [r.token_ids for r in records],
+        padding_side="right",
         pad_id=1,
-    )  # fmt: skip
+    )
     layers = replay.replay.layers
 
     def align():
@@ -206,10 +214,17 @@ def fetch_vs_step(model_dir, built, records, batches: int) -> dict:
                 plans.append(BatchPlan(ids))
             config = load_config(
                 None,
-                [f"model.path={model_dir}", "router_replay.mode=R3", "route_cache.target=x",
-                 "train.batch_size=4", "train.micro_batch_size=4", "train.ppo_epochs=1",
-                 "report.compare=false", f"data.prefetch={prefetch == 'on'}"],
-            )  # fmt: skip
+                [
+                    f"model.path={model_dir}",
+                    "router_replay.mode=R3",
+                    "route_cache.target=x",
+                    "train.batch_size=4",
+                    "train.micro_batch_size=4",
+                    "train.ppo_epochs=1",
+                    "report.compare=false",
+                    f"data.prefetch={prefetch == 'on'}",
+                ],
+            )
             reports = train(config, plans, source=source, built=(built, AdamW(built.model, 1e-5)))
             later = reports[1:]
             out[prefetch] = {

@@ -47,8 +47,10 @@ def start_redis() -> tuple[subprocess.Popen, str]:
     if binary is None:
         raise SystemExit("bench_verl needs redis-server on PATH")
     port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no"], stdout=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
     import redis
 
     client = redis.Redis(port=port)
@@ -86,8 +88,10 @@ def main() -> None:
     from verl_integration.trainer import RouteFetcher
 
     rng = np.random.default_rng(0)
-    records = [synthetic_record(f"bench-verl-{i}", QWEN3_30B_A3B, args.tokens, rng)
-               for i in range(args.samples)]  # fmt: skip
+    records = [
+        synthetic_record(f"bench-verl-{i}", QWEN3_30B_A3B, args.tokens, rng)
+        for i in range(args.samples)
+    ]
     ids = [r.sample_id for r in records]
     input_ids = torch.nested.as_nested_tensor(
         [torch.from_numpy(r.token_ids.astype(np.int64)) for r in records], layout=torch.jagged
@@ -101,12 +105,14 @@ def main() -> None:
     redis_proc, url = start_redis()
     cache_proc = None
     try:
-        cache_proc, target = start_service("route_cache", "--redis-url", url, "--ttl-s", "3600",
-                                           quiet=True)  # fmt: skip
+        cache_proc, target = start_service(
+            "route_cache", "--redis-url", url, "--ttl-s", "3600", quiet=True
+        )
         # Room for one copy of the field (Ray's minimum is 75 MiB).
         store = int(verl_field.nbytes * 1.5) + (80 << 20)
-        ray.init(num_cpus=1, object_store_memory=store, include_dashboard=False,
-                 log_to_driver=False)  # fmt: skip
+        ray.init(
+            num_cpus=1, object_store_memory=store, include_dashboard=False, log_to_driver=False
+        )
         with RouteCacheClient(target) as client:
             for r in records:
                 client.write(r)

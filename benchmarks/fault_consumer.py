@@ -31,11 +31,16 @@ from routereplay.rpc.ready import ReadyConsumer  # noqa: E402
 
 def train(client: RouteCacheClient, history: History, sample_ids: list[str], step_s: float):
     """The stand-in step: fetch the records and digest them (what a step would train on)."""
-    records = {r.sample_id: r for r in client.read_batch(sample_ids, skip_missing=True)
-               if isinstance(r, Record)}  # fmt: skip
+    records = {
+        r.sample_id: r
+        for r in client.read_batch(sample_ids, skip_missing=True)
+        if isinstance(r, Record)
+    }
     time.sleep(step_s)
-    return {s: (digest(records[s]), len(records[s].turns)) if s in records else ("missing", 0)
-            for s in sample_ids}  # fmt: skip
+    return {
+        s: (digest(records[s]), len(records[s].turns)) if s in records else ("missing", 0)
+        for s in sample_ids
+    }
 
 
 def commit(history: History, trained: dict, sample_ids: list[str]) -> None:
@@ -49,8 +54,15 @@ def run(args) -> int:
     history = History(Path(args.history), args.name, args.start)
     retry = RetryPolicy(attempts=args.attempts, initial_backoff_s=0.1, max_backoff_s=1.0)
     client = RouteCacheClient(args.target, timeout_s=5, retry=retry)
-    consumer = ReadyConsumer(client, args.group, args.name, group_size=1, max_entries=64,
-                             block_ms=500, claim_idle_ms=args.claim_idle_ms)  # fmt: skip
+    consumer = ReadyConsumer(
+        client,
+        args.group,
+        args.name,
+        group_size=1,
+        max_entries=64,
+        block_ms=500,
+        claim_idle_ms=args.claim_idle_ms,
+    )
     steps = 0
     idle_since = None
     while True:

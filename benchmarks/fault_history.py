@@ -59,8 +59,12 @@ class History:
 
     def log(self, op: str, t: float | None = None, **fields) -> dict:
         """Log ``op`` at ``t`` (default: now) with ``fields``."""
-        entry = {"t": round(self.now(), 4) if t is None else t, "proc": self.proc, "op": op,
-                 **fields}  # fmt: skip
+        entry = {
+            "t": round(self.now(), 4) if t is None else t,
+            "proc": self.proc,
+            "op": op,
+            **fields,
+        }
         with self._lock:
             self.entries.append(entry)
             if self._file:
@@ -130,8 +134,11 @@ def digest(record: Record) -> str:
     h = hashlib.sha256(np.ascontiguousarray(record.token_ids, "<i4").tobytes())
     h.update(np.ascontiguousarray(record.routes).tobytes())
     for turn in record.turns:
-        h.update(np.asarray([turn.token_start, turn.token_end, turn.generated_start,
-                             turn.policy_version], "<i8").tobytes())  # fmt: skip
+        h.update(
+            np.asarray(
+                [turn.token_start, turn.token_end, turn.generated_start, turn.policy_version], "<i8"
+            ).tobytes()
+        )
         h.update(np.asarray(turn.logprobs, "<f4").tobytes())
     return h.hexdigest()[:16]
 
@@ -153,13 +160,25 @@ class Verdict:
 
     @property
     def ok(self) -> bool:
-        return not (self.lost or self.half_written or self.trained_twice or self.never_trained
-                    or self.trained_wrong or self.trained_unacked)  # fmt: skip
+        return not (
+            self.lost
+            or self.half_written
+            or self.trained_twice
+            or self.never_trained
+            or self.trained_wrong
+            or self.trained_unacked
+        )
 
     def lines(self) -> list[str]:
         out = [f"verdict: {'PASS' if self.ok else 'FAIL'}"]
-        for name in ("lost", "half_written", "trained_twice", "never_trained", "trained_wrong",
-                     "trained_unacked"):  # fmt: skip
+        for name in (
+            "lost",
+            "half_written",
+            "trained_twice",
+            "never_trained",
+            "trained_wrong",
+            "trained_unacked",
+        ):
             found = getattr(self, name)
             out.append(f"  {name}: {len(found)}" + (f"  e.g. {found[:3]}" if found else ""))
         out += [f"  {k}: {v}" for k, v in self.counts.items()]
@@ -192,8 +211,9 @@ def check(
     for sample_id, tried in sorted(attempted.items()):
         record = records.get(sample_id)
         held = len(record.turns) if record is not None else 0
-        if held > tried or (record is not None and digest(record) != digest(
-                expected(seed, sample_id, held))):  # fmt: skip
+        if held > tried or (
+            record is not None and digest(record) != digest(expected(seed, sample_id, held))
+        ):
             verdict.half_written.append(sample_id)
         elif held < acked[sample_id]:
             verdict.lost.append(sample_id)
@@ -223,7 +243,7 @@ def check(
         "samples trained": len(trained),
         "repeats dropped by consumers": sum(
             len(e["samples"]) for e in history if e["op"] == "duplicate"
-        ),  # fmt: skip
+        ),
         "faults": ops["fault"],
     }
     return verdict

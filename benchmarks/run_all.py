@@ -68,58 +68,82 @@ class Benchmark:
 
 BENCHMARKS = (
     Benchmark(
-        "route_cache", "bench_route_cache.py", ("--quick",),
+        "route_cache",
+        "bench_route_cache.py",
+        ("--quick",),
         "route cache write / batch read vs raw redis-py; bytes per token",
     ),
     Benchmark(
-        "rollout", "bench_rollout.py",
+        "rollout",
+        "bench_rollout.py",
         ("--size", "tiny", "--prompts", "2", "--n", "2", "--max-tokens", "16", "--repeats", "2"),
         "rollout tokens/s with capture + record writes vs capture off",
     ),
     Benchmark(
-        "trainer", "bench_trainer.py", ("--repeats", "3", "--batches", "2"),
+        "trainer",
+        "bench_trainer.py",
+        ("--repeats", "3", "--batches", "2"),
         "training step with R3 replay vs disabled; fetch + align vs step",
     ),
     Benchmark(
-        "families_glm4_moe", "bench_families.py", ("--quick",),
+        "families_glm4_moe",
+        "bench_families.py",
+        ("--quick",),
         "GLM-4.5 (DeepSeek-V3 router): capture on vs off, R3 vs disabled step",
     ),
     Benchmark(
-        "layouts", "bench_layouts.py", ("--quick",),
+        "layouts",
+        "bench_layouts.py",
+        ("--quick",),
         "the RL step per trainer layout (PP, TP, DP, packing) vs one rank; replay overhead in "
         "each; route bytes read per step vs stored",
     ),
     Benchmark(
-        "reshard", "bench_reshard.py", ("--tokens", "4096", "--samples", "4", "--repeats", "2"),
+        "reshard",
+        "bench_reshard.py",
+        ("--tokens", "4096", "--samples", "4", "--repeats", "2"),
         "one rank's micro-batches and replay ids per layout (plan_step) vs a plain copy",
     ),
     Benchmark(
-        "alternatives", "bench_alternatives.py", ("--quick",),
+        "alternatives",
+        "bench_alternatives.py",
+        ("--quick",),
         "int32/int16 tensors via pickle and torch.save vs the codec vs memcpy; bytes vs limit",
     ),
     Benchmark(
-        "load", "bench_load.py", ("--quick",),
+        "load",
+        "bench_load.py",
+        ("--quick",),
         "concurrent writers and batch readers: latencies, errors, records lost",
     ),
     Benchmark(
-        "faults", "bench_faults.py", ("--quick",),
+        "faults",
+        "bench_faults.py",
+        ("--quick",),
         "load under faults (replica, master, node, consumer, network): checker verdict, "
         "availability, latency, recovery",
     ),
     Benchmark(
-        "pipeline", "bench_pipeline.py", ("--quick",),
+        "pipeline",
+        "bench_pipeline.py",
+        ("--quick",),
         "rollout -> route cache -> trainer fetch + reshard per batch vs storing nothing",
     ),
     Benchmark(
-        "verl", "bench_verl.py", ("--quick",),
+        "verl",
+        "bench_verl.py",
+        ("--quick",),
         "verl integration: Ray bytes per batch; a worker's routes via Ray put/get vs route "
-        "cache stage reads", "verl",
+        "cache stage reads",
+        "verl",
     ),
     Benchmark(
-        "scaling", "scaling_model.py", (),
+        "scaling",
+        "scaling_model.py",
+        (),
         "arithmetic: route bytes/s, replicas, shards, trainer memory for a fleet (runs last)",
     ),
-)  # fmt: skip
+)
 
 
 def run_one(docs: str, results: str, script: str, *args: str) -> None:
@@ -171,12 +195,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0],
-        epilog="benchmarks: " + ", ".join(b.name for b in BENCHMARKS),  # fmt: skip
+        epilog="benchmarks: " + ", ".join(b.name for b in BENCHMARKS),
     )
-    parser.add_argument("--quick", action="store_true",
-                        help="small sizes, a smoke test; writes to results/quick/")  # fmt: skip
-    parser.add_argument("--only", nargs="+", choices=[b.name for b in BENCHMARKS],
-                        help="run only these")  # fmt: skip
+    parser.add_argument(
+        "--quick", action="store_true", help="small sizes, a smoke test; writes to results/quick/"
+    )
+    parser.add_argument(
+        "--only", nargs="+", choices=[b.name for b in BENCHMARKS], help="run only these"
+    )
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     args = parser.parse_args(argv)
     if args.list:
@@ -196,8 +222,15 @@ def main(argv: list[str] | None = None) -> int:
         python = sys.executable
         if bench.env == "verl":
             python = os.environ.get("VERL_PYTHON", str(ROOT / ".venv-verl" / "bin" / "python"))
-        command = [python, str(Path(__file__).resolve()), "_one", str(docs),
-                   str(results), str(HERE / bench.script), *extra]  # fmt: skip
+        command = [
+            python,
+            str(Path(__file__).resolve()),
+            "_one",
+            str(docs),
+            str(results),
+            str(HERE / bench.script),
+            *extra,
+        ]
         start = time.perf_counter()
         code = subprocess.run(command, cwd=ROOT, env=os.environ.copy()).returncode
         if code == 0 and bench.name == "rollout":

@@ -58,11 +58,19 @@ class Model:
 
 
 MODELS = (
-    Model(QWEN3_30B_A3B, 5000.0, "an order of magnitude for vLLM decoding a 3B-active MoE on "
-          "one H100 at a large batch; not from a published benchmark"),
-    Model(DEEPSEEK_V3, 1850.0, "from DeepSeek's published serving figures: about 14.8k output "
-          "tokens/s per 8-GPU H800 node while decoding"),
-)  # fmt: skip
+    Model(
+        QWEN3_30B_A3B,
+        5000.0,
+        "an order of magnitude for vLLM decoding a 3B-active MoE on "
+        "one H100 at a large batch; not from a published benchmark",
+    ),
+    Model(
+        DEEPSEEK_V3,
+        1850.0,
+        "from DeepSeek's published serving figures: about 14.8k output "
+        "tokens/s per 8-GPU H800 node while decoding",
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -224,25 +232,43 @@ def markdown(rows: list[dict], fleet: Fleet, measured: Measured, models) -> str:
         ("one record of a sample", lambda r: f"{r['record_bytes'] / MIB:.1f} MiB"),
         ("fleet tokens/s", lambda r: f"{r['fleet_tokens_per_s']:,.0f}"),
         ("**route bytes/s written**", lambda r: f"**{r['write_bytes_per_s'] / MIB:,.0f} MiB/s**"),
-        ("route bytes/s read, stage reads (x fan-out; calls per record)",
-         lambda r: f"{r['read_bytes_per_s'] / MIB:,.0f} MiB/s (x{r['fetch_fanout']:.2f}; "
-                   f"{r['fetch_calls_per_record']})"),
-        ("route bytes/s read, whole reads by every rank (x fan-out)",
-         lambda r: f"{r['read_bytes_per_s_whole'] / MIB:,.0f} MiB/s (x{r['fetch_fanout_whole']})"),
+        (
+            "route bytes/s read, stage reads (x fan-out; calls per record)",
+            lambda r: (
+                f"{r['read_bytes_per_s'] / MIB:,.0f} MiB/s (x{r['fetch_fanout']:.2f}; "
+                f"{r['fetch_calls_per_record']})"
+            ),
+        ),
+        (
+            "route bytes/s read, whole reads by every rank (x fan-out)",
+            lambda r: (
+                f"{r['read_bytes_per_s_whole'] / MIB:,.0f} MiB/s (x{r['fetch_fanout_whole']})"
+            ),
+        ),
         ("samples/s; seconds per step", lambda r: f"{r['samples_per_s']:.1f}; {r['step_s']:.0f} s"),
         ("**route cache replicas** (stage reads)", lambda r: f"**{r['cache_replicas']}**"),
         ("**Redis Cluster shards** (stage reads)", lambda r: f"**{r['redis_shards']}**"),
-        ("replicas; shards with whole reads by every rank",
-         lambda r: f"{r['cache_replicas_whole']}; {r['redis_shards_whole']}"),
-        ("trainer: DP ranks; samples per DP rank and step",
-         lambda r: f"{r['dp']}; {r['rank_samples']}"),
-        ("**a fetching rank's records as fetched (uint8, its stage's layers)**",
-         lambda r: f"**{r['rank_fetched_bytes'] / GIB:.2f} GiB** ({r['stage_layers']} layers)"),
-        ("its local routes as int32; as int64 router tensors",
-         lambda r: f"{r['rank_int32_bytes'] / GIB:.2f}; {r['rank_int64_bytes'] / GIB:.2f} GiB"),
-        ("fetching them at one process's layer-selected read rate",
-         lambda r: f"{r['rank_fetch_s']:.1f} s"),
-    ]  # fmt: skip
+        (
+            "replicas; shards with whole reads by every rank",
+            lambda r: f"{r['cache_replicas_whole']}; {r['redis_shards_whole']}",
+        ),
+        (
+            "trainer: DP ranks; samples per DP rank and step",
+            lambda r: f"{r['dp']}; {r['rank_samples']}",
+        ),
+        (
+            "**a fetching rank's records as fetched (uint8, its stage's layers)**",
+            lambda r: f"**{r['rank_fetched_bytes'] / GIB:.2f} GiB** ({r['stage_layers']} layers)",
+        ),
+        (
+            "its local routes as int32; as int64 router tensors",
+            lambda r: f"{r['rank_int32_bytes'] / GIB:.2f}; {r['rank_int64_bytes'] / GIB:.2f} GiB",
+        ),
+        (
+            "fetching them at one process's layer-selected read rate",
+            lambda r: f"{r['rank_fetch_s']:.1f} s",
+        ),
+    ]
     lines += [f"| {name} | " + " | ".join(cell(r) for r in rows) + " |" for name, cell in table]
     lines += [
         "",
@@ -260,12 +286,22 @@ def markdown(rows: list[dict], fleet: Fleet, measured: Measured, models) -> str:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for f in fields(Fleet):
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default),
-                            default=f.default)  # fmt: skip
-    parser.add_argument("--tokens-per-s", type=float, nargs=2, metavar=("QWEN3", "DSV3"),
-                        help="override the assumed tokens/s per rollout GPU")  # fmt: skip
-    parser.add_argument("--results", type=Path, default=None,
-                        help="folder of the benchmarks' JSON (default: results/)")  # fmt: skip
+        parser.add_argument(
+            f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default
+        )
+    parser.add_argument(
+        "--tokens-per-s",
+        type=float,
+        nargs=2,
+        metavar=("QWEN3", "DSV3"),
+        help="override the assumed tokens/s per rollout GPU",
+    )
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="folder of the benchmarks' JSON (default: results/)",
+    )
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     fleet = Fleet(**{f.name: getattr(args, f.name) for f in fields(Fleet)})

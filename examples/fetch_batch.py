@@ -39,8 +39,10 @@ class FetchedRecord:
 
     def routes(self) -> np.ndarray:
         """Row i holds the experts chosen when token i was the input: ``[rows, layers, topk]``."""
-        parts = [decode_block(b, bytes(data), self.info.geometry)
-                 for b, data in zip(self.info.blocks, self.encoded, strict=True)]  # fmt: skip
+        parts = [
+            decode_block(b, bytes(data), self.info.geometry)
+            for b, data in zip(self.info.blocks, self.encoded, strict=True)
+        ]
         return np.concatenate(parts) if parts else np.empty((0, 0, 0), "u1")
 
 
@@ -111,10 +113,12 @@ def main() -> None:
                 continue
             routes, geometry = record.routes(), record.info.geometry
             turns = [(t.token_start, t.token_end, t.policy_version) for t in record.info.turns]
-            print(f"{sample_id}: {record.token_ids.size} tokens, turns {turns}, "
-                  f"MoE layers {list(geometry.moe_layers)}, top-{geometry.topk} of "
-                  f"{geometry.num_experts}, routes {routes.shape} {routes.dtype}, "
-                  f"first row {routes[0].tolist() if len(routes) else []}")  # fmt: skip
+            print(
+                f"{sample_id}: {record.token_ids.size} tokens, turns {turns}, "
+                f"MoE layers {list(geometry.moe_layers)}, top-{geometry.topk} of "
+                f"{geometry.num_experts}, routes {routes.shape} {routes.dtype}, "
+                f"first row {routes[0].tolist() if len(routes) else []}"
+            )
 
 
 if __name__ == "__main__":

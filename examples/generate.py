@@ -50,8 +50,10 @@ def main() -> None:
                 print(f"{sample_id} +{ids.size} tokens: {response.delta.text!r}")
             elif event == "done":
                 done = response.done
-                print(f"{sample_id} done ({done.finish_reason}): {done.generated_tokens} "
-                      f"generated, group {done.group_id}, stored={done.stored}")  # fmt: skip
+                print(
+                    f"{sample_id} done ({done.finish_reason}): {done.generated_tokens} "
+                    f"generated, group {done.group_id}, stored={done.stored}"
+                )
             else:
                 print(f"{sample_id} failed: {response.error.code} {response.error.message}")
 

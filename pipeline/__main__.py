@@ -72,8 +72,10 @@ async def rollout(target: str, n: int, max_tokens: int) -> tuple[list[SampleDone
                 streamed += len(event.delta.token_ids)
             elif isinstance(event, SampleDone):
                 done.append(event)
-                log(f"  {event.sample_id} ({event.group_id}): {event.generated_tokens} tokens, "
-                    f"{event.finish_reason}, stored={event.stored}")  # fmt: skip
+                log(
+                    f"  {event.sample_id} ({event.group_id}): {event.generated_tokens} tokens, "
+                    f"{event.finish_reason}, stored={event.stored}"
+                )
             elif isinstance(event, SampleFailed):
                 raise SystemExit(f"[pipeline] {event.sample_id} failed: {event.message}")
         second = SamplingOptions(temperature=0.0, max_tokens=max_tokens // 2)
@@ -81,8 +83,10 @@ async def rollout(target: str, n: int, max_tokens: int) -> tuple[list[SampleDone
             if isinstance(event, SampleDelta):
                 streamed += len(event.delta.token_ids)
             elif isinstance(event, SampleDone):
-                log(f"  {event.sample_id}: second turn, {event.generated_tokens} tokens, record "
-                    f"now {event.num_tokens} tokens, stored={event.stored}")  # fmt: skip
+                log(
+                    f"  {event.sample_id}: second turn, {event.generated_tokens} tokens, record "
+                    f"now {event.num_tokens} tokens, stored={event.stored}"
+                )
     return done, streamed
 
 
@@ -108,16 +112,31 @@ def start_trainer(mode: str, cache: str, rollouts: list[str], model_dir: str, ar
     with RouteCacheClient(cache) as client:
         client.read_ready(consumer_group, "trainer", max_entries=1, start_from_latest=True)
     # The layout's ranks on gloo, as trainer pods would run them.
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={ranks}", "-m", "trainer", *layout,
-               f"router_replay.mode={mode}",
-               f"model.path={model_dir}", f"route_cache.target={cache}",
-               f"train.dtype={args.trainer_dtype}", f"train.batch_size={batch}",
-               f"train.micro_batch_size={micro}", "data.source=feed",
-               f"data.group_size={args.n}", f"data.consumer_group={consumer_group}",
-               f"train.export_dir={args.out / 'weights' / mode}",
-               f"push.targets={','.join(rollouts)}", "--steps", str(args.steps),
-               "--report", str(report)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        "-m",
+        "trainer",
+        *layout,
+        f"router_replay.mode={mode}",
+        f"model.path={model_dir}",
+        f"route_cache.target={cache}",
+        f"train.dtype={args.trainer_dtype}",
+        f"train.batch_size={batch}",
+        f"train.micro_batch_size={micro}",
+        "data.source=feed",
+        f"data.group_size={args.n}",
+        f"data.consumer_group={consumer_group}",
+        f"train.export_dir={args.out / 'weights' / mode}",
+        f"push.targets={','.join(rollouts)}",
+        "--steps",
+        str(args.steps),
+        "--report",
+        str(report),
+    ]
     # megatron warns at length about missing TransformerEngine and Apex: not news here.
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env)
@@ -141,13 +160,20 @@ async def drive(mode: str, rollouts: list[str], trainer: subprocess.Popen, args)
             prompts = [PROMPTS[(step * args.groups + i) % len(PROMPTS)] for i in range(args.groups)]
             groups = [f"{mode}-step{step}-{i}" for i in range(args.groups)]
             calls = [
-                generate_all(clients[r], prompts[r :: len(clients)], groups[r :: len(clients)],
-                             args.n, options)
+                generate_all(
+                    clients[r],
+                    prompts[r :: len(clients)],
+                    groups[r :: len(clients)],
+                    args.n,
+                    options,
+                )
                 for r in range(min(len(clients), len(prompts)))
-            ]  # fmt: skip
+            ]
             stored = sum(await asyncio.gather(*calls))
-            log(f"  {mode} step {step}: {stored} samples at policy version {version} on the "
-                f"feed; waiting for the trainer's weights")  # fmt: skip
+            log(
+                f"  {mode} step {step}: {stored} samples at policy version {version} on the "
+                f"feed; waiting for the trainer's weights"
+            )
             while await policy_version(clients) == version:
                 if trainer.poll() is not None:
                     raise SystemExit(f"[pipeline] the {mode} trainer exited ({trainer.returncode})")
@@ -240,10 +266,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=4, help="samples per prompt (GRPO group size)")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per sample")
     parser.add_argument("--model", default="", help="a local HF MoE checkpoint (default: tiny)")
-    parser.add_argument("--model-family", default=DEFAULT_FAMILY, choices=tuple(FAMILIES),
-                        help="family of the embedded tiny model")  # fmt: skip
-    parser.add_argument("--realistic-margins", action="store_true", help="embedded tiny model "
-                        "with a trained model's narrow router margins")  # fmt: skip
+    parser.add_argument(
+        "--model-family",
+        default=DEFAULT_FAMILY,
+        choices=tuple(FAMILIES),
+        help="family of the embedded tiny model",
+    )
+    parser.add_argument(
+        "--realistic-margins",
+        action="store_true",
+        help="embedded tiny model with a trained model's narrow router margins",
+    )
     parser.add_argument("--out", type=Path, default=Path("results"), help="report folder")
     parser.add_argument("--trainer-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument(
@@ -254,8 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--steps", type=int, default=3, help="RL steps per mode")
     parser.add_argument("--groups", type=int, default=2, help="GRPO groups (prompts) per step")
-    parser.add_argument("--redis-url", default="", help="Redis for the route cache (default: "
-                        "an embedded server)")  # fmt: skip
+    parser.add_argument(
+        "--redis-url", default="", help="Redis for the route cache (default: an embedded server)"
+    )
     parser.add_argument("--cache-port", type=int, default=0, help="route cache port (0: free)")
     parser.add_argument("--rollout-port", type=int, default=0, help="rollout port (0: free)")
     args = parser.parse_args(argv)
@@ -268,8 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         redis_args = ["--redis-url", args.redis_url] if args.redis_url else []
         where = "Redis at --redis-url" if args.redis_url else "embedded Redis"
-        cache = start("route_cache", redis_args, f"the route cache ({where})", procs,
-                      args.cache_port)  # fmt: skip
+        cache = start(
+            "route_cache", redis_args, f"the route cache ({where})", procs, args.cache_port
+        )
         tiny = Path(tempfile.gettempdir()) / "router-replay-tiny-moe"
         if not args.model and (args.model_family != DEFAULT_FAMILY or args.realistic_margins):
             margins = "-realistic" if args.realistic_margins else ""
@@ -278,9 +313,13 @@ def main(argv: list[str] | None = None) -> int:
                 spread = REALISTIC_ROUTER_SPREAD if args.realistic_margins else None
                 build_tiny_model(tiny, family=args.model_family, router_spread=spread)
         model = ["--model", args.model] if args.model else ["--tiny-model-dir", str(tiny)]
-        rollout_target = start("rollout_server", ["--route-cache", cache, *model],
-                               "the rollout server (vLLM on the CPU)", procs,
-                               args.rollout_port)  # fmt: skip
+        rollout_target = start(
+            "rollout_server",
+            ["--route-cache", cache, *model],
+            "the rollout server (vLLM on the CPU)",
+            procs,
+            args.rollout_port,
+        )
         stages["start services"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -299,15 +338,23 @@ def main(argv: list[str] | None = None) -> int:
         tokens = sum(r.num_tokens for r in records)
         generated = sum(int(t.num_generated) for r in records for t in r.turns)
         multi = max(records, key=lambda r: len(r.turns))
-        log(f"model {geometry.model_id}: MoE layers {list(geometry.moe_layers)} (dense layers "
-            f"dropped), top-{geometry.topk} of {geometry.num_experts} experts")  # fmt: skip
-        log(f"{len(records)} records read back in one batch, every route valid; {tokens} "
-            f"tokens ({generated} generated, {streamed} streamed as deltas)")  # fmt: skip
-        log(f"{multi.sample_id} has {len(multi.turns)} turns, rows match tokens one for one: "
-            f"{multi.num_rows} rows for {multi.num_tokens} tokens")  # fmt: skip
+        log(
+            f"model {geometry.model_id}: MoE layers {list(geometry.moe_layers)} (dense layers "
+            f"dropped), top-{geometry.topk} of {geometry.num_experts} experts"
+        )
+        log(
+            f"{len(records)} records read back in one batch, every route valid; {tokens} "
+            f"tokens ({generated} generated, {streamed} streamed as deltas)"
+        )
+        log(
+            f"{multi.sample_id} has {len(multi.turns)} turns, rows match tokens one for one: "
+            f"{multi.num_rows} rows for {multi.num_tokens} tokens"
+        )
         route_bytes = sum(r.routes.nbytes for r in records)
-        log(f"route bytes per token {route_bytes / tokens:.1f} (uint8); stored bytes per token "
-            f"{stored_bytes / tokens:.1f} (routes, tokens, log-probs, metadata)")  # fmt: skip
+        log(
+            f"route bytes per token {route_bytes / tokens:.1f} (uint8); stored bytes per token "
+            f"{stored_bytes / tokens:.1f} (routes, tokens, log-probs, metadata)"
+        )
 
         model_dir = args.model or str(tiny)
         rollouts = [rollout_target]  # one replica here; the driver spreads over any number
@@ -315,8 +362,10 @@ def main(argv: list[str] | None = None) -> int:
         for i, mode in enumerate(MODES):
             t0 = time.perf_counter()
             version = asyncio.run(reset_weights(rollouts, model_dir)) if i else 0
-            log(f"RL loop in mode {mode} ({args.trainer_dtype}, {args.layout}, "
-                f"{args.steps} steps) from the initial weights, policy {version}")  # fmt: skip
+            log(
+                f"RL loop in mode {mode} ({args.trainer_dtype}, {args.layout}, "
+                f"{args.steps} steps) from the initial weights, policy {version}"
+            )
             reports[mode] = run_mode(mode, cache, rollouts, model_dir, args, procs)
             stages[f"RL loop {mode}"] = time.perf_counter() - t0
         log("training against the rollout (natural routing vs replayed, same step):")

@@ -51,8 +51,13 @@ def figure(reports: dict[str, list[StepReport]], out: Path) -> Path:
     x = np.arange(len(layers))
     exact = first.agreement.exact
     axes[0].bar(x, exact, 0.6)
-    axes[0].set(title="trainer's natural top-k = rollout's", xlabel="MoE layer",
-                xticks=x, xticklabels=layers, ylim=(min(exact) - 0.02, 1.0))  # fmt: skip
+    axes[0].set(
+        title="trainer's natural top-k = rollout's",
+        xlabel="MoE layer",
+        xticks=x,
+        xticklabels=layers,
+        ylim=(min(exact) - 0.02, 1.0),
+    )
     names = ["natural", "replayed"]
     for i, name in enumerate(names):
         gaps = [reports[m][0].gap.get(name) for m in MODES]
@@ -63,13 +68,16 @@ def figure(reports: dict[str, list[StepReport]], out: Path) -> Path:
         axes[1].bar(
             pos, means, 0.35, label=f"{name} routing (bar: mean, shade: max)", color=f"C{i}"
         )
-    axes[1].set(title="|log p trainer - log p rollout|, step 0", yscale="log",
-                xticks=range(len(MODES)), xticklabels=MODES)  # fmt: skip
+    axes[1].set(
+        title="|log p trainer - log p rollout|, step 0",
+        yscale="log",
+        xticks=range(len(MODES)),
+        xticklabels=MODES,
+    )
     axes[1].legend(fontsize=8)
     for mode in MODES:
         steps = reports[mode]
-        axes[2].plot([s.step for s in steps], [s.expected_reward for s in steps], "o-",
-                     label=mode)  # fmt: skip
+        axes[2].plot([s.step for s in steps], [s.expected_reward for s in steps], "o-", label=mode)
     axes[2].set(title="expected reward per step", xlabel="step")
     axes[2].legend()
     fig.tight_layout()

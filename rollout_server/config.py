@@ -83,8 +83,10 @@ class Config:
             "enable_prefix_caching": self.enable_prefix_caching,
             "seed": self.engine_seed,
         }
-        optional = {"max_model_len": self.max_model_len,
-                    "max_num_batched_tokens": self.max_num_batched_tokens}  # fmt: skip
+        optional = {
+            "max_model_len": self.max_model_len,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+        }
         return args | {k: v for k, v in optional.items() if v > 0}
 
 

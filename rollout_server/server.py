@@ -110,25 +110,29 @@ class _RolloutCollector:
     def collect(self):
         rollout = self.rollout
         counters = CounterMetricFamily(
-            f"{NAMESPACE}_events", "Rollout events by kind (tokens_generated: generated "
+            f"{NAMESPACE}_events",
+            "Rollout events by kind (tokens_generated: generated "
             "tokens, whose rate is tokens/s; capture_failures; samples_stored; ...)",
             labels=["event"],
-        )  # fmt: skip
+        )
         for name, count in sorted({**rollout.counters, **rollout.writer.counters}.items()):
             counters.add_metric([name], count)
         yield counters
         yield GaugeMetricFamily(
-            f"{NAMESPACE}_pending_writes", "Record writes waiting or retrying (write buffer)",
+            f"{NAMESPACE}_pending_writes",
+            "Record writes waiting or retrying (write buffer)",
             value=rollout.writer.num_pending,
-        )  # fmt: skip
+        )
         yield GaugeMetricFamily(
-            f"{NAMESPACE}_max_pending_writes", "The write buffer's bound",
+            f"{NAMESPACE}_max_pending_writes",
+            "The write buffer's bound",
             value=rollout.writer.max_pending,
-        )  # fmt: skip
+        )
         yield GaugeMetricFamily(
-            f"{NAMESPACE}_policy_version", "Version of the weights being served",
+            f"{NAMESPACE}_policy_version",
+            "Version of the weights being served",
             value=rollout.policy_version,
-        )  # fmt: skip
+        )
         yield GaugeMetricFamily(
             f"{NAMESPACE}_running_samples", "Samples generating now", value=rollout.num_running
         )

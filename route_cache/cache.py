@@ -98,21 +98,31 @@ class CacheMetrics:
 
     def __init__(self, registry: CollectorRegistry, feed: ReadyFeed | None):
         self.route_bytes_served = Counter(
-            "route_bytes_served", "Encoded route bytes served by reads (the selected layers only)",
-            namespace=NAMESPACE, registry=registry,
-        )  # fmt: skip
+            "route_bytes_served",
+            "Encoded route bytes served by reads (the selected layers only)",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
         self.route_bytes_received = Counter(
-            "route_bytes_received", "Encoded route bytes received in writes and appends",
-            namespace=NAMESPACE, registry=registry,
-        )  # fmt: skip
+            "route_bytes_received",
+            "Encoded route bytes received in writes and appends",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
         self.committed = Counter(
-            "records_committed", "Writes and appends committed (duplicate: a retry, unchanged)",
-            ["call", "duplicate"], namespace=NAMESPACE, registry=registry,
-        )  # fmt: skip
+            "records_committed",
+            "Writes and appends committed (duplicate: a retry, unchanged)",
+            ["call", "duplicate"],
+            namespace=NAMESPACE,
+            registry=registry,
+        )
         self.refused = Counter(
-            "records_refused", "Writes and appends refused, by status code",
-            ["call", "code"], namespace=NAMESPACE, registry=registry,
-        )  # fmt: skip
+            "records_refused",
+            "Writes and appends refused, by status code",
+            ["call", "code"],
+            namespace=NAMESPACE,
+            registry=registry,
+        )
         if feed is not None:
             registry.register(_BacklogCollector(feed))
 
@@ -125,13 +135,15 @@ class _BacklogCollector:
 
     def collect(self):
         lag = GaugeMetricFamily(
-            f"{NAMESPACE}_ready_backlog", "Ready entries not yet delivered to the consumer group",
+            f"{NAMESPACE}_ready_backlog",
+            "Ready entries not yet delivered to the consumer group",
             labels=["consumer_group"],
-        )  # fmt: skip
+        )
         pending = GaugeMetricFamily(
-            f"{NAMESPACE}_ready_pending", "Ready entries delivered and not acknowledged",
+            f"{NAMESPACE}_ready_pending",
+            "Ready entries delivered and not acknowledged",
             labels=["consumer_group"],
-        )  # fmt: skip
+        )
         try:
             groups = self.feed.backlog()
         except Exception:  # noqa: BLE001 - a scrape must not fail while Redis is away
@@ -227,8 +239,9 @@ class RouteCache:
         except DataLoss as exc:
             raise InvalidArgument(f"{exc}: the routes changed in transit") from None
         check_routes(routes, write.geometry, header.num_rows, header.row_start)
-        return StoredBlock(header.row_start, write.token_start, write.token_ids, write.turns,
-                           encoded)  # fmt: skip
+        return StoredBlock(
+            header.row_start, write.token_start, write.token_ids, write.turns, encoded
+        )
 
     def _check_header(self, write: BlockWrite) -> None:
         check_sample_id(write.sample_id)
@@ -266,17 +279,20 @@ class RouteCache:
         return record
 
     def read_many(
-        self, sample_ids: Sequence[str], layers: Sequence[int] | None = None,
+        self,
+        sample_ids: Sequence[str],
+        layers: Sequence[int] | None = None,
         skip_missing: bool = False,
-    ) -> Iterator[StoredRecord | Missing]:  # fmt: skip
+    ) -> Iterator[StoredRecord | Missing]:
         """Records in the order asked, streamed as they come from Redis.
 
         Raises:
             NotFound: an id has no record (unless ``skip_missing``: a ``Missing`` in its place).
         """
         ids = self._ids(sample_ids, "sample_ids", check_sample_id)
-        for sample_id, record in zip(ids, self.store.read_many(ids, _selection(layers)),
-                                     strict=True):  # fmt: skip
+        for sample_id, record in zip(
+            ids, self.store.read_many(ids, _selection(layers)), strict=True
+        ):
             if record is not None:
                 self._served(record)
                 yield record

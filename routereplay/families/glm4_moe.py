@@ -101,7 +101,7 @@ FAMILY = Family(
         "partial_rotary_factor",
         "num_nextn_predict_layers",
         "moe_layer_freq",
-    },  # fmt: skip
+    },
     megatron_fields=megatron_fields,
     weights=WeightNames("mlp.", shared="mlp.shared_experts."),
     tiny_config=tiny_config,

@@ -100,7 +100,7 @@ def tiny_config(size: MoESize, token_ids: dict[str, int]):
             "beta_slow": 1.0,
             "truncate": False,
             "original_max_position_embeddings": 4096,
-        },  # fmt: skip
+        },
     )
 
 
@@ -135,7 +135,7 @@ FAMILY = Family(
         "experts_per_token",
         "initial_context_length",
         "quantization_config",
-    },  # fmt: skip
+    },
     megatron_fields=megatron_fields,
     weights=WeightNames("mlp.", router="router", fused_experts=True),
     tiny_config=tiny_config,

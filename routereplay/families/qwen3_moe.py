@@ -15,11 +15,20 @@ from routereplay.families.base import (
 )
 
 # The keys Qwen2-MoE shares.
-QWEN_KEYS = frozenset({
-    "moe_intermediate_size", "num_experts", "num_local_experts", "mlp_only_layers",
-    "decoder_sparse_step", "norm_topk_prob", "use_sliding_window", "sliding_window",
-    "max_window_layers", "layer_types",
-})  # fmt: skip
+QWEN_KEYS = frozenset(
+    {
+        "moe_intermediate_size",
+        "num_experts",
+        "num_local_experts",
+        "mlp_only_layers",
+        "decoder_sparse_step",
+        "norm_topk_prob",
+        "use_sliding_window",
+        "sliding_window",
+        "max_window_layers",
+        "layer_types",
+    }
+)
 
 
 def megatron_fields(config: dict[str, Any]) -> dict[str, Any]:

@@ -150,18 +150,26 @@ def _stub(channel) -> route_cache_pb2_grpc.RouteCacheStub:
     messages (``ChunkFirst``)."""
     stub = route_cache_pb2_grpc.RouteCacheStub(channel)
     path = f"/{route_cache_pb2.DESCRIPTOR.services_by_name['RouteCache'].full_name}/"
-    write = {"request_serializer": serialized,
-             "response_deserializer": route_cache_pb2.WriteResponse.FromString}  # fmt: skip
+    write = {
+        "request_serializer": serialized,
+        "response_deserializer": route_cache_pb2.WriteResponse.FromString,
+    }
     stub.WriteRecord = channel.stream_unary(path + "WriteRecord", **write, _registered_method=True)
     stub.AppendTurn = channel.stream_unary(path + "AppendTurn", **write, _registered_method=True)
-    for method, request in (("ReadRecord", route_cache_pb2.ReadRecordRequest),
-                            ("ReadBatch", route_cache_pb2.ReadBatchRequest)):  # fmt: skip
-        setattr(stub, method, channel.unary_stream(
-            path + method,
-            request_serializer=request.SerializeToString,
-            response_deserializer=ChunkFirst(route_cache_pb2.ReadResponse),
-            _registered_method=True,
-        ))  # fmt: skip
+    for method, request in (
+        ("ReadRecord", route_cache_pb2.ReadRecordRequest),
+        ("ReadBatch", route_cache_pb2.ReadBatchRequest),
+    ):
+        setattr(
+            stub,
+            method,
+            channel.unary_stream(
+                path + method,
+                request_serializer=request.SerializeToString,
+                response_deserializer=ChunkFirst(route_cache_pb2.ReadResponse),
+                _registered_method=True,
+            ),
+        )
     return stub
 
 
@@ -324,10 +332,18 @@ class RouteCacheClient(_Base):
 
         A retried read (UNAVAILABLE) re-reads this consumer's pending entries, so entries a
         lost reply delivered are not stranded: expect repeats; ``ReadyConsumer`` drops them."""
-        request = ready_read_to_pb(ReadyRead(
-            consumer_group, consumer, max_entries, block_ms, pending_cursor,
-            claim_idle_ms, claim_cursor, start_from_latest,
-        ))  # fmt: skip
+        request = ready_read_to_pb(
+            ReadyRead(
+                consumer_group,
+                consumer,
+                max_entries,
+                block_ms,
+                pending_cursor,
+                claim_idle_ms,
+                claim_cursor,
+                start_from_latest,
+            )
+        )
         timeout = self.timeout_s + block_ms / 1000
         for attempt in range(self.retry.attempts):
             try:
@@ -440,10 +456,18 @@ class AsyncRouteCacheClient(_Base):
         claim_cursor: str = "",
         start_from_latest: bool = False,
     ) -> ReadyPage:
-        request = ready_read_to_pb(ReadyRead(
-            consumer_group, consumer, max_entries, block_ms, pending_cursor,
-            claim_idle_ms, claim_cursor, start_from_latest,
-        ))  # fmt: skip
+        request = ready_read_to_pb(
+            ReadyRead(
+                consumer_group,
+                consumer,
+                max_entries,
+                block_ms,
+                pending_cursor,
+                claim_idle_ms,
+                claim_cursor,
+                start_from_latest,
+            )
+        )
         timeout = self.timeout_s + block_ms / 1000
         for attempt in range(self.retry.attempts):
             try:

@@ -91,21 +91,34 @@ class ServiceMetrics(MetricsEndpoint):
         super().__init__()
         self.namespace = namespace
         self.calls = Counter(
-            "rpc_calls", "Finished calls by method and status code (errors: code != OK)",
-            ["method", "code"], namespace=namespace, registry=self.registry,
-        )  # fmt: skip
+            "rpc_calls",
+            "Finished calls by method and status code (errors: code != OK)",
+            ["method", "code"],
+            namespace=namespace,
+            registry=self.registry,
+        )
         self.latency = Histogram(
-            "rpc_latency_seconds", "Call duration, first request message to last response",
-            ["method"], namespace=namespace, registry=self.registry, buckets=LATENCY_BUCKETS,
-        )  # fmt: skip
+            "rpc_latency_seconds",
+            "Call duration, first request message to last response",
+            ["method"],
+            namespace=namespace,
+            registry=self.registry,
+            buckets=LATENCY_BUCKETS,
+        )
         self.bytes_in = Counter(
-            "rpc_received_bytes", "Serialized request bytes received, by method",
-            ["method"], namespace=namespace, registry=self.registry,
-        )  # fmt: skip
+            "rpc_received_bytes",
+            "Serialized request bytes received, by method",
+            ["method"],
+            namespace=namespace,
+            registry=self.registry,
+        )
         self.bytes_out = Counter(
-            "rpc_sent_bytes", "Serialized response bytes sent, by method",
-            ["method"], namespace=namespace, registry=self.registry,
-        )  # fmt: skip
+            "rpc_sent_bytes",
+            "Serialized response bytes sent, by method",
+            ["method"],
+            namespace=namespace,
+            registry=self.registry,
+        )
 
     def observe(self, method: str, code: grpc.StatusCode, started: float) -> None:
         name = _short(method)

@@ -213,8 +213,10 @@ class ReadyConsumer:
         self.extra += 1
         log.warning(
             "sample %r is beyond group %r's %d samples: dropped",
-            entry.sample_id, entry.group_id, self.group_size,
-        )  # fmt: skip
+            entry.sample_id,
+            entry.group_id,
+            self.group_size,
+        )
 
     def next_groups(self, count: int, timeout_s: float | None = None) -> list[ReadyGroup]:
         """Up to ``count`` complete groups, reading the feed until there are that many or
@@ -275,8 +277,9 @@ class ReadyConsumer:
                 won.append(group)
             else:
                 self.taken += 1
-                log.warning("group %r was settled by another consumer: not committed here",
-                            group.key)  # fmt: skip
+                log.warning(
+                    "group %r was settled by another consumer: not committed here", group.key
+                )
         return won
 
     def _forget(self, group: ReadyGroup) -> None:

@@ -29,33 +29,53 @@ Prompt = str | Sequence[int]
 
 
 def _generate(
-    prompt: Prompt, options: SamplingOptions, sample_id: str, group_id: str,
-    return_routes: bool, more_turns: bool,
-) -> rollout_pb2.GenerateRequest:  # fmt: skip
+    prompt: Prompt,
+    options: SamplingOptions,
+    sample_id: str,
+    group_id: str,
+    return_routes: bool,
+    more_turns: bool,
+) -> rollout_pb2.GenerateRequest:
     return rollout_pb2.GenerateRequest(
-        prompt=prompt_to_pb(prompt), sampling=sampling_to_pb(options), sample_id=sample_id,
-        group_id=group_id, return_routes=return_routes, more_turns=more_turns,
-    )  # fmt: skip
+        prompt=prompt_to_pb(prompt),
+        sampling=sampling_to_pb(options),
+        sample_id=sample_id,
+        group_id=group_id,
+        return_routes=return_routes,
+        more_turns=more_turns,
+    )
 
 
 def _generate_batch(
-    prompts: Sequence[Prompt], n: int, options: SamplingOptions, sample_ids: Sequence[str],
-    group_ids: Sequence[str], return_routes: bool, more_turns: bool,
-) -> rollout_pb2.GenerateBatchRequest:  # fmt: skip
+    prompts: Sequence[Prompt],
+    n: int,
+    options: SamplingOptions,
+    sample_ids: Sequence[str],
+    group_ids: Sequence[str],
+    return_routes: bool,
+    more_turns: bool,
+) -> rollout_pb2.GenerateBatchRequest:
     return rollout_pb2.GenerateBatchRequest(
-        prompts=[prompt_to_pb(p) for p in prompts], n=n, sampling=sampling_to_pb(options),
-        sample_ids=list(sample_ids), group_ids=list(group_ids), return_routes=return_routes,
+        prompts=[prompt_to_pb(p) for p in prompts],
+        n=n,
+        sampling=sampling_to_pb(options),
+        sample_ids=list(sample_ids),
+        group_ids=list(group_ids),
+        return_routes=return_routes,
         more_turns=more_turns,
-    )  # fmt: skip
+    )
 
 
 def _continue(
     sample_id: str, prompt: Prompt, options: SamplingOptions, return_routes: bool, final: bool
 ) -> rollout_pb2.ContinueRequest:
     return rollout_pb2.ContinueRequest(
-        sample_id=sample_id, prompt=prompt_to_pb(prompt), sampling=sampling_to_pb(options),
-        return_routes=return_routes, final=final,
-    )  # fmt: skip
+        sample_id=sample_id,
+        prompt=prompt_to_pb(prompt),
+        sampling=sampling_to_pb(options),
+        return_routes=return_routes,
+        final=final,
+    )
 
 
 class RolloutClient:
@@ -94,26 +114,40 @@ class RolloutClient:
             raise domain_error(exc) from None
 
     def generate(
-        self, prompt: Prompt, options: SamplingOptions, sample_id: str = "", group_id: str = "",
-        return_routes: bool = False, more_turns: bool = False,
-    ) -> Iterator[SampleEvent]:  # fmt: skip
+        self,
+        prompt: Prompt,
+        options: SamplingOptions,
+        sample_id: str = "",
+        group_id: str = "",
+        return_routes: bool = False,
+        more_turns: bool = False,
+    ) -> Iterator[SampleEvent]:
         request = _generate(prompt, options, sample_id, group_id, return_routes, more_turns)
         return self._stream(self.stub.Generate(request, timeout=self.timeout_s))
 
     def generate_batch(
-        self, prompts: Sequence[Prompt], n: int, options: SamplingOptions,
-        sample_ids: Sequence[str] = (), group_ids: Sequence[str] = (),
-        return_routes: bool = False, more_turns: bool = False,
-    ) -> Iterator[SampleEvent]:  # fmt: skip
+        self,
+        prompts: Sequence[Prompt],
+        n: int,
+        options: SamplingOptions,
+        sample_ids: Sequence[str] = (),
+        group_ids: Sequence[str] = (),
+        return_routes: bool = False,
+        more_turns: bool = False,
+    ) -> Iterator[SampleEvent]:
         request = _generate_batch(
             prompts, n, options, sample_ids, group_ids, return_routes, more_turns
         )
         return self._stream(self.stub.GenerateBatch(request, timeout=self.timeout_s))
 
     def continue_sample(
-        self, sample_id: str, prompt: Prompt, options: SamplingOptions,
-        return_routes: bool = False, final: bool = False,
-    ) -> Iterator[SampleEvent]:  # fmt: skip
+        self,
+        sample_id: str,
+        prompt: Prompt,
+        options: SamplingOptions,
+        return_routes: bool = False,
+        final: bool = False,
+    ) -> Iterator[SampleEvent]:
         request = _continue(sample_id, prompt, options, return_routes, final)
         return self._stream(self.stub.Continue(request, timeout=self.timeout_s))
 
@@ -165,26 +199,40 @@ class AsyncRolloutClient:
             raise domain_error(exc) from None
 
     def generate(
-        self, prompt: Prompt, options: SamplingOptions, sample_id: str = "", group_id: str = "",
-        return_routes: bool = False, more_turns: bool = False,
-    ) -> AsyncIterator[SampleEvent]:  # fmt: skip
+        self,
+        prompt: Prompt,
+        options: SamplingOptions,
+        sample_id: str = "",
+        group_id: str = "",
+        return_routes: bool = False,
+        more_turns: bool = False,
+    ) -> AsyncIterator[SampleEvent]:
         request = _generate(prompt, options, sample_id, group_id, return_routes, more_turns)
         return self._stream(self.stub.Generate(request, timeout=self.timeout_s))
 
     def generate_batch(
-        self, prompts: Sequence[Prompt], n: int, options: SamplingOptions,
-        sample_ids: Sequence[str] = (), group_ids: Sequence[str] = (),
-        return_routes: bool = False, more_turns: bool = False,
-    ) -> AsyncIterator[SampleEvent]:  # fmt: skip
+        self,
+        prompts: Sequence[Prompt],
+        n: int,
+        options: SamplingOptions,
+        sample_ids: Sequence[str] = (),
+        group_ids: Sequence[str] = (),
+        return_routes: bool = False,
+        more_turns: bool = False,
+    ) -> AsyncIterator[SampleEvent]:
         request = _generate_batch(
             prompts, n, options, sample_ids, group_ids, return_routes, more_turns
         )
         return self._stream(self.stub.GenerateBatch(request, timeout=self.timeout_s))
 
     def continue_sample(
-        self, sample_id: str, prompt: Prompt, options: SamplingOptions,
-        return_routes: bool = False, final: bool = False,
-    ) -> AsyncIterator[SampleEvent]:  # fmt: skip
+        self,
+        sample_id: str,
+        prompt: Prompt,
+        options: SamplingOptions,
+        return_routes: bool = False,
+        final: bool = False,
+    ) -> AsyncIterator[SampleEvent]:
         request = _continue(sample_id, prompt, options, return_routes, final)
         return self._stream(self.stub.Continue(request, timeout=self.timeout_s))
 

@@ -191,8 +191,12 @@ class _AioTokenStreamStream(_AioToken, grpc.aio.StreamStreamClientInterceptor):
     intercept_stream_stream = _AioToken._call
 
 
-_AIO_TOKEN_KINDS = (_AioTokenUnaryUnary, _AioTokenUnaryStream, _AioTokenStreamUnary,
-                    _AioTokenStreamStream)  # fmt: skip
+_AIO_TOKEN_KINDS = (
+    _AioTokenUnaryUnary,
+    _AioTokenUnaryStream,
+    _AioTokenStreamUnary,
+    _AioTokenStreamStream,
+)
 
 
 def secure_channel(target: str, security: ClientSecurity = PLAINTEXT, options=()) -> grpc.Channel:

@@ -37,8 +37,15 @@ def _flat_fields(config) -> list[tuple[str, str | None, str, object, str]]:
         prefix = f.metadata.get("flag_prefix", "")
         for sub in fields(value):
             if not sub.metadata.get("env_only") and sub.name not in f.metadata.get("no_flags", ()):
-                out.append((prefix + sub.name, f.name, sub.name, getattr(value, sub.name),
-                            sub.metadata["help"]))  # fmt: skip
+                out.append(
+                    (
+                        prefix + sub.name,
+                        f.name,
+                        sub.name,
+                        getattr(value, sub.name),
+                        sub.metadata["help"],
+                    )
+                )
     return out
 
 
@@ -49,8 +56,11 @@ def _secret_fields(config) -> list[tuple[str, str, str]]:
         value = getattr(config, f.name)
         if is_dataclass(value):
             prefix = f.metadata.get("flag_prefix", "")
-            out += [((prefix + sub.name).upper(), f.name, sub.name)
-                    for sub in fields(value) if sub.metadata.get("env_only")]  # fmt: skip
+            out += [
+                ((prefix + sub.name).upper(), f.name, sub.name)
+                for sub in fields(value)
+                if sub.metadata.get("env_only")
+            ]
     return out
 
 

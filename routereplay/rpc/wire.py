@@ -360,9 +360,11 @@ class ChunkCollector:
 
 
 def write_requests(
-    record: Record, encoded: EncodedRoutes, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    record: Record,
+    encoded: EncodedRoutes,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     more_turns: bool = False,
-) -> Iterator[route_cache_pb2.WriteRecordRequest | bytes]:  # fmt: skip
+) -> Iterator[route_cache_pb2.WriteRecordRequest | bytes]:
     """The header message, then the chunk messages already serialized (``chunk_messages``):
     send them with a serializer that passes bytes through (``serialized``)."""
     header = route_cache_pb2.RecordHeader(
@@ -379,9 +381,11 @@ def write_requests(
 
 
 def append_requests(
-    append: TurnAppend, encoded: EncodedRoutes, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    append: TurnAppend,
+    encoded: EncodedRoutes,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     final: bool = False,
-) -> Iterator[route_cache_pb2.AppendTurnRequest | bytes]:  # fmt: skip
+) -> Iterator[route_cache_pb2.AppendTurnRequest | bytes]:
     """As ``write_requests``, for an append."""
     header = route_cache_pb2.AppendHeader(
         sample_id=append.sample_id,

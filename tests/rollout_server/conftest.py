@@ -126,8 +126,16 @@ def cache_reader(route_cache):
 def rollout_config(route_cache_target: str, **overrides):
     from rollout_server.config import Config
 
-    settings = dict(host="127.0.0.1", port=0, route_cache=route_cache_target, grace_s=5,
-                    store_wait_s=30, write_retry_s=60, cache_timeout_s=5, max_n=8)  # fmt: skip
+    settings = dict(
+        host="127.0.0.1",
+        port=0,
+        route_cache=route_cache_target,
+        grace_s=5,
+        store_wait_s=30,
+        write_retry_s=60,
+        cache_timeout_s=5,
+        max_n=8,
+    )
     return Config(**{**settings, **overrides})
 
 

@@ -53,13 +53,32 @@ def server_without_compiler(tiny_model_dir, route_cache, tmp_path_factory):
     folder, so nothing compiled earlier is reused) and ``CXX`` naming no compiler, in its own
     process group so that the teardown can reap whatever a kill leaves behind."""
     root = tmp_path_factory.mktemp("image")
-    env = {**os.environ, **image_env(ROOT / "rollout_server" / "Dockerfile", root),
-           "CXX": str(root / "no-such-compiler")}  # fmt: skip
+    env = {
+        **os.environ,
+        **image_env(ROOT / "rollout_server" / "Dockerfile", root),
+        "CXX": str(root / "no-such-compiler"),
+    }
     assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(root))
     port = free_port()
-    args = [sys.executable, "-m", "rollout_server", "--host", "127.0.0.1", "--port", str(port),
-            "--route-cache", route_cache.target, "--model", str(tiny_model_dir),
-            "--max-model-len", "256", "--max-num-seqs", "2", "--grace-s", "5"]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "rollout_server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--route-cache",
+        route_cache.target,
+        "--model",
+        str(tiny_model_dir),
+        "--max-model-len",
+        "256",
+        "--max-num-seqs",
+        "2",
+        "--grace-s",
+        "5",
+    ]
     proc = subprocess.Popen(args, env=env, start_new_session=True)
     try:
         wait_serving(f"127.0.0.1:{port}", proc, timeout_s=300)
@@ -88,8 +107,11 @@ def test_samples_without_a_compiler(server_without_compiler, cache_reader, loop)
 
 def engine_core(proc: subprocess.Popen) -> psutil.Process:
     """vLLM's engine core process under the server (it names itself VLLM::EngineCore)."""
-    (core,) = [p for p in psutil.Process(proc.pid).children(recursive=True)
-               if "EngineCore" in " ".join(p.cmdline())]  # fmt: skip
+    (core,) = [
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if "EngineCore" in " ".join(p.cmdline())
+    ]
     return core
 
 
@@ -115,16 +137,21 @@ def test_a_dead_engine_turns_health_off_and_the_server_exits(
                     answers[service] = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
                 except grpc.RpcError as exc:  # the server has stopped listening
                     answers[service] = exc.code().name
-            if SERVING not in {getattr(health_pb2.HealthCheckResponse, a, None)
-                               for a in answers.values()}:  # fmt: skip
+            if SERVING not in {
+                getattr(health_pb2.HealthCheckResponse, a, None) for a in answers.values()
+            }:
                 break
             time.sleep(0.1)
     unhealthy_s = time.monotonic() - killed
     record_property("health_off_after_kill_s", round(unhealthy_s, 3))
     print(f"health {answers} {unhealthy_s:.2f} s after the engine was killed")
     assert set(answers.values()) <= {"NOT_SERVING", "UNAVAILABLE"}, answers
-    check = subprocess.run([sys.executable, "-m", "routereplay.rpc.healthcheck", target],
-                           capture_output=True, text=True, timeout=30)  # fmt: skip
+    check = subprocess.run(
+        [sys.executable, "-m", "routereplay.rpc.healthcheck", target],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert check.returncode == 1, check
     assert proc.wait(60) == 1
     record_property("exited_after_kill_s", round(time.monotonic() - killed, 3))

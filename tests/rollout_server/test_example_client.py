@@ -18,9 +18,17 @@ def test_generate_example_streams_a_stored_group(rollout, cache_reader, loop):
     async def run() -> str:
         # A child process: this process's event loop must keep running to serve it.
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, str(EXAMPLE), "--target", f"127.0.0.1:{server.port}", "--n", "3",
-            "--max-tokens", "6", "The experts of layer one", stdout=asyncio.subprocess.PIPE,
-        )  # fmt: skip
+            sys.executable,
+            str(EXAMPLE),
+            "--target",
+            f"127.0.0.1:{server.port}",
+            "--n",
+            "3",
+            "--max-tokens",
+            "6",
+            "The experts of layer one",
+            stdout=asyncio.subprocess.PIPE,
+        )
         out, _ = await asyncio.wait_for(proc.communicate(), 240)
         assert proc.returncode == 0
         return out.decode()
@@ -29,8 +37,12 @@ def test_generate_example_streams_a_stored_group(rollout, cache_reader, loop):
     streamed = Counter()
     for sample_id, count in re.findall(r"^(\S+) \+(\d+) tokens", out, re.M):
         streamed[sample_id] += int(count)
-    done = re.findall(r"^(\S+) done \((stop|length)\): (\d+) generated, group (\S+), "
-                      r"stored=(\w+)$", out, re.M)  # fmt: skip
+    done = re.findall(
+        r"^(\S+) done \((stop|length)\): (\d+) generated, group (\S+), "
+        r"stored=(\w+)$",
+        out,
+        re.M,
+    )
     assert len(done) == 3 and len({group for *_, group, _ in done}) == 1
     for sample_id, _, generated, group, stored in done:
         assert stored == "True" and streamed[sample_id] == int(generated) > 0

@@ -43,11 +43,14 @@ TEXTS = [
 GREEDY = SamplingOptions(temperature=0.0, max_tokens=16)
 SAMPLED = SamplingOptions(temperature=1.0, top_p=0.9, top_k=50, max_tokens=16)
 EXPECTED_MOE_LAYERS = {
-    "qwen2_moe": (1, 2, 3), "mixtral": (0, 1, 2, 3), "glm4_moe": (1, 2, 3),
+    "qwen2_moe": (1, 2, 3),
+    "mixtral": (0, 1, 2, 3),
+    "glm4_moe": (1, 2, 3),
     "gpt_oss": (0, 1, 2, 3),
     # DeepSeek-V3's MTP layer (model.layers.4) is no decoder layer: no column of its own.
-    "deepseek_v3": (1, 2, 3), "deepseek_v2": (1, 2, 3),
-}  # fmt: skip
+    "deepseek_v3": (1, 2, 3),
+    "deepseek_v2": (1, 2, 3),
+}
 
 
 def _serve_and_check(family, model_dir, route_cache, cache_reader, loop, work_dir):
@@ -57,9 +60,13 @@ def _serve_and_check(family, model_dir, route_cache, cache_reader, loop, work_di
 
     async def start():
         engine = VLLMEngine(
-            model_dir, max_model_len=256, max_num_seqs=4,
-            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enable_chunked_prefill=True, seed=0,
-        )  # fmt: skip
+            model_dir,
+            max_model_len=256,
+            max_num_seqs=4,
+            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+            enable_chunked_prefill=True,
+            seed=0,
+        )
         server = await RolloutServer(rollout_config(route_cache.target), engine).start()
         return engine, server, AsyncRolloutClient(f"127.0.0.1:{server.port}", timeout_s=120)
 
@@ -90,7 +97,7 @@ def _serve_and_check(family, model_dir, route_cache, cache_reader, loop, work_di
         report, export = loop.run_until_complete(
             _train_and_push(
                 model_dir, route_cache.target, f"127.0.0.1:{server.port}", ids, work_dir
-            )  # fmt: skip
+            )
         )
         n_layers = len(EXPECTED_MOE_LAYERS[family])
         assert report["agreement"]["exact"] == [1.0] * n_layers  # trainer natural = vLLM's
@@ -114,17 +121,34 @@ def _serve_and_check(family, model_dir, route_cache, cache_reader, loop, work_di
 async def _train_and_push(model_dir, cache_target, server_target, ids, work_dir: Path):
     """One R3 step of ``python -m trainer`` on the stored samples, its export pushed to the
     server. Returns the step's report and the export folder."""
-    args = ["-m", "trainer", f"model.path={model_dir}", f"route_cache.target={cache_target}",
-            "router_replay.mode=R3", f"train.batch_size={len(ids)}", "train.micro_batch_size=2",
-            "train.lr=1e-2", f"train.export_dir={work_dir / 'export'}",
-            f"push.targets={server_target}", "--ids", ",".join(ids),
-            "--steps", "1", "--report", str(work_dir / "report.json")]  # fmt: skip
+    args = [
+        "-m",
+        "trainer",
+        f"model.path={model_dir}",
+        f"route_cache.target={cache_target}",
+        "router_replay.mode=R3",
+        f"train.batch_size={len(ids)}",
+        "train.micro_batch_size=2",
+        "train.lr=1e-2",
+        f"train.export_dir={work_dir / 'export'}",
+        f"push.targets={server_target}",
+        "--ids",
+        ",".join(ids),
+        "--steps",
+        "1",
+        "--report",
+        str(work_dir / "report.json"),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("WORLD_SIZE", None)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, *args, cwd=ROOT, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
+        sys.executable,
+        *args,
+        cwd=ROOT,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     out, _ = await asyncio.wait_for(proc.communicate(), timeout=300)
     assert proc.returncode == 0, out.decode(errors="replace")[-6000:]
     (report,) = json.loads((work_dir / "report.json").read_text())

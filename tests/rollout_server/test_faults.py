@@ -32,9 +32,23 @@ def rollout_process(tiny_model_dir, route_cache):
     """``python -m rollout_server`` on the tiny model, in its own process group so that the
     teardown can reap whatever the kill leaves behind."""
     port = free_port()
-    args = [sys.executable, "-m", "rollout_server", "--host", "127.0.0.1", "--port", str(port),
-            "--route-cache", route_cache.target, "--model", str(tiny_model_dir),
-            "--max-model-len", "512", "--max-num-seqs", "4"]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "rollout_server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--route-cache",
+        route_cache.target,
+        "--model",
+        str(tiny_model_dir),
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "4",
+    ]
     proc = subprocess.Popen(args, start_new_session=True)
     try:
         wait_serving(f"127.0.0.1:{port}", proc, timeout_s=300)

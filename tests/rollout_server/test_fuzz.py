@@ -195,13 +195,17 @@ def random_samplings(draw):
     group_id=st.one_of(st.just(""), texts),
     return_routes=st.booleans(),
 )
-def test_generate(fuzz_target, loop, cache_reader, prompt, sampling, sample_id, group_id,
-                  return_routes):  # fmt: skip
+def test_generate(
+    fuzz_target, loop, cache_reader, prompt, sampling, sample_id, group_id, return_routes
+):
     stub, channel, _ = fuzz_target
     request = rollout_pb2.GenerateRequest(
-        prompt=prompt, sampling=sampling, sample_id=sample_id, group_id=group_id,
+        prompt=prompt,
+        sampling=sampling,
+        sample_id=sample_id,
+        group_id=group_id,
         return_routes=return_routes,
-    )  # fmt: skip
+    )
     before = stored_before(cache_reader, [sample_id])
     code, replies = call(loop, stub.Generate, request)
     event(code.name)  # the mix of answers: --hypothesis-show-statistics

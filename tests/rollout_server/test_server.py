@@ -75,9 +75,11 @@ def test_generate_streams_and_stores_oracle_routes(rollout, cache_reader, hf_mod
         clients = [AsyncRolloutClient(f"127.0.0.1:{server.port}") for _ in jobs]
         try:
             return await asyncio.gather(
-                *(events_of(c.generate(text, opt, return_routes=True))
-                  for c, (text, opt) in zip(clients, jobs, strict=True))
-            )  # fmt: skip
+                *(
+                    events_of(c.generate(text, opt, return_routes=True))
+                    for c, (text, opt) in zip(clients, jobs, strict=True)
+                )
+            )
         finally:
             await asyncio.gather(*(c.close() for c in clients))
 
@@ -219,8 +221,9 @@ def test_bad_generate_input(rollout, loop, call, error, words):
     _, client = rollout
     args = {"prompt": "hello", "options": GREEDY, **call}
     with pytest.raises(error) as info:
-        loop.run_until_complete(events_of(client.generate(args["prompt"], args["options"],
-                                                          args.get("sample_id", ""))))  # fmt: skip
+        loop.run_until_complete(
+            events_of(client.generate(args["prompt"], args["options"], args.get("sample_id", "")))
+        )
     assert words in str(info.value)
 
 
@@ -315,8 +318,13 @@ def test_backpressure_refuses_with_unavailable(vllm_engine, loop):
     from rollout_server.server import RolloutServer
     from routereplay.dev.launch import free_port
 
-    config = rollout_config(f"127.0.0.1:{free_port()}", max_pending_writes=1, store_wait_s=0.3,
-                            write_retry_s=30, cache_timeout_s=1)  # fmt: skip
+    config = rollout_config(
+        f"127.0.0.1:{free_port()}",
+        max_pending_writes=1,
+        store_wait_s=0.3,
+        write_retry_s=30,
+        cache_timeout_s=1,
+    )
 
     async def run():
         server = await RolloutServer(config, vllm_engine).start()
@@ -377,9 +385,11 @@ def test_a_multi_turn_sample_is_announced_on_the_feed_once_complete(rollout, rou
         ]
 
     async def run():
-        _, done = split(await events_of(
-            client.generate_batch([TEXTS[0]], 2, GREEDY, group_ids=[group], more_turns=True)
-        ))  # fmt: skip
+        _, done = split(
+            await events_of(
+                client.generate_batch([TEXTS[0]], 2, GREEDY, group_ids=[group], more_turns=True)
+            )
+        )
         assert announced() == []
         multi, _ = sorted(done)
         middle = split(await events_of(client.continue_sample(multi, " Then", GREEDY)))[1]

@@ -25,14 +25,17 @@ def test_push_reaches_a_secured_rollout_server(
     certs = generate(tmp_path / "certs")
     ca, token = str(certs / "ca.pem"), tmp_path / "token"
     token.write_text("push-token")
-    security = ServerSecurity(tls_cert_file=str(certs / "server.pem"),
-                              tls_key_file=str(certs / "server-key.pem"),
-                              auth_token_file=str(token))  # fmt: skip
+    security = ServerSecurity(
+        tls_cert_file=str(certs / "server.pem"),
+        tls_key_file=str(certs / "server-key.pem"),
+        auth_token_file=str(token),
+    )
     allowed = ClientSecurity(ca_file=ca, token_file=str(token))
 
     async def main():
-        server = await RolloutServer(rollout_config(route_cache.target, security=security),
-                                     vllm_engine).start()  # fmt: skip
+        server = await RolloutServer(
+            rollout_config(route_cache.target, security=security), vllm_engine
+        ).start()
         target = f"127.0.0.1:{server.port}"
         # push_weights blocks: run it beside the event loop that serves the server.
         run = asyncio.get_running_loop().run_in_executor

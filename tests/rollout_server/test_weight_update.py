@@ -136,8 +136,13 @@ def test_config_keys_free_to_differ(tiny_model_dir):
     from rollout_server.weights import config_differences
 
     served = json.loads((tiny_model_dir / "config.json").read_text())
-    exported = {**served, "transformers_version": "9.9.9", "dtype": "bfloat16",
-                "torch_dtype": "bfloat16", "_name_or_path": "/exports/step-3"}  # fmt: skip
+    exported = {
+        **served,
+        "transformers_version": "9.9.9",
+        "dtype": "bfloat16",
+        "torch_dtype": "bfloat16",
+        "_name_or_path": "/exports/step-3",
+    }
     assert config_differences(exported, served) == []
     changed = {**exported, "use_cache": False, "architectures": ["MixtralForCausalLM"]}
     del changed["sliding_window"]

@@ -18,12 +18,20 @@ from tests.route_cache.conftest import SMALL
 
 def _write(sample_id, routes, tokens, append=False, row_offset=0, encoded=None, turns=None):
     encoded = encoded or encode_routes(routes)
-    header = BlockHeader(row_offset, routes.shape[0], encoded.encoding, len(encoded.data),
-                         encoded.checksum)  # fmt: skip
+    header = BlockHeader(
+        row_offset, routes.shape[0], encoded.encoding, len(encoded.data), encoded.checksum
+    )
     start = row_offset + 1 if append else 0
     turns = turns or [Turn(start, start + tokens, start, 0, np.zeros(0, np.float32))]
-    write = BlockWrite(sample_id, SMALL, np.arange(tokens, dtype=np.int32), turns, header,
-                       append=append, row_offset=row_offset)  # fmt: skip
+    write = BlockWrite(
+        sample_id,
+        SMALL,
+        np.arange(tokens, dtype=np.int32),
+        turns,
+        header,
+        append=append,
+        row_offset=row_offset,
+    )
     return write, encoded.data
 
 

@@ -34,15 +34,24 @@ def load_example():
 def test_stubs_only_reader_decodes_what_the_client_reads(cache, rng, sid, encoding):
     client, server = cache
     client.encoding = encoding
-    records = [synthetic_record(sid(), geometry, n, rng, skew=1.0, group_id="g")
-               for geometry, n in ((SMALL, 3000), (WIDE, 700), (SMALL, 1))]  # fmt: skip
+    records = [
+        synthetic_record(sid(), geometry, n, rng, skew=1.0, group_id="g")
+        for geometry, n in ((SMALL, 3000), (WIDE, 700), (SMALL, 1))
+    ]
     for record in records:
         client.write(record)
     # A second turn makes a record of two route blocks.
     two_turns = records[0]
-    client.append(TurnAppend(two_turns.sample_id, SMALL, 2999, np.arange(5, dtype=np.int32),
-                             synthetic_record("x", SMALL, 6, rng).routes[:5],
-                             [Turn(3000, 3005, 3001, 7)]))  # fmt: skip
+    client.append(
+        TurnAppend(
+            two_turns.sample_id,
+            SMALL,
+            2999,
+            np.arange(5, dtype=np.int32),
+            synthetic_record("x", SMALL, 6, rng).routes[:5],
+            [Turn(3000, 3005, 3001, 7)],
+        )
+    )
     ids = [r.sample_id for r in records] + [sid("absent")]
     example = load_example()
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -76,10 +85,19 @@ def test_example_command_line(cache, rng, sid):
     client.write(record)
     absent = sid("absent")
     out = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--target", f"127.0.0.1:{server.port}",
-         record.sample_id, absent],  # fmt: skip
-        capture_output=True, text=True, timeout=60, check=True,
-    ).stdout  # fmt: skip
+        [
+            sys.executable,
+            str(EXAMPLE),
+            "--target",
+            f"127.0.0.1:{server.port}",
+            record.sample_id,
+            absent,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     assert f"{record.sample_id}: 50 tokens" in out
     assert f"routes (49, 5, 4) uint8, first row {record.routes[0].tolist()}" in out
     assert f"{absent}: not in the cache" in out

@@ -34,8 +34,16 @@ SEED = 3
 
 
 def op(t, sample, turn, ok=True, final=False):
-    return {"t": t, "proc": "w", "op": "append" if turn else "write", "sample": sample,
-            "turn": turn, "final": final, "ok": ok, "ms": 1.0}  # fmt: skip
+    return {
+        "t": t,
+        "proc": "w",
+        "op": "append" if turn else "write",
+        "sample": sample,
+        "turn": turn,
+        "final": final,
+        "ok": ok,
+        "ms": 1.0,
+    }
 
 
 def published(sample, t=0.0):
@@ -43,9 +51,17 @@ def published(sample, t=0.0):
 
 
 def trained(sample, proc="c0", turns=3):
-    return [{"t": 9, "proc": proc, "op": "train", "sample": sample,
-             "digest": digest(expected(SEED, sample, turns)), "turns": turns},
-            {"t": 9, "proc": proc, "op": "ack", "samples": [sample], "ok": True}]  # fmt: skip
+    return [
+        {
+            "t": 9,
+            "proc": proc,
+            "op": "train",
+            "sample": sample,
+            "digest": digest(expected(SEED, sample, turns)),
+            "turns": turns,
+        },
+        {"t": 9, "proc": proc, "op": "ack", "samples": [sample], "ok": True},
+    ]
 
 
 def verdict(history, stored):
@@ -121,14 +137,32 @@ def test_the_checker_catches_a_dropped_acknowledgement(redis_node, tmp_path, dro
                 history.log("write", sample=sample_id, turn=0, final=False, ok=True, ms=1)
                 for turn in (1, 2):
                     client.append(later_turn(SEED, sample_id, turn), final=turn == 2)
-                    history.log("append", sample=sample_id, turn=turn, final=turn == 2,
-                                ok=True, ms=1)  # fmt: skip
+                    history.log(
+                        "append", sample=sample_id, turn=turn, final=turn == 2, ok=True, ms=1
+                    )
             for name in ("c1", "c0"):  # c1 first: it reads all 8 entries, c0 can only claim
-                args = [sys.executable, str(ROOT / "benchmarks" / "fault_consumer.py"),
-                        "--target", target, "--name", name, "--group", stream,
-                        "--history", str(tmp_path / f"{name}.jsonl"), "--start", repr(start),
-                        "--stop-file", str(tmp_path / "stop"), "--claim-idle-ms", "500",
-                        "--batch", "2", "--drain-idle-s", "2"]  # fmt: skip
+                args = [
+                    sys.executable,
+                    str(ROOT / "benchmarks" / "fault_consumer.py"),
+                    "--target",
+                    target,
+                    "--name",
+                    name,
+                    "--group",
+                    stream,
+                    "--history",
+                    str(tmp_path / f"{name}.jsonl"),
+                    "--start",
+                    repr(start),
+                    "--stop-file",
+                    str(tmp_path / "stop"),
+                    "--claim-idle-ms",
+                    "500",
+                    "--batch",
+                    "2",
+                    "--drain-idle-s",
+                    "2",
+                ]
                 if drop_ack and name == "c1":
                     args += ["--drop-ack-step", "1"]
                 consumers.append(subprocess.Popen(args))
@@ -146,8 +180,9 @@ def test_the_checker_catches_a_dropped_acknowledgement(redis_node, tmp_path, dro
             for proc in consumers:
                 assert proc.wait(30) == 0
             entries = load_history(tmp_path.glob("*.jsonl"))
-            stored = {s: r for s in [f"{prefix}-{i}" for i in range(8)]
-                      for r in client.read_batch([s])}  # fmt: skip
+            stored = {
+                s: r for s in [f"{prefix}-{i}" for i in range(8)] for r in client.read_batch([s])
+            }
     finally:
         for proc in consumers:
             proc.kill()

@@ -41,8 +41,14 @@ def test_cluster_down_for_good_turns_readiness_off_and_calls_unavailable(rng):
     the nodes are back readiness turns SERVING again and writes land."""
     nodes = start_cluster(3)
     client = connect(nodes[0].url, cluster=True, socket_timeout=2, socket_connect_timeout=1)
-    config = Config(host="127.0.0.1", port=0, redis_cluster=True, grace_s=1,
-                    health_interval_s=0.1, health_timeout_s=1)  # fmt: skip
+    config = Config(
+        host="127.0.0.1",
+        port=0,
+        redis_cluster=True,
+        grace_s=1,
+        health_interval_s=0.1,
+        health_timeout_s=1,
+    )
     server = RouteCacheServer(config, RouteStore(client)).start()
     target = f"127.0.0.1:{server.port}"
     try:
@@ -95,9 +101,13 @@ def test_a_hung_redis_leaves_health_answering_and_readiness_off():
     and readiness turns NOT_SERVING within the probe's time-out plus an interval. After SIGCONT
     readiness serves again and the held calls finish."""
     redis_node = RedisProcess().start()
-    env = {**os.environ, "ROUTE_CACHE_REDIS_URL": redis_node.url,
-           "ROUTE_CACHE_HEALTH_INTERVAL_S": "0.2", "ROUTE_CACHE_HEALTH_TIMEOUT_S": "0.5",
-           "ROUTE_CACHE_WORKERS": "16"}  # fmt: skip
+    env = {
+        **os.environ,
+        "ROUTE_CACHE_REDIS_URL": redis_node.url,
+        "ROUTE_CACHE_HEALTH_INTERVAL_S": "0.2",
+        "ROUTE_CACHE_HEALTH_TIMEOUT_S": "0.5",
+        "ROUTE_CACHE_WORKERS": "16",
+    }
     cache, target = start_service("route_cache", env=env, timeout_s=30)
     held = []
     try:
@@ -108,8 +118,12 @@ def test_a_hung_redis_leaves_health_answering_and_readiness_off():
             redis_node.proc.send_signal(signal.SIGSTOP)
             stopped_at = time.monotonic()
             # More calls than handler threads: each waits on Redis (30 s socket time-out).
-            held = [stub.StatRecord.future(route_cache_pb2.StatRecordRequest(sample_id=f"h{i}"),
-                                           timeout=60) for i in range(24)]  # fmt: skip
+            held = [
+                stub.StatRecord.future(
+                    route_cache_pb2.StatRecordRequest(sample_id=f"h{i}"), timeout=60
+                )
+                for i in range(24)
+            ]
             time.sleep(0.5)
             assert not any(call.done() for call in held)
             answers, not_serving_after = [], None
@@ -122,8 +136,10 @@ def test_a_hung_redis_leaves_health_answering_and_readiness_off():
                 if not_serving_after is None and answers[-1] == (SERVICE_NAME, NOT_SERVING):
                     not_serving_after = time.monotonic() - stopped_at
                 time.sleep(0.2)
-            print(f"readiness NOT_SERVING {not_serving_after} s after SIGSTOP; "
-                  f"{len(answers)} probes answered")  # fmt: skip
+            print(
+                f"readiness NOT_SERVING {not_serving_after} s after SIGSTOP; "
+                f"{len(answers)} probes answered"
+            )
             assert {a for s, a in answers if s == LIVENESS} == {SERVING}, answers
             assert {a for s, a in answers if s == SERVICE_NAME} <= {SERVING, NOT_SERVING}, answers
             assert not_serving_after is not None and not_serving_after < 3, answers

@@ -423,8 +423,9 @@ def test_with_wait_an_announcement_is_on_the_replica_when_the_write_returns():
     stream_master = client.get_node_from_key(config.ready_stream)
     replica = shard[stream_master.port]
     record_on = next(m for m in masters if m.port != stream_master.port)
-    record = synthetic_record(on_shard_of(client, record_on, "announced"), SMALL, 64,
-                              np.random.default_rng(15))  # fmt: skip
+    record = synthetic_record(
+        on_shard_of(client, record_on, "announced"), SMALL, 64, np.random.default_rng(15)
+    )
     outcome: list = []
 
     def write() -> None:

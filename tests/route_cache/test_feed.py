@@ -27,9 +27,14 @@ class Feed:
     def __init__(self, store: RouteStore, **overrides):
         self.stream = f"rr:ready:{uuid.uuid4().hex[:8]}"
         settings = dict(
-            host="127.0.0.1", port=0, grace_s=1, health_interval_s=0.1,
-            ready_stream=self.stream, ready_max_block_ms=5000, max_batch=300,
-        )  # fmt: skip
+            host="127.0.0.1",
+            port=0,
+            grace_s=1,
+            health_interval_s=0.1,
+            ready_stream=self.stream,
+            ready_max_block_ms=5000,
+            max_batch=300,
+        )
         self.redis = store.client
         self.server = RouteCacheServer(Config(**{**settings, **overrides}), store).start()
         self.target = f"127.0.0.1:{self.server.port}"
@@ -100,15 +105,33 @@ def test_a_multi_turn_sample_is_announced_when_complete(feed, rng, sid):
     announces the whole record (its token count, every turn's version); other appends don't."""
     whole = synthetic_record(sid(), SMALL, 40, rng, prompt_tokens=10, group_id="g-mt")
     lp = whole.turns[0].logprobs
-    first = type(whole)(whole.sample_id, SMALL, whole.token_ids[:25], whole.routes[:24],
-                        [Turn(0, 25, 10, 3, lp[:15])], "g-mt")  # fmt: skip
+    first = type(whole)(
+        whole.sample_id,
+        SMALL,
+        whole.token_ids[:25],
+        whole.routes[:24],
+        [Turn(0, 25, 10, 3, lp[:15])],
+        "g-mt",
+    )
     feed.client.write(first, more_turns=True)
-    second = TurnAppend(whole.sample_id, SMALL, 24, whole.token_ids[25:30], whole.routes[24:29],
-                        [Turn(25, 30, 27, 4, lp[5:8])])  # fmt: skip
+    second = TurnAppend(
+        whole.sample_id,
+        SMALL,
+        24,
+        whole.token_ids[25:30],
+        whole.routes[24:29],
+        [Turn(25, 30, 27, 4, lp[5:8])],
+    )
     feed.client.append(second)
     assert feed.redis.xlen(feed.stream) == 0
-    last = TurnAppend(whole.sample_id, SMALL, 29, whole.token_ids[30:], whole.routes[29:],
-                      [Turn(30, 40, 32, 5, lp[7:15])])  # fmt: skip
+    last = TurnAppend(
+        whole.sample_id,
+        SMALL,
+        29,
+        whole.token_ids[30:],
+        whole.routes[29:],
+        [Turn(30, 40, 32, 5, lp[7:15])],
+    )
     feed.client.append(last, final=True)
     page = feed.client.read_ready("trainer", "rank0", max_entries=10)
     assert [(e.sample_id, e.group_id, e.num_tokens, e.policy_versions) for e in page.entries] == [
@@ -154,7 +177,9 @@ def test_restarted_consumer_gets_back_what_it_had_not_acknowledged(feed, rng, si
     restarted = feed.consumer("rank0", group_size=2, max_entries=1)
     (again,) = restarted.next_groups(2, timeout_s=0.5)
     assert (again.group_id, sorted(again.sample_ids)) == (
-        crashed.group_id, sorted(crashed.sample_ids))  # fmt: skip
+        crashed.group_id,
+        sorted(crashed.sample_ids),
+    )
     restarted.ack([again])
     assert feed.pending() == 0
     assert feed.consumer("rank0", group_size=2).next_groups(1, timeout_s=0.3) == []

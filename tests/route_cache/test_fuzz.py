@@ -217,11 +217,28 @@ def _mutate_header(header, what: str, draw) -> None:
 
 
 MUTATIONS = [
-    "flip_route_byte", "flip_and_rechecksum", "truncate", "duplicate_chunk", "drop_chunk",
-    "swap", "offset", "unmark_last", "mark_last_early", "chunk_block", "checksum", "num_rows",
-    "row_start", "encoded_size", "dtype", "encoding", "topk", "num_experts", "moe_layers",
-    "token_ids", "turns",
-]  # fmt: skip
+    "flip_route_byte",
+    "flip_and_rechecksum",
+    "truncate",
+    "duplicate_chunk",
+    "drop_chunk",
+    "swap",
+    "offset",
+    "unmark_last",
+    "mark_last_early",
+    "chunk_block",
+    "checksum",
+    "num_rows",
+    "row_start",
+    "encoded_size",
+    "dtype",
+    "encoding",
+    "topk",
+    "num_experts",
+    "moe_layers",
+    "token_ids",
+    "turns",
+]
 
 
 @st.composite
@@ -235,15 +252,20 @@ def mutated_streams(draw, kind: str):
     if kind == "write":
         sample_id = fresh_id()
         record = synthetic_record(sample_id, geometry, tokens, rng, skew=1.0)
-        requests = as_messages(write_requests(record, encode_routes(record.routes, encoding),
-                                               chunk_bytes))  # fmt: skip
+        requests = as_messages(
+            write_requests(record, encode_routes(record.routes, encoding), chunk_bytes)
+        )
     else:
         sample_id, base_tokens, _ = kind  # an append to this stored record
         routes = synthetic_routes(geometry, tokens, rng, skew=1.0)
         append = TurnAppend(
-            sample_id, geometry, base_tokens - 1, rng.integers(0, 1000, tokens, dtype=np.int32),
-            routes, [Turn(base_tokens, base_tokens + tokens, base_tokens + 1, 1)],
-        )  # fmt: skip
+            sample_id,
+            geometry,
+            base_tokens - 1,
+            rng.integers(0, 1000, tokens, dtype=np.int32),
+            routes,
+            [Turn(base_tokens, base_tokens + tokens, base_tokens + 1, 1)],
+        )
         encoded = encode_routes(routes, encoding)
         requests = as_messages(append_requests(append, encoded, chunk_bytes))
     requests = [type(r).FromString(r.SerializeToString()) for r in requests]  # mutable copies
@@ -262,8 +284,18 @@ def mutated_streams(draw, kind: str):
                 header.block.checksum = checksum(joined)
         elif what == "truncate":
             requests = requests[: draw(st.integers(1, len(requests)))]
-        elif what in ("duplicate_chunk", "drop_chunk", "offset", "unmark_last",
-                      "mark_last_early", "chunk_block") and chunk_at:  # fmt: skip
+        elif (
+            what
+            in (
+                "duplicate_chunk",
+                "drop_chunk",
+                "offset",
+                "unmark_last",
+                "mark_last_early",
+                "chunk_block",
+            )
+            and chunk_at
+        ):
             i = draw(st.sampled_from(chunk_at))
             if what == "duplicate_chunk":
                 requests.insert(i, requests[i])

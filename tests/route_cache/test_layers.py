@@ -32,12 +32,19 @@ def three_turns(client, sample_id, geometry, rng) -> Record:
         Turn(a, b, a + 50 if a else 100, i)
         for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False))
     ]
-    client.write(Record(sample_id, geometry, whole.token_ids[:1000], whole.routes[:999],
-                        turns[:1]))  # fmt: skip
+    client.write(Record(sample_id, geometry, whole.token_ids[:1000], whole.routes[:999], turns[:1]))
     for turn in turns[1:]:
         a, b = turn.token_start, turn.token_end
-        client.append(TurnAppend(sample_id, geometry, a - 1, whole.token_ids[a:b],
-                                 whole.routes[a - 1 : b - 1], [turn]))  # fmt: skip
+        client.append(
+            TurnAppend(
+                sample_id,
+                geometry,
+                a - 1,
+                whole.token_ids[a:b],
+                whole.routes[a - 1 : b - 1],
+                [turn],
+            )
+        )
     return whole
 
 
@@ -127,11 +134,19 @@ def test_bad_selections_are_invalid_argument(cache, stub, rng, sid, indices, mat
     client.write(record)
     selection = record_pb2.LayerSelection(indices=indices)
     calls = [
-        lambda: list(stub.ReadRecord(route_cache_pb2.ReadRecordRequest(
-            sample_id=record.sample_id, layers=selection), timeout=10)),
-        lambda: list(stub.ReadBatch(route_cache_pb2.ReadBatchRequest(
-            sample_ids=[record.sample_id], layers=selection), timeout=10)),
-    ]  # fmt: skip
+        lambda: list(
+            stub.ReadRecord(
+                route_cache_pb2.ReadRecordRequest(sample_id=record.sample_id, layers=selection),
+                timeout=10,
+            )
+        ),
+        lambda: list(
+            stub.ReadBatch(
+                route_cache_pb2.ReadBatchRequest(sample_ids=[record.sample_id], layers=selection),
+                timeout=10,
+            )
+        ),
+    ]
     for call in calls:
         with pytest.raises(grpc.RpcError) as info:
             call()
@@ -165,23 +180,40 @@ def test_records_in_the_old_format_read_whole_and_refuse_selection(cache, redis_
     turn = record.turns[0]
     tokens = record.token_ids.tobytes() + turn.logprobs.tobytes()
     desc = {
-        "row_start": 0, "num_rows": 299, "token_start": 0, "num_tokens": 300,
-        "encoding": "raw", "checksum": encoded.checksum,
+        "row_start": 0,
+        "num_rows": 299,
+        "token_start": 0,
+        "num_tokens": 300,
+        "encoding": "raw",
+        "checksum": encoded.checksum,
         "tokens_checksum": xxhash.xxh3_64_intdigest(tokens),
         "turns": [[0, 300, turn.generated_start, 0, turn.logprobs.size]],
-    }  # fmt: skip
-    geometry = {"format": 1, "moe_layers": list(SMALL.moe_layers), "topk": SMALL.topk,
-                "num_experts": SMALL.num_experts, "model_id": SMALL.model_id}  # fmt: skip
-    redis_client.hset(record_key(record.sample_id), mapping={
-        "geometry": json.dumps(geometry, sort_keys=True, separators=(",", ":")),
-        "group": "", "rows": 299, "tokens": 300, "b@0": json.dumps(desc),
-        "t@0": tokens, "r@0": encoded.data,
-    })  # fmt: skip
+    }
+    geometry = {
+        "format": 1,
+        "moe_layers": list(SMALL.moe_layers),
+        "topk": SMALL.topk,
+        "num_experts": SMALL.num_experts,
+        "model_id": SMALL.model_id,
+    }
+    redis_client.hset(
+        record_key(record.sample_id),
+        mapping={
+            "geometry": json.dumps(geometry, sort_keys=True, separators=(",", ":")),
+            "group": "",
+            "rows": 299,
+            "tokens": 300,
+            "b@0": json.dumps(desc),
+            "t@0": tokens,
+            "r@0": encoded.data,
+        },
+    )
     np.testing.assert_array_equal(client.read(record.sample_id).routes, record.routes)
     assert client.stat(record.sample_id).route_bytes == len(encoded.data)  # one whole field
     with pytest.raises(FailedPrecondition, match="delete it and write it again"):
         client.read(record.sample_id, layers=[1])
-    more = TurnAppend(record.sample_id, SMALL, 299, record.token_ids[:5], record.routes[:5],
-                      [Turn(300, 305, 300)])  # fmt: skip
+    more = TurnAppend(
+        record.sample_id, SMALL, 299, record.token_ids[:5], record.routes[:5], [Turn(300, 305, 300)]
+    )
     with pytest.raises(FailedPrecondition, match="storage format 1"):
         client.append(more)

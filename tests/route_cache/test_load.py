@@ -13,9 +13,15 @@ def test_load_small_loses_nothing(redis_node):
     proc, target = start_cache(redis_node.url)
     try:
         config = LoadConfig(
-            writers=2, readers=2, duration_s=5.0, tokens=256, batch=4, max_writes=300, pool=4,
+            writers=2,
+            readers=2,
+            duration_s=5.0,
+            tokens=256,
+            batch=4,
+            max_writes=300,
+            pool=4,
             geometry=QWEN3_30B_A3B,
-        )  # fmt: skip
+        )
         results = run_load(target, config)
         assert proc.poll() is None, "the route cache process died under load"
     finally:

@@ -73,8 +73,10 @@ def test_refusals_and_feed_backlog(served, rng, sid):
         client.write(other)
     client.read_ready("metrics-group", "c1", max_entries=1)  # creates the group, reads one
     samples = scrape(url)
-    assert value(samples, "route_cache_records_refused_total", call="write",
-                 code="ALREADY_EXISTS") == 1  # fmt: skip
+    assert (
+        value(samples, "route_cache_records_refused_total", call="write", code="ALREADY_EXISTS")
+        == 1
+    )
     assert value(samples, "route_cache_ready_pending", consumer_group="metrics-group") == 1
     assert value(samples, "route_cache_ready_backlog", consumer_group="metrics-group") == 2
 

@@ -165,8 +165,11 @@ def test_wait_replicas_reaches_the_store_of_the_process(redis_node, sid):
     setting acknowledges it."""
     record = synthetic_record(sid(), SMALL, 50, np.random.default_rng(3))
     for wait, acknowledged in (("1", False), ("0", True)):
-        env = {**os.environ, "ROUTE_CACHE_REDIS_URL": redis_node.url,
-               "ROUTE_CACHE_WAIT_REPLICAS": wait}  # fmt: skip
+        env = {
+            **os.environ,
+            "ROUTE_CACHE_REDIS_URL": redis_node.url,
+            "ROUTE_CACHE_WAIT_REPLICAS": wait,
+        }
         proc, target = start_service("route_cache", env=env, timeout_s=30, quiet=True)
         try:
             with RouteCacheClient(target, timeout_s=10, retry=RetryPolicy(attempts=1)) as client:
@@ -185,8 +188,9 @@ def probe_services() -> tuple[str, str]:
     from its Kubernetes manifest."""
     yaml = pytest.importorskip("yaml")
     manifest = Path(__file__).resolve().parents[2] / "k8s" / "base" / "route-cache.yaml"
-    (deployment,) = [d for d in yaml.safe_load_all(manifest.read_text())
-                     if d["kind"] == "Deployment"]  # fmt: skip
+    (deployment,) = [
+        d for d in yaml.safe_load_all(manifest.read_text()) if d["kind"] == "Deployment"
+    ]
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     return container["livenessProbe"]["grpc"]["service"], container["readinessProbe"]["grpc"][
         "service"
@@ -212,8 +216,11 @@ def test_liveness_stays_serving_through_a_redis_outage():
     store = RedisProcess().start()
     cache = None
     try:
-        env = {**os.environ, "ROUTE_CACHE_REDIS_URL": store.url,
-               "ROUTE_CACHE_HEALTH_INTERVAL_S": "0.1"}  # fmt: skip
+        env = {
+            **os.environ,
+            "ROUTE_CACHE_REDIS_URL": store.url,
+            "ROUTE_CACHE_HEALTH_INTERVAL_S": "0.1",
+        }
         cache, target = start_service("route_cache", env=env, timeout_s=30)
         with grpc.insecure_channel(target) as channel:
             stub = health_pb2_grpc.HealthStub(channel)

@@ -80,8 +80,9 @@ def serve(redis_node):
 
 
 def round_trip(target: str, security: ClientSecurity, seed: int = 0) -> None:
-    record = synthetic_record(f"sec-{seed}-{np.random.randint(1 << 30)}", SMALL, 300,
-                              np.random.default_rng(seed))  # fmt: skip
+    record = synthetic_record(
+        f"sec-{seed}-{np.random.randint(1 << 30)}", SMALL, 300, np.random.default_rng(seed)
+    )
     with RouteCacheClient(target, timeout_s=10, retry=NO_RETRY, security=security) as client:
         client.write(record)
         np.testing.assert_array_equal(client.read(record.sample_id).routes, record.routes)
@@ -108,15 +109,25 @@ def test_tls(serve, certs, other_certs):
 
 
 def test_mutual_tls(serve, certs, other_certs):
-    security = ServerSecurity(str(certs / "server.pem"), str(certs / "server-key.pem"),
-                              tls_client_ca_file=str(certs / "ca.pem"))  # fmt: skip
+    security = ServerSecurity(
+        str(certs / "server.pem"),
+        str(certs / "server-key.pem"),
+        tls_client_ca_file=str(certs / "ca.pem"),
+    )
     target = serve(security=security)
     ca = str(certs / "ca.pem")
-    round_trip(target, ClientSecurity(ca_file=ca, cert_file=str(certs / "client.pem"),
-                                      key_file=str(certs / "client-key.pem")))  # fmt: skip
+    round_trip(
+        target,
+        ClientSecurity(
+            ca_file=ca, cert_file=str(certs / "client.pem"), key_file=str(certs / "client-key.pem")
+        ),
+    )
     no_cert = ClientSecurity(ca_file=ca)
-    foreign = ClientSecurity(ca_file=ca, cert_file=str(other_certs / "client.pem"),
-                             key_file=str(other_certs / "client-key.pem"))  # fmt: skip
+    foreign = ClientSecurity(
+        ca_file=ca,
+        cert_file=str(other_certs / "client.pem"),
+        key_file=str(other_certs / "client-key.pem"),
+    )
     for wrong in (no_cert, foreign):
         with pytest.raises(RouteReplayError):
             round_trip(target, wrong)
@@ -155,14 +166,16 @@ def test_token(serve, token_file):
 def test_token_async_client_over_tls(serve, certs, token_file):
     import asyncio
 
-    security = ServerSecurity(str(certs / "server.pem"), str(certs / "server-key.pem"),
-                              auth_token_file=token_file)  # fmt: skip
+    security = ServerSecurity(
+        str(certs / "server.pem"), str(certs / "server-key.pem"), auth_token_file=token_file
+    )
     target = serve(security=security)
     record = synthetic_record("sec-async", SMALL, 100, np.random.default_rng(1))
 
     async def main(client_security):
-        async with AsyncRouteCacheClient(target, timeout_s=10, retry=NO_RETRY,
-                                         security=client_security) as client:  # fmt: skip
+        async with AsyncRouteCacheClient(
+            target, timeout_s=10, retry=NO_RETRY, security=client_security
+        ) as client:
             await client.write(record)
             got = [r async for r in client.read_batch([record.sample_id])]
             np.testing.assert_array_equal(got[0].routes, record.routes)
@@ -240,10 +253,15 @@ def test_random_bytes_to_every_method_on_one_channel(serve):
                 assert exc.code() in ANSWERS, (exc.code(), exc.details())
                 return exc.code()
 
-        @settings(max_examples=300, deadline=None,
-                  suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
-        @given(st.sampled_from(UNARY_METHODS + STREAM_METHODS + CLIENT_STREAM_METHODS),
-               st.lists(st.binary(max_size=120), min_size=1, max_size=4))  # fmt: skip
+        @settings(
+            max_examples=300,
+            deadline=None,
+            suppress_health_check=[HealthCheck.function_scoped_fixture],
+        )
+        @given(
+            st.sampled_from(UNARY_METHODS + STREAM_METHODS + CLIENT_STREAM_METHODS),
+            st.lists(st.binary(max_size=120), min_size=1, max_size=4),
+        )
         def check(method, messages):
             path = f"/routereplay.v1.RouteCache/{method}"
             if method in UNARY_METHODS:
@@ -254,8 +272,10 @@ def test_random_bytes_to_every_method_on_one_channel(serve):
                 code_of(channel.stream_unary(path), iter(messages))
 
         check()
-        assert code_of(channel.unary_unary("/routereplay.v1.RouteCache/StatRecord"),
-                       GARBAGE) == grpc.StatusCode.INVALID_ARGUMENT  # fmt: skip
+        assert (
+            code_of(channel.unary_unary("/routereplay.v1.RouteCache/StatRecord"), GARBAGE)
+            == grpc.StatusCode.INVALID_ARGUMENT
+        )
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -317,8 +337,9 @@ def test_concurrent_rpc_limit(serve):
     def hold():
         while not holding.is_set():  # the other calls below may take the slot first
             try:
-                client.read_ready(f"sec-{uuid.uuid4().hex}", "c0", block_ms=3000,
-                                  start_from_latest=True)  # fmt: skip
+                client.read_ready(
+                    f"sec-{uuid.uuid4().hex}", "c0", block_ms=3000, start_from_latest=True
+                )
                 return
             except ResourceExhausted:
                 pass
@@ -351,8 +372,11 @@ def test_concurrent_streams_per_connection_limit(serve):
     stream: a call on that channel waits past its deadline while another channel is served."""
     target = serve(limits=ServerLimits(max_concurrent_streams=1))
     with RouteCacheClient(target, timeout_s=2, retry=NO_RETRY) as shared:
-        holder = threading.Thread(target=shared.read_ready, args=(f"sec-{uuid.uuid4().hex}", "c0"),
-                                  kwargs={"block_ms": 3000, "start_from_latest": True})  # fmt: skip
+        holder = threading.Thread(
+            target=shared.read_ready,
+            args=(f"sec-{uuid.uuid4().hex}", "c0"),
+            kwargs={"block_ms": 3000, "start_from_latest": True},
+        )
         holder.start()
         try:
             for _ in range(100):
@@ -382,11 +406,23 @@ def secured_redis(certs):
     pings as the default user without one."""
     tls_port = free_port()
     node = RedisProcess(
-        "--user", "rr", "on", ">rr-pass", "~rr:*", "+@all",
-        "--tls-port", str(tls_port), "--tls-cert-file", str(certs / "server.pem"),
-        "--tls-key-file", str(certs / "server-key.pem"), "--tls-ca-cert-file",
-        str(certs / "ca.pem"), "--tls-auth-clients", "optional",
-    ).start()  # fmt: skip
+        "--user",
+        "rr",
+        "on",
+        ">rr-pass",
+        "~rr:*",
+        "+@all",
+        "--tls-port",
+        str(tls_port),
+        "--tls-cert-file",
+        str(certs / "server.pem"),
+        "--tls-key-file",
+        str(certs / "server-key.pem"),
+        "--tls-ca-cert-file",
+        str(certs / "ca.pem"),
+        "--tls-auth-clients",
+        "optional",
+    ).start()
     redis.Redis(port=node.port).config_set("requirepass", "default-pass")
     yield node, tls_port
     node.stop()
@@ -440,17 +476,22 @@ def test_redis_tls(secured_redis, certs, other_certs):
     url = f"rediss://127.0.0.1:{tls_port}/0"
     ca = str(certs / "ca.pem")
     assert ping(url, password="default-pass", tls_ca_file=ca)
-    assert ping(url, password="default-pass", tls_ca_file=ca,
-                tls_cert_file=str(certs / "client.pem"),
-                tls_key_file=str(certs / "client-key.pem"))  # fmt: skip
+    assert ping(
+        url,
+        password="default-pass",
+        tls_ca_file=ca,
+        tls_cert_file=str(certs / "client.pem"),
+        tls_key_file=str(certs / "client-key.pem"),
+    )
     assert not ping(url, password="default-pass", tls_ca_file=str(other_certs / "ca.pem"))
     assert not ping(f"redis://127.0.0.1:{tls_port}/0", password="default-pass")
     with pytest.raises(ValueError, match="rediss://"):
         Config(redis_url=f"redis://127.0.0.1:{tls_port}/0", redis=RedisSecurity(tls_ca_file=ca))
 
 
-def test_route_cache_process_with_every_secret_from_files(secured_redis, certs, token_file,
-                                                          tmp_path):  # fmt: skip
+def test_route_cache_process_with_every_secret_from_files(
+    secured_redis, certs, token_file, tmp_path
+):
     """``python -m route_cache`` configured only through its environment, the way the deploy
     files do it: Redis over TLS with an ACL user's password file, gRPC over TLS with a token."""
     import os
@@ -481,19 +522,28 @@ def test_route_cache_process_with_every_secret_from_files(secured_redis, certs, 
 def test_container_healthcheck_over_mutual_tls(serve, certs, token_file):
     """The health command the compose file and images run reaches a mutual-TLS server with
     the CA and client certificate from its environment, and no token."""
-    security = ServerSecurity(str(certs / "server.pem"), str(certs / "server-key.pem"),
-                              tls_client_ca_file=str(certs / "ca.pem"),
-                              auth_token_file=token_file)  # fmt: skip
+    security = ServerSecurity(
+        str(certs / "server.pem"),
+        str(certs / "server-key.pem"),
+        tls_client_ca_file=str(certs / "ca.pem"),
+        auth_token_file=token_file,
+    )
     target = serve(security=security)
 
     def check(**env) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "routereplay.rpc.healthcheck", target],
-                              env={**os.environ, **env}, capture_output=True, text=True,
-                              timeout=60)  # fmt: skip
+        return subprocess.run(
+            [sys.executable, "-m", "routereplay.rpc.healthcheck", target],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     assert check().returncode == 1  # plaintext against TLS
     assert check(HEALTHCHECK_CA_FILE=str(certs / "ca.pem")).returncode == 1  # no client cert
-    ok = check(HEALTHCHECK_CA_FILE=str(certs / "ca.pem"),
-               HEALTHCHECK_CERT_FILE=str(certs / "client.pem"),
-               HEALTHCHECK_KEY_FILE=str(certs / "client-key.pem"))  # fmt: skip
+    ok = check(
+        HEALTHCHECK_CA_FILE=str(certs / "ca.pem"),
+        HEALTHCHECK_CERT_FILE=str(certs / "client.pem"),
+        HEALTHCHECK_KEY_FILE=str(certs / "client-key.pem"),
+    )
     assert (ok.returncode, ok.stdout.strip()) == (0, "SERVING")

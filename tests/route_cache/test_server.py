@@ -28,7 +28,11 @@ def assert_same(got, want):
     assert len(got.turns) == len(want.turns)
     for a, b in zip(got.turns, want.turns, strict=True):
         assert (a.token_start, a.token_end, a.generated_start, a.policy_version) == (
-            b.token_start, b.token_end, b.generated_start, b.policy_version)  # fmt: skip
+            b.token_start,
+            b.token_end,
+            b.generated_start,
+            b.policy_version,
+        )
         np.testing.assert_array_equal(a.logprobs, b.logprobs)
 
 
@@ -73,20 +77,34 @@ def test_multi_turn_equals_single_shot(cache, rng, sid):
     whole = synthetic_record(sid(), SMALL, 40, rng, prompt_tokens=10)
     # Turn 1 is tokens [0, 25): rows [0, 24). Turn 2 adds tokens [25, 40): rows [24, 39).
     lp = whole.turns[0].logprobs
-    first = type(whole)(whole.sample_id, SMALL, whole.token_ids[:25], whole.routes[:24],
-                        [Turn(0, 25, 10, 3, lp[:15])])  # fmt: skip
+    first = type(whole)(
+        whole.sample_id,
+        SMALL,
+        whole.token_ids[:25],
+        whole.routes[:24],
+        [Turn(0, 25, 10, 3, lp[:15])],
+    )
     client.write(first)
-    second = TurnAppend(whole.sample_id, SMALL, 24, whole.token_ids[25:], whole.routes[24:],
-                        [Turn(25, 40, 30, 4, lp[5:15])])  # fmt: skip
+    second = TurnAppend(
+        whole.sample_id,
+        SMALL,
+        24,
+        whole.token_ids[25:],
+        whole.routes[24:],
+        [Turn(25, 40, 30, 4, lp[5:15])],
+    )
     assert client.append(second).num_rows == 39
     assert client.append(second).duplicate is True
     got = client.read(whole.sample_id)
     np.testing.assert_array_equal(got.routes, whole.routes)
     np.testing.assert_array_equal(got.token_ids, whole.token_ids)
     assert [(t.token_start, t.token_end, t.policy_version) for t in got.turns] == [
-        (0, 25, 3), (25, 40, 4)]  # fmt: skip
-    stale = TurnAppend(whole.sample_id, SMALL, 24, whole.token_ids[25:], whole.routes[24:],
-                       [Turn(25, 40, 30, 9)])  # fmt: skip
+        (0, 25, 3),
+        (25, 40, 4),
+    ]
+    stale = TurnAppend(
+        whole.sample_id, SMALL, 24, whole.token_ids[25:], whole.routes[24:], [Turn(25, 40, 30, 9)]
+    )
     with pytest.raises(FailedPrecondition, match="has 39 rows"):
         client.append(stale)
     info = client.stat(whole.sample_id)
@@ -104,14 +122,31 @@ def test_stat_gives_each_blocks_stored_route_bytes(cache, stub, rng, sid, encodi
     client.encoding = encoding
     whole = synthetic_record(sid(), SMALL, 40, rng, prompt_tokens=10)
     lp = whole.turns[0].logprobs
-    client.write(type(whole)(whole.sample_id, SMALL, whole.token_ids[:25], whole.routes[:24],
-                             [Turn(0, 25, 10, 0, lp[:15])]))  # fmt: skip
-    client.append(TurnAppend(whole.sample_id, SMALL, 24, whole.token_ids[25:],
-                             whole.routes[24:], [Turn(25, 40, 30, 1, lp[5:15])]))  # fmt: skip
+    client.write(
+        type(whole)(
+            whole.sample_id,
+            SMALL,
+            whole.token_ids[:25],
+            whole.routes[:24],
+            [Turn(0, 25, 10, 0, lp[:15])],
+        )
+    )
+    client.append(
+        TurnAppend(
+            whole.sample_id,
+            SMALL,
+            24,
+            whole.token_ids[25:],
+            whole.routes[24:],
+            [Turn(25, 40, 30, 1, lp[5:15])],
+        )
+    )
     stat = stub.StatRecord(route_cache_pb2.StatRecordRequest(sample_id=whole.sample_id))
     # The oracle: each block's routes encoded by the codec, one part per MoE layer.
-    want = [split_layers(encode_routes(part, encoding), SMALL).sizes
-            for part in (whole.routes[:24], whole.routes[24:])]  # fmt: skip
+    want = [
+        split_layers(encode_routes(part, encoding), SMALL).sizes
+        for part in (whole.routes[:24], whole.routes[24:])
+    ]
     assert [tuple(p.size for p in b.layer_parts) for b in stat.blocks] == want
     assert [b.encoded_size for b in stat.blocks] == [sum(sizes) for sizes in want]
     route_bytes = sum(map(sum, want))

@@ -26,8 +26,9 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 def _faults(mode: str) -> int:
     env = {"PYTHONPATH": "."}  # no GLIBC_TUNABLES from the caller
-    out = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True,
-                         check=True, env=env)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, check=True, env=env
+    )
     return int(out.stdout)
 
 

@@ -45,8 +45,11 @@ def test_encoding_is_protobufs_byte_for_byte(chunk, pieces, parent):
 def test_parsing_agrees_with_protobuf(chunk, parent):
     view = parse_chunk_message(parent(chunk=chunk).SerializeToString())
     assert (view.block, view.offset, bytes(view.data), view.last) == (
-        chunk.block, chunk.offset, chunk.data, chunk.last,
-    )  # fmt: skip
+        chunk.block,
+        chunk.offset,
+        chunk.data,
+        chunk.last,
+    )
 
 
 def _fields(message):
@@ -60,14 +63,17 @@ def _fields(message):
 
 
 @settings(max_examples=2000, deadline=None)
-@given(st.one_of(
-    st.binary(max_size=40),
-    # Chunk-shaped bytes with random fields inside: other wire types, unknown fields, repeats.
-    st.binary(max_size=30).map(lambda inner: b"\x12" + bytes([len(inner)]) + inner),
-    # Varints of 10 bytes, and tags of 6: protobuf drops the high bits, or refuses the tag.
-    st.sampled_from([b"\x12\x0b\x10" + b"\xff" * 9 + b"\x7f",
-                     b"\x12\x07\xf8" + b"\xff" * 4 + b"\x8f\x00"]),
-))  # fmt: skip
+@given(
+    st.one_of(
+        st.binary(max_size=40),
+        # Chunk-shaped bytes with random fields inside: other wire types, unknown fields, repeats.
+        st.binary(max_size=30).map(lambda inner: b"\x12" + bytes([len(inner)]) + inner),
+        # Varints of 10 bytes, and tags of 6: protobuf drops the high bits, or refuses the tag.
+        st.sampled_from(
+            [b"\x12\x0b\x10" + b"\xff" * 9 + b"\x7f", b"\x12\x07\xf8" + b"\xff" * 4 + b"\x8f\x00"]
+        ),
+    )
+)
 def test_any_bytes_parse_as_protobuf_parses_them(raw):
     """Whatever the fast path accepts, protobuf reads the same chunk from; what it leaves,
     protobuf parses or refuses on its own."""

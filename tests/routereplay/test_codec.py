@@ -77,8 +77,9 @@ def test_layer_parts_round_trip_and_select(case, encoding, data):
 
 def test_a_corrupt_layer_part_names_its_layer():
     geometry = Geometry((1, 2, 3), 4, 16)
-    parts = split_layers(encode_routes(synthetic_routes(geometry, 9, np.random.default_rng(0))),
-                         geometry)  # fmt: skip
+    parts = split_layers(
+        encode_routes(synthetic_routes(geometry, 9, np.random.default_rng(0))), geometry
+    )
     corrupt = bytearray(parts.parts[1])
     corrupt[3] ^= 1
     bad = replace(parts, parts=(parts.parts[0], bytes(corrupt), parts.parts[2]))
@@ -118,8 +119,10 @@ def test_any_flipped_byte_is_caught(case, data):
     corrupt = bytearray(encoded.data)
     corrupt[data.draw(st.integers(0, len(corrupt) - 1))] ^= data.draw(st.integers(1, 255))
     with pytest.raises(DataLoss, match="checksum"):
-        decode_routes(EncodedRoutes(encoded.encoding, bytes(corrupt), encoded.checksum,
-                                    encoded.num_rows), geometry)  # fmt: skip
+        decode_routes(
+            EncodedRoutes(encoded.encoding, bytes(corrupt), encoded.checksum, encoded.num_rows),
+            geometry,
+        )
 
 
 def test_truncated_block_is_refused():
@@ -153,11 +156,15 @@ def test_repeated_ids_are_refused_where_they_are(case, data):
     bad = routes.copy()
     row = data.draw(st.integers(0, bad.shape[0] - 1))
     layer = data.draw(st.integers(0, geometry.num_moe_layers - 1))
-    i, j = data.draw(st.lists(st.integers(0, geometry.topk - 1), min_size=2, max_size=2,
-                              unique=True))  # fmt: skip
+    i, j = data.draw(
+        st.lists(st.integers(0, geometry.topk - 1), min_size=2, max_size=2, unique=True)
+    )
     bad[row, layer, j] = bad[row, layer, i]
-    with pytest.raises(InvalidArgument, match=rf"routes\[{row}\] layer "
-                       rf"{geometry.moe_layers[layer]}: expert ids repeat"):  # fmt: skip
+    with pytest.raises(
+        InvalidArgument,
+        match=rf"routes\[{row}\] layer "
+        rf"{geometry.moe_layers[layer]}: expert ids repeat",
+    ):
         check_routes(bad, geometry, bad.shape[0])
 
 
@@ -175,8 +182,7 @@ def test_out_of_range_ids_are_refused(case, data):
         return
     bad = routes.astype(np.int64)
     row = data.draw(st.integers(0, bad.shape[0] - 1))
-    bad[row, 0, 0] = data.draw(st.integers(geometry.num_experts,
-                                           np.iinfo(geometry.dtype).max))  # fmt: skip
+    bad[row, 0, 0] = data.draw(st.integers(geometry.num_experts, np.iinfo(geometry.dtype).max))
     with pytest.raises(InvalidArgument, match=f"routes\\[{row}\\].*>= num_experts"):
         check_routes(bad.astype(geometry.dtype), geometry, bad.shape[0])
 

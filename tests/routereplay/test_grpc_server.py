@@ -36,8 +36,10 @@ def test_liveness_serves_whatever_the_services_status():
                 set_serving(health, ["test.Service"], serving)
                 want = SERVING if serving else NOT_SERVING
                 assert (status(""), status("test.Service"), status(LIVENESS)) == (
-                    want, want, SERVING
-                )  # fmt: skip
+                    want,
+                    want,
+                    SERVING,
+                )
     finally:
         server.stop(None)
 

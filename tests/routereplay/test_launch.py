@@ -39,8 +39,9 @@ def wait_dead(pid: int) -> bool:
 
 
 def start_parent() -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True,
-                            process_group=0)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, process_group=0
+    )
     return proc, int(proc.stdout.readline())
 
 

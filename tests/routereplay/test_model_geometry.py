@@ -98,8 +98,9 @@ def glm4_moe(**kw):
 
 
 def gpt_oss(**kw):
-    args = dict(SMALL, num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2,
-                sliding_window=8)  # fmt: skip
+    args = dict(
+        SMALL, num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, sliding_window=8
+    )
     return transformers.GptOssConfig(**{**args, **kw})
 
 

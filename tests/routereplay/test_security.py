@@ -56,10 +56,18 @@ def test_secrets_are_never_flags(capsys):
 def test_rollout_server_reaches_the_route_cache_with_its_own_settings():
     env = {"ROLLOUT_SERVER_ROUTE_CACHE_TOKEN": SECRET}
     config = parse_rollout_config(
-        ["--route-cache-ca-file", "/certs/ca.pem", "--route-cache-cert-file", "/c.pem",
-         "--route-cache-key-file", "/k.pem", "--auth-token-file", "/run/secrets/token"],
+        [
+            "--route-cache-ca-file",
+            "/certs/ca.pem",
+            "--route-cache-cert-file",
+            "/c.pem",
+            "--route-cache-key-file",
+            "/k.pem",
+            "--auth-token-file",
+            "/run/secrets/token",
+        ],
         env=env,
-    )  # fmt: skip
+    )
     assert config.route_cache_security == ClientSecurity(
         ca_file="/certs/ca.pem", cert_file="/c.pem", key_file="/k.pem", token=SECRET
     )
@@ -127,8 +135,9 @@ def test_aio_server_token_and_garbage(tmp_path):
     health answers without the token, reflection needs it, and 100 undecodable requests on
     one channel are each INVALID_ARGUMENT, with the channel still serving after them."""
     devcerts.generate(tmp_path)
-    security = ServerSecurity(str(tmp_path / "server.pem"), str(tmp_path / "server-key.pem"),
-                              auth_token=SECRET)  # fmt: skip
+    security = ServerSecurity(
+        str(tmp_path / "server.pem"), str(tmp_path / "server-key.pem"), auth_token=SECRET
+    )
     tls = ClientSecurity(ca_file=str(tmp_path / "ca.pem"))
 
     async def main():
@@ -168,9 +177,15 @@ def test_aio_server_token_and_garbage(tmp_path):
 def test_trainer_reaches_the_route_cache_with_its_own_settings():
     from trainer.config import load_config
 
-    config = load_config(None, ["router_replay.mode=R3", "route_cache.target=cache:50051",
-                                "route_cache.ca_file=/certs/ca.pem",
-                                "route_cache.token_file=/run/secrets/token"])  # fmt: skip
+    config = load_config(
+        None,
+        [
+            "router_replay.mode=R3",
+            "route_cache.target=cache:50051",
+            "route_cache.ca_file=/certs/ca.pem",
+            "route_cache.token_file=/run/secrets/token",
+        ],
+    )
     security = config.route_cache.security()
     assert security == ClientSecurity(ca_file="/certs/ca.pem", token_file="/run/secrets/token")
     assert security.uses_tls

@@ -25,11 +25,22 @@ def run_each_rank(args: list[str], world_size: int = 2, timeout: float = 90) -> 
     port = str(free_port())
     procs = []
     for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                   OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))  # fmt: skip
-        procs.append(subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=str(ROOT),
+        )
+        procs.append(
+            subprocess.Popen(
+                args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
     results = []
     try:
         for proc in procs:

@@ -52,7 +52,7 @@ def _config(family_model_dir, family, **changes):
             "deepseek_v3",
             {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
             "mscale",
-        ),  # fmt: skip
+        ),
         ("deepseek_v2", {"topk_group": 2}, "best one"),
         ("deepseek_v2", {"norm_topk_prob": True}, "norm_topk_prob"),
         ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method"),
@@ -180,17 +180,21 @@ def test_mtp_layer_is_never_a_decoder_layer(family_model_dir, pg_collection):
 def test_mtp_layers_are_refused_unless_dropped(family_model_dir, pg_collection):
     with pytest.raises(UnsupportedConfig, match="drop_mtp_layers"):
         build_model(
-            family_model_dir("deepseek_v3"), routing_replay=True, pg_collection=pg_collection,
+            family_model_dir("deepseek_v3"),
+            routing_replay=True,
+            pg_collection=pg_collection,
             drop_mtp_layers=False,
-        )  # fmt: skip
+        )
 
 
 def test_tensor_parallelism_without_sp_is_refused(family_model_dir, pg_collection):
     with pytest.raises(UnsupportedConfig, match="needs sequence parallelism"):
         build_model(
-            family_model_dir("deepseek_v2"), routing_replay=True, pg_collection=pg_collection,
+            family_model_dir("deepseek_v2"),
+            routing_replay=True,
+            pg_collection=pg_collection,
             tensor_model_parallel_size=2,
-        )  # fmt: skip
+        )
 
 
 def test_export_carries_the_mtp_layer_over(family_model_dir, pg_collection, tmp_path):

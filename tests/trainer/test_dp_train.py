@@ -43,11 +43,21 @@ def _run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
 
 def _trainer_args(model_dir, records, out: Path, *extra) -> list[str]:
     return [
-        "-m", "trainer", f"model.path={model_dir}", f"data.records_file={records}",
-        "router_replay.mode=R3", "train.batch_size=4", "train.micro_batch_size=2",
-        f"train.checkpoint_dir={out / 'ckpt'}", f"router_replay.record_file={out / 'used.npz'}",
-        *extra, "--report", str(out / "report.json"), "--steps", "1",
-    ]  # fmt: skip
+        "-m",
+        "trainer",
+        f"model.path={model_dir}",
+        f"data.records_file={records}",
+        "router_replay.mode=R3",
+        "train.batch_size=4",
+        "train.micro_batch_size=2",
+        f"train.checkpoint_dir={out / 'ckpt'}",
+        f"router_replay.record_file={out / 'used.npz'}",
+        *extra,
+        "--report",
+        str(out / "report.json"),
+        "--steps",
+        "1",
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -286,9 +286,13 @@ def test_padding_leaves_the_aux_loss_alone(tiny_model_dir, pg_collection):
     tokens' router logits alone, for the same samples padded to two lengths."""
     from megatron.core.transformer.moe import moe_utils
 
-    built = build_model(tiny_model_dir, routing_replay=True, pg_collection=pg_collection,
-                        moe_router_load_balancing_type="aux_loss",
-                        moe_aux_loss_coeff=0.01)  # fmt: skip
+    built = build_model(
+        tiny_model_dir,
+        routing_replay=True,
+        pg_collection=pg_collection,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=0.01,
+    )
     schedule = Schedule(built)
     samples = random_batch(3, [12, 9], "right")
     tokens = [samples.sample_tokens(b).numpy() for b in range(samples.batch_size)]
@@ -301,12 +305,12 @@ def test_padding_leaves_the_aux_loss_alone(tiny_model_dir, pg_collection):
         return experts / (k * len(probs) ** 2) * (counts * probs.sum(0)).sum()
 
     def losses(max_length):
-        batch = PaddedBatch.from_samples(samples.sample_ids, tokens, pad_id=1,
-                                         max_length=max_length)  # fmt: skip
+        batch = PaddedBatch.from_samples(
+            samples.sample_ids, tokens, pad_id=1, max_length=max_length
+        )
         moe_utils.clear_aux_losses_tracker()
         with capture_routing(built.routers) as (_, logits):
-            schedule.run([batch], lambda m, out: (out.float().mean(), {}),
-                         forward_only=False)  # fmt: skip
+            schedule.run([batch], lambda m, out: (out.float().mean(), {}), forward_only=False)
         tracked = moe_utils.get_moe_layer_wise_logging_tracker()["load_balancing_loss"]
         real = batch.valid.T.reshape(-1)  # megatron's token order: [seq, rows]
         got = torch.stack([tracked["values"][r.layer] for r in built.routers])
@@ -329,13 +333,13 @@ def test_padding_leaves_the_expert_bias_counts_alone(family_model_dir, pg_collec
     tokens = [samples.sample_tokens(b).numpy() for b in range(samples.batch_size)]
 
     def counts(max_length):
-        batch = PaddedBatch.from_samples(samples.sample_ids, tokens, pad_id=1,
-                                         max_length=max_length)  # fmt: skip
+        batch = PaddedBatch.from_samples(
+            samples.sample_ids, tokens, pad_id=1, max_length=max_length
+        )
         for r in built.routers:
             r.router.local_tokens_per_expert.zero_()
         with capture_routing(built.routers) as (maps, _):
-            schedule.run([batch], lambda m, logits: (logits.float().mean(), {}),
-                         forward_only=False)  # fmt: skip
+            schedule.run([batch], lambda m, logits: (logits.float().mean(), {}), forward_only=False)
         real = batch.valid.T.reshape(-1)  # megatron's token order: [seq, rows]
         for r in built.routers:
             used = maps[r.layer][0][real].sum(0).float()

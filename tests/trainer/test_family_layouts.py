@@ -29,8 +29,7 @@ from trainer.model.hf_weights import load_hf_state_dict
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow
 
-TP2SP_EP2 = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2",
-             "parallel.etp=1"]  # fmt: skip
+TP2SP_EP2 = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2", "parallel.etp=1"]
 
 
 def _against_one_rank(model_dir, prompt_lengths, tmp_path, layout, nproc, order=(0, 1, 2, 3)):
@@ -49,8 +48,9 @@ def _against_one_rank(model_dir, prompt_lengths, tmp_path, layout, nproc, order=
     (tmp_path / "one").mkdir()
     (tmp_path / "run").mkdir()
     _, want = _trainer(model_dir, records, tmp_path / "one" / "r.json", "R3")
-    proc, got = _trainer(model_dir, records, tmp_path / "run" / "r.json", "R3", *layout,
-                         nproc=nproc)  # fmt: skip
+    proc, got = _trainer(
+        model_dir, records, tmp_path / "run" / "r.json", "R3", *layout, nproc=nproc
+    )
     return proc, want, got
 
 
@@ -94,8 +94,11 @@ def _trains_like_one_rank(family, model_dir, tmp_path, layout):
     ours, theirs = _exported(tmp_path / "run"), _exported(tmp_path / "one")
     source = load_hf_state_dict(model_dir)
     # Decoder layers only: DeepSeek-V3's MTP layer (model.layers.4) is carried over untouched.
-    biases = [n for n in theirs if n.endswith("e_score_correction_bias")
-              and not n.startswith("model.layers.4.")]  # fmt: skip
+    biases = [
+        n
+        for n in theirs
+        if n.endswith("e_score_correction_bias") and not n.startswith("model.layers.4.")
+    ]
     assert len(biases) == (3 if family in ("glm4_moe", "deepseek_v3") else 0)
     for name in biases:
         assert torch.equal(ours[name], theirs[name]), name

@@ -46,9 +46,15 @@ class Cache:
     def __init__(self, redis_url: str, token_file: str = ""):
         self.redis = connect(redis_url, cluster=False)
         self.stream = f"rr:ready:{uuid.uuid4().hex[:8]}"
-        config = Config(host="127.0.0.1", port=0, grace_s=1, health_interval_s=0.1,
-                        ready_stream=self.stream, ready_max_block_ms=5000,
-                        security=ServerSecurity(auth_token_file=token_file))  # fmt: skip
+        config = Config(
+            host="127.0.0.1",
+            port=0,
+            grace_s=1,
+            health_interval_s=0.1,
+            ready_stream=self.stream,
+            ready_max_block_ms=5000,
+            security=ServerSecurity(auth_token_file=token_file),
+        )
         self.server = RouteCacheServer(config, RouteStore(self.redis, ttl_ms=600_000)).start()
         self.target = f"127.0.0.1:{self.server.port}"
         security = ClientSecurity(token_file=token_file)
@@ -80,10 +86,17 @@ def _groups(rollout) -> list[list]:
 def _config(tiny_model_dir, target, *overrides):
     return load_config(
         None,
-        [f"model.path={tiny_model_dir}", f"route_cache.target={target}", "router_replay.mode=R3",
-         "train.batch_size=4", "train.micro_batch_size=2", "train.steps=2", "data.wait_s=20",
-         *overrides],
-    )  # fmt: skip
+        [
+            f"model.path={tiny_model_dir}",
+            f"route_cache.target={target}",
+            "router_replay.mode=R3",
+            "train.batch_size=4",
+            "train.micro_batch_size=2",
+            "train.steps=2",
+            "data.wait_s=20",
+            *overrides,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -134,10 +147,16 @@ def test_a_restarted_trainer_gets_back_what_it_had_not_acknowledged(
     ]
     assert cache.pending("job") == 4
 
-    overrides = ["data.source=feed", "data.group_size=4", "data.consumer_group=job",
-                 "data.consumer=trainer-a", "train.steps=1"]  # fmt: skip
-    reports = train(_config(tiny_model_dir, cache.target, *overrides), None,
-                    pg_collection=pg_collection)  # fmt: skip
+    overrides = [
+        "data.source=feed",
+        "data.group_size=4",
+        "data.consumer_group=job",
+        "data.consumer=trainer-a",
+        "train.steps=1",
+    ]
+    reports = train(
+        _config(tiny_model_dir, cache.target, *overrides), None, pg_collection=pg_collection
+    )
     assert [r.feed.groups for r in reports] == [[first[0].group_id]]
     assert reports[0].reward_mean == ids_reports[0].reward_mean
     assert cache.pending("job") == 0
@@ -147,8 +166,9 @@ def test_the_run_ends_when_no_whole_batch_comes(tiny_model_dir, rollout, pg_coll
     first, _ = _groups(rollout)
     for record in first[:3]:  # a group that never completes
         cache.client.write(record)
-    config = _config(tiny_model_dir, cache.target, "data.source=feed", "data.group_size=4",
-                     "data.wait_s=1")  # fmt: skip
+    config = _config(
+        tiny_model_dir, cache.target, "data.source=feed", "data.group_size=4", "data.wait_s=1"
+    )
     assert train(config, None, pg_collection=pg_collection) == []
     assert cache.pending("trainer") == 3  # still there for a later consumer
 
@@ -158,8 +178,9 @@ def test_the_run_ends_when_no_whole_batch_comes(tiny_model_dir, rollout, pg_coll
     [["parallel.dp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"]],
     ids=["dp2", "tp2sp"],
 )
-def test_two_ranks_share_one_consumer(layout, tiny_model_dir, rollout, ids_reports, cache,
-                                      tmp_path):  # fmt: skip
+def test_two_ranks_share_one_consumer(
+    layout, tiny_model_dir, rollout, ids_reports, cache, tmp_path
+):
     """Rank 0 reads the feed and hands the batch to rank 1: under DP2 each sample is trained
     once, by one rank; under TP2 both ranks train the whole batch, each its shard of the model.
     The step equals the single-rank step on the same ids."""
@@ -167,11 +188,27 @@ def test_two_ranks_share_one_consumer(layout, tiny_model_dir, rollout, ids_repor
         cache.client.write(record)
     launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     head = [launcher] if launcher else [sys.executable, "-m", "torch.distributed.run"]
-    command = [*head, "--standalone", "--nproc-per-node", "2", "-m", "trainer",
-               f"model.path={tiny_model_dir}", f"route_cache.target={cache.target}",
-               "router_replay.mode=R3", "train.batch_size=4", "train.micro_batch_size=2",
-               "data.source=feed", "data.group_size=4", "data.wait_s=20", *layout,
-               "--steps", "2", "--report", str(tmp_path / "report.json")]  # fmt: skip
+    command = [
+        *head,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "trainer",
+        f"model.path={tiny_model_dir}",
+        f"route_cache.target={cache.target}",
+        "router_replay.mode=R3",
+        "train.batch_size=4",
+        "train.micro_batch_size=2",
+        "data.source=feed",
+        "data.group_size=4",
+        "data.wait_s=20",
+        *layout,
+        "--steps",
+        "2",
+        "--report",
+        str(tmp_path / "report.json"),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("WORLD_SIZE", None)
     run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

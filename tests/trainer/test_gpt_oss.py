@@ -72,10 +72,14 @@ def test_gradients_reach_sinks_biases_and_router(built):
         next_token_loss(built.model, random_batch(4, [12, 9], "right")).backward()
     params = dict(built.model.named_parameters())
     layer = "decoder.layers.0."
-    for name in ["self_attention.core_attention.softmax_offset", "self_attention.linear_qkv.bias",
-                 "self_attention.linear_proj.bias", "mlp.router.bias",
-                 "mlp.experts.local_experts.0.linear_fc1.bias",
-                 "mlp.experts.local_experts.0.linear_fc2.bias"]:  # fmt: skip
+    for name in [
+        "self_attention.core_attention.softmax_offset",
+        "self_attention.linear_qkv.bias",
+        "self_attention.linear_proj.bias",
+        "mlp.router.bias",
+        "mlp.experts.local_experts.0.linear_fc1.bias",
+        "mlp.experts.local_experts.0.linear_fc2.bias",
+    ]:
         grad = params[layer + name].grad
         assert grad is not None and grad.abs().sum() > 0, name
     built.model.zero_grad(set_to_none=True)
@@ -124,8 +128,10 @@ def test_yarn_and_the_window_reach_megatron(built):
     assert config.yarn_correction_range_round_to_int is False  # truncate: false
     assert config.window_size == (TINY_SLIDING_WINDOW - 1, 0)
     # transformers' layer_types: sliding on layers 0 and 2, full on 1 and 3.
-    windows = [layer.self_attention.core_attention.scale_mask_softmax.window_size
-               for layer in built.model.decoder.layers]  # fmt: skip
+    windows = [
+        layer.self_attention.core_attention.scale_mask_softmax.window_size
+        for layer in built.model.decoder.layers
+    ]
     window = (TINY_SLIDING_WINDOW - 1, 0)
     assert windows == [window, None, window, None]
 
@@ -150,7 +156,7 @@ def test_yarn_and_the_window_reach_megatron(built):
                 }
             },
             "mscale",
-        ),  # fmt: skip
+        ),
         ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "longrope"),
     ],
 )

@@ -29,9 +29,14 @@ LOGIT_ATOL = 1e-5  # the parity tolerance of test_model_parity.py
 def _config(tiny_model_dir, rollout_file, *overrides):
     return load_config(
         None,
-        [f"model.path={tiny_model_dir}", f"data.records_file={rollout_file}",
-         "train.batch_size=8", "router_replay.mode=R3", *overrides],
-    )  # fmt: skip
+        [
+            f"model.path={tiny_model_dir}",
+            f"data.records_file={rollout_file}",
+            "train.batch_size=8",
+            "router_replay.mode=R3",
+            *overrides,
+        ],
+    )
 
 
 def _plans(rollout, n):
@@ -73,9 +78,14 @@ def test_trained_weights_exported_load_in_transformers_with_megatrons_logits(
 
     export_dir = tmp_path / "exports"
     config = _config(
-        tiny_model_dir, rollout_file, "train.lr=1e-3", "train.ppo_epochs=1",
-        f"train.export_dir={export_dir}", "train.export_every=2", "report.compare=false",
-    )  # fmt: skip
+        tiny_model_dir,
+        rollout_file,
+        "train.lr=1e-3",
+        "train.ppo_epochs=1",
+        f"train.export_dir={export_dir}",
+        "train.export_every=2",
+        "report.compare=false",
+    )
     built = build(config, pg_collection)
     before = load_hf_state_dict(tiny_model_dir)
     train(config, _plans(rollout, 3), pg_collection=pg_collection, built=built)
@@ -84,8 +94,9 @@ def test_trained_weights_exported_load_in_transformers_with_megatrons_logits(
     out = export_dir / (export_dir / "latest").read_text().strip()
     assert out.name == "step_000003"
     changed = load_hf_state_dict(out)
-    assert not torch.equal(changed["model.layers.1.mlp.gate.weight"], before[
-        "model.layers.1.mlp.gate.weight"])  # fmt: skip
+    assert not torch.equal(
+        changed["model.layers.1.mlp.gate.weight"], before["model.layers.1.mlp.gate.weight"]
+    )
     model = built[0].model.eval()
     batch = random_batch(5, [11, 6], "right")
     with torch.no_grad():
@@ -107,8 +118,9 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(
     common = ("train.lr=1e-3", "train.ppo_epochs=1", "report.compare=false")
     straight_cfg = _config(tiny_model_dir, rollout_file, *common)
     straight = build(straight_cfg, pg_collection)
-    straight_reports = train(straight_cfg, _plans(rollout, 3), pg_collection=pg_collection,
-                             built=straight)  # fmt: skip
+    straight_reports = train(
+        straight_cfg, _plans(rollout, 3), pg_collection=pg_collection, built=straight
+    )
 
     ckpt = tmp_path / "ckpt"
     cfg = _config(tiny_model_dir, rollout_file, *common, f"train.checkpoint_dir={ckpt}")
@@ -161,20 +173,31 @@ def test_report_is_logged_to_tensorboard(
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logdir = tmp_path / "tb"
-    config = _config(tiny_model_dir, rollout_file, "train.ppo_epochs=1",
-                     f"report.tensorboard_dir={logdir}")  # fmt: skip
+    config = _config(
+        tiny_model_dir, rollout_file, "train.ppo_epochs=1", f"report.tensorboard_dir={logdir}"
+    )
     reports = train(config, _plans(rollout, 2), pg_collection=pg_collection)
     assert list(logdir.glob("events.out.tfevents.*"))
     events = EventAccumulator(str(logdir))
     events.Reload()
     tags = set(events.Tags()["scalars"])
     expected = {
-        "reward/mean", "reward/expected", "loss", "clip_fraction", "rows/replayed_fraction",
-        "update_agreement/epoch_0", "time/update", "time/fetch_wait", "time/old_logprob",
+        "reward/mean",
+        "reward/expected",
+        "loss",
+        "clip_fraction",
+        "rows/replayed_fraction",
+        "update_agreement/epoch_0",
+        "time/update",
+        "time/fetch_wait",
+        "time/old_logprob",
         *(f"agreement/exact/layer_{layer}" for layer in (1, 2, 3)),
-        *(f"gap/{name}/{key}" for name in ("natural", "replayed")
-          for key in ("mean_abs", "max_abs", "k3_kl", "ratio_gt_2")),
-    }  # fmt: skip
+        *(
+            f"gap/{name}/{key}"
+            for name in ("natural", "replayed")
+            for key in ("mean_abs", "max_abs", "k3_kl", "ratio_gt_2")
+        ),
+    }
     assert expected <= tags, expected - tags
     loss = events.Scalars("loss")
     assert [e.step for e in loss] == [0, 1]
@@ -194,8 +217,13 @@ def test_aux_loss_beside_replay_is_finite_and_from_natural_routing(
     from tests.trainer.helpers import capture_routing
 
     coeff = 0.01
-    config = _config(tiny_model_dir, rollout_file, f"model.aux_loss_coeff={coeff}",
-                     "train.ppo_epochs=1", "report.compare=false")  # fmt: skip
+    config = _config(
+        tiny_model_dir,
+        rollout_file,
+        f"model.aux_loss_coeff={coeff}",
+        "train.ppo_epochs=1",
+        "report.compare=false",
+    )
     built, optimizer = build(config, pg_collection)
     geometry = built.geometry
     assert all(r.router.is_aux_loss_enabled() for r in built.routers)
@@ -218,8 +246,9 @@ def test_aux_loss_beside_replay_is_finite_and_from_natural_routing(
         scores = torch.softmax(logits[layer][0].float(), dim=-1)
         natural = torch.zeros_like(scores).scatter(1, scores.topk(k, dim=-1).indices, 1.0)
         replayed = maps[layer][0].float()
-        assert torch.equal(replayed.bool(), torch.zeros_like(replayed).scatter(
-            1, indices[j], 1.0).bool())  # fmt: skip
+        assert torch.equal(
+            replayed.bool(), torch.zeros_like(replayed).scatter(1, indices[j], 1.0).bool()
+        )
 
         def formula(routing_map, scores=scores):
             per_expert = routing_map.sum(0)
@@ -230,8 +259,9 @@ def test_aux_loss_beside_replay_is_finite_and_from_natural_routing(
     moe_utils.clear_aux_losses_tracker()
 
     # In the RL loop, with R3 replay: training runs and the reported aux loss is finite.
-    reports = train(config, _plans(rollout, 2), pg_collection=pg_collection,
-                    built=(built, optimizer))  # fmt: skip
+    reports = train(
+        config, _plans(rollout, 2), pg_collection=pg_collection, built=(built, optimizer)
+    )
     for r in reports:
         assert r.aux_loss is not None and math.isfinite(r.aux_loss) and r.aux_loss > 0
         assert len(r.aux_loss_layers) == geometry.num_moe_layers
@@ -239,6 +269,11 @@ def test_aux_loss_beside_replay_is_finite_and_from_natural_routing(
     # The CPU patch: megatron's logging path with force_initialize allocates no CUDA tensor.
     moe_utils.get_moe_layer_wise_logging_tracker().clear()
     moe_utils.track_moe_metrics(
-        1.0, 0, track_names=["load_balancing_loss"], num_layers=len(built.model.decoder.layers),
-        moe_layer_freq=[0, 1, 1, 1], force_initialize=True, pg_collection=pg_collection,
-    )  # fmt: skip
+        1.0,
+        0,
+        track_names=["load_balancing_loss"],
+        num_layers=len(built.model.decoder.layers),
+        moe_layer_freq=[0, 1, 1, 1],
+        force_initialize=True,
+        pg_collection=pg_collection,
+    )

@@ -44,12 +44,22 @@ def test_the_lead_serves_step_fetch_agreement_and_route_bytes(
 
     server, source = cache
     port = free_port()
-    config = load_config(None, [
-        f"model.path={tiny_model_dir}", "route_cache.target=unused", "router_replay.mode=R3",
-        "train.batch_size=4", "train.micro_batch_size=4", "train.ppo_epochs=1",
-        "report.compare=false", "data.prefetch=false", "report.metrics=true",
-        "report.metrics_host=127.0.0.1", f"report.metrics_port={port}",
-    ])  # fmt: skip
+    config = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "route_cache.target=unused",
+            "router_replay.mode=R3",
+            "train.batch_size=4",
+            "train.micro_batch_size=4",
+            "train.ppo_epochs=1",
+            "report.compare=false",
+            "data.prefetch=false",
+            "report.metrics=true",
+            "report.metrics_host=127.0.0.1",
+            f"report.metrics_port={port}",
+        ],
+    )
     ids = [r.sample_id for r in rollout]
     url = f"http://127.0.0.1:{port}/metrics"
     scrapes = []
@@ -76,8 +86,9 @@ def test_the_lead_serves_step_fetch_agreement_and_route_bytes(
         assert [_value(samples, "trainer_routing_agreement", layer=str(x)) for x in layers] == (
             pytest.approx(report.agreement.exact)
         )
-        assert [_value(samples, "trainer_replay_followed", layer=str(x)) for x in layers] == [1.0
-                for _ in layers]  # fmt: skip
+        assert [_value(samples, "trainer_replay_followed", layer=str(x)) for x in layers] == [
+            1.0 for _ in layers
+        ]
     total = scrapes[-1]
     step_s = _value(total, "trainer_step_seconds_sum")
     assert step_s >= sum(r.time_s.update + r.time_s.old_logprob for r in reports)

@@ -88,8 +88,17 @@ def test_every_rank_replays_its_own_share(layout, tiny_model_dir, tmp_path):
 
 
 def test_a_world_that_does_not_divide_is_refused_on_every_rank(tiny_model_dir, tmp_path):
-    args = [sys.executable, "-m", "tests.trainer.multirank_worker", "--layout", "bad_tp4",
-            "--model-dir", str(tiny_model_dir), "--out", str(tmp_path / "result.json")]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "tests.trainer.multirank_worker",
+        "--layout",
+        "bad_tp4",
+        "--model-dir",
+        str(tiny_model_dir),
+        "--out",
+        str(tmp_path / "result.json"),
+    ]
     # Each rank on its own raises the error before any collective (no hang: the timeout holds).
     for returncode, _, stderr in run_each_rank(args):
         assert returncode != 0

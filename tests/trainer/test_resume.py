@@ -66,13 +66,28 @@ def start_job(model_dir, target: str, ids: list[str], out: Path) -> subprocess.P
     launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     head = [launcher] if launcher else [sys.executable, "-m", "torch.distributed.run"]
     args = [
-        *head, "--standalone", "--nproc-per-node", "2",
-        "-m", "trainer", f"model.path={model_dir}", f"route_cache.target={target}",
-        "router_replay.mode=R3", "train.batch_size=4", "train.micro_batch_size=2",
-        "parallel.dp=2", f"train.checkpoint_dir={out / 'ckpt'}", "train.checkpoint_every=1",
-        f"router_replay.record_file={out / 'used.npz'}", "--report", str(out / "report.json"),
-        "--ids", ",".join(ids), "--steps", str(STEPS),
-    ]  # fmt: skip
+        *head,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "trainer",
+        f"model.path={model_dir}",
+        f"route_cache.target={target}",
+        "router_replay.mode=R3",
+        "train.batch_size=4",
+        "train.micro_batch_size=2",
+        "parallel.dp=2",
+        f"train.checkpoint_dir={out / 'ckpt'}",
+        "train.checkpoint_every=1",
+        f"router_replay.record_file={out / 'used.npz'}",
+        "--report",
+        str(out / "report.json"),
+        "--ids",
+        ",".join(ids),
+        "--steps",
+        str(STEPS),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("WORLD_SIZE", None)
     out.mkdir(parents=True, exist_ok=True)

@@ -32,9 +32,13 @@ from trainer.train import build, train
 def _config(tiny_model_dir, rollout_file, *overrides):
     return load_config(
         None,
-        [f"model.path={tiny_model_dir}", f"data.records_file={rollout_file}",
-         "train.batch_size=8", *overrides],
-    )  # fmt: skip
+        [
+            f"model.path={tiny_model_dir}",
+            f"data.records_file={rollout_file}",
+            "train.batch_size=8",
+            *overrides,
+        ],
+    )
 
 
 def _fetch(path, records):
@@ -76,10 +80,15 @@ def test_r2_update_passes_replay_the_recorded_routes_after_optimizer_steps(
 ):
     # record_file: the step builds records of the routes it used only when they are written.
     config = _config(
-        tiny_model_dir, rollout_file, "router_replay.mode=R2", "report.compare=false",
-        "train.micro_batch_size=4", "train.ppo_epochs=2", "train.lr=0.01",
+        tiny_model_dir,
+        rollout_file,
+        "router_replay.mode=R2",
+        "report.compare=false",
+        "train.micro_batch_size=4",
+        "train.ppo_epochs=2",
+        "train.lr=0.01",
         f"router_replay.record_file={tmp_path / 'used.npz'}",
-    )  # fmt: skip
+    )
     built, optimizer = build(config, pg_collection)
     stepper = RLStep(built, optimizer, config)
     fetched = _fetch(rollout_file, rollout)
@@ -123,8 +132,9 @@ def test_micro_batches_pad_to_the_layouts_multiple(rollout_file, rollout, side):
         pad = slice(0, extra) if side == "left" else slice(seq, None)
         assert torch.equal(b.batch.token_ids[:, keep], a.batch.token_ids)
         assert torch.equal(b.generated[:, keep], a.generated)
-        torch.testing.assert_close(b.rollout_logp[:, keep], a.rollout_logp, rtol=0, atol=0,
-                                   equal_nan=True)  # fmt: skip
+        torch.testing.assert_close(
+            b.rollout_logp[:, keep], a.rollout_logp, rtol=0, atol=0, equal_nan=True
+        )
         assert not b.generated[:, pad].any() and b.rollout_logp[:, pad].isnan().all()
         assert torch.equal(b.batch.lengths, a.batch.lengths)
     assert any(b.batch.seq_len > a.batch.seq_len for a, b in zip(plain, padded, strict=True))
@@ -135,10 +145,15 @@ def test_replay_file_and_record_file_round_trip(
 ):
     out = tmp_path / "used.npz"
     config = _config(
-        tiny_model_dir, rollout_file, "router_replay.mode=R3",
-        f"router_replay.replay_file={rollout_file}", f"router_replay.record_file={out}",
-        "data.records_file=null", "train.ppo_epochs=1", f"report.json={tmp_path / 'r.json'}",
-    )  # fmt: skip
+        tiny_model_dir,
+        rollout_file,
+        "router_replay.mode=R3",
+        f"router_replay.replay_file={rollout_file}",
+        f"router_replay.record_file={out}",
+        "data.records_file=null",
+        "train.ppo_epochs=1",
+        f"report.json={tmp_path / 'r.json'}",
+    )
     ids = [r.sample_id for r in rollout]
     reports = train(config, [BatchPlan(ids)], pg_collection=pg_collection)
     assert reports[0].rows.replayed_fraction > 0.8
@@ -209,9 +224,13 @@ def test_missing_records_fail_or_train_natively(
     fetched = next(iter(Prefetcher(route_cache, [plan], "native")))
     assert fetched.records[4] is None and fetched.dropped == []
     config = _config(
-        tiny_model_dir, rollout_file, "router_replay.mode=R3", "train.micro_batch_size=5",
-        "train.ppo_epochs=1", "router_replay.missing_record=native",
-    )  # fmt: skip
+        tiny_model_dir,
+        rollout_file,
+        "router_replay.mode=R3",
+        "train.micro_batch_size=5",
+        "train.ppo_epochs=1",
+        "router_replay.missing_record=native",
+    )
     built, optimizer = build(config, pg_collection)
     report = RLStep(built, optimizer, config).run(fetched)
     assert report.missing_records == 1
@@ -266,9 +285,12 @@ def test_bf16_trainer_against_float32_rollout_replay_closes_the_gap(
     tiny_model_dir, rollout_file, rollout, pg_collection
 ):
     config = _config(
-        tiny_model_dir, rollout_file, "router_replay.mode=R3", "train.dtype=bfloat16",
+        tiny_model_dir,
+        rollout_file,
+        "router_replay.mode=R3",
+        "train.dtype=bfloat16",
         "train.ppo_epochs=1",
-    )  # fmt: skip
+    )
     _, _, report = _step(config, pg_collection, rollout)
     # bf16 flips near-ties: the trainer's natural routing misses the rollout's on some tokens,
     # while megatron's routing map under replay follows the rollout's routes on every row.
@@ -291,9 +313,13 @@ def test_replay_followed_checks_the_records_not_the_replay_ids(
     one token off the records (an alignment fault, which the routers follow faithfully: a
     metric against the replay ids says 1.0) bring it below 1 on every layer."""
     config = _config(
-        tiny_model_dir, rollout_file, "router_replay.mode=R3", "train.micro_batch_size=4",
-        "train.ppo_epochs=2", f"model.recompute={str(recompute).lower()}",
-    )  # fmt: skip
+        tiny_model_dir,
+        rollout_file,
+        "router_replay.mode=R3",
+        "train.micro_batch_size=4",
+        "train.ppo_epochs=2",
+        f"model.recompute={str(recompute).lower()}",
+    )
     routed = sum(r.num_rows for r in rollout)
     passes = 1 + 2 * (2 if recompute else 1)
     report = _step(config, pg_collection, rollout)[2]

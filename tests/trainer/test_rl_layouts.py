@@ -66,8 +66,7 @@ def _run(model_dir, records_file, tmp_path, name, mode, *extra, nproc=1):
     folder = tmp_path / name
     folder.mkdir()
     extra = [*extra, f"router_replay.record_file={folder / 'used.npz'}"]
-    proc, reports = _trainer(model_dir, records_file, folder / "r.json", mode, *extra,
-                             nproc=nproc)  # fmt: skip
+    proc, reports = _trainer(model_dir, records_file, folder / "r.json", mode, *extra, nproc=nproc)
     return proc, reports, folder
 
 
@@ -118,8 +117,17 @@ def test_virtual_stages_with_recompute_train_like_one_rank(
     micro-batches per optimizer step, the multiple of pp the interleaved schedule runs."""
     extra = ["train.micro_batch_size=1", "train.mini_batch_size=2", "model.recompute=true"]
     _, want, one = _run(tiny8_model_dir, records8, tmp_path, "one", "R3", *extra)
-    proc, got, run = _run(tiny8_model_dir, records8, tmp_path, "vp", "R3", *extra,
-                          "parallel.pp=2", "parallel.vp=2", nproc=2)  # fmt: skip
+    proc, got, run = _run(
+        tiny8_model_dir,
+        records8,
+        tmp_path,
+        "vp",
+        "R3",
+        *extra,
+        "parallel.pp=2",
+        "parallel.vp=2",
+        nproc=2,
+    )
     _same_steps(got, want)
     _same_weights(_exported(run), _exported(one))
 
@@ -131,10 +139,13 @@ def test_virtual_stages_with_recompute_train_like_one_rank(
         ("packed", ["train.packing=true"], []),
         ("packed_pp2", ["train.packing=true", "parallel.pp=2"], []),
         # Micro-batches filled to a token budget against 2 fixed ones per optimizer step.
-        ("budget", ["train.max_tokens_per_micro_batch=40", "train.mini_batch_size=4"],
-         ["train.mini_batch_size=4"]),
+        (
+            "budget",
+            ["train.max_tokens_per_micro_batch=40", "train.mini_batch_size=4"],
+            ["train.mini_batch_size=4"],
+        ),
     ],
-)  # fmt: skip
+)
 def test_packed_and_token_budget_micro_batches_train_like_padded_ones(
     name,
     extra,
@@ -160,10 +171,20 @@ def test_a_token_budget_below_the_longest_sample_fails_on_every_rank(
 ):
     import sys
 
-    args = [sys.executable, "-m", "trainer", f"model.path={tiny_model_dir}",
-            f"data.records_file={records}", "parallel.pp=2", "router_replay.mode=R3",
-            "train.batch_size=4", "train.micro_batch_size=2",
-            "train.max_tokens_per_micro_batch=8", "--steps", "1"]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "trainer",
+        f"model.path={tiny_model_dir}",
+        f"data.records_file={records}",
+        "parallel.pp=2",
+        "router_replay.mode=R3",
+        "train.batch_size=4",
+        "train.micro_batch_size=2",
+        "train.max_tokens_per_micro_batch=8",
+        "--steps",
+        "1",
+    ]
     for returncode, _, stderr in run_each_rank(args):
         assert returncode != 0
         assert "exceeds the micro-batch budget of 8 tokens" in stderr, stderr[-3000:]
@@ -191,8 +212,17 @@ def test_a_layer_split_that_disagrees_with_the_model_fails_on_every_rank(
 
     pp = [] if any(s.startswith("parallel.pp=") for s in split) else ["parallel.pp=2"]
     world = 3 if "parallel.pp=3" in split else 2
-    args = [sys.executable, "-m", "trainer", f"model.path={tiny_model_dir}",
-            f"data.records_file={records}", *pp, *split, "--steps", "1"]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "trainer",
+        f"model.path={tiny_model_dir}",
+        f"data.records_file={records}",
+        *pp,
+        *split,
+        "--steps",
+        "1",
+    ]
     for returncode, _, stderr in run_each_rank(args, world_size=world):
         assert returncode != 0
         assert message in stderr, stderr[-3000:]

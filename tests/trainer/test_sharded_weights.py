@@ -37,8 +37,9 @@ pytestmark = pytest.mark.slow
 
 
 def _run_worker(layout: str, model_dir, out, nproc: int = 2) -> dict:
-    proc = _torchrun(layout, model_dir, out, timeout=180, nproc=nproc,
-                     module="tests.trainer.sharded_worker")  # fmt: skip
+    proc = _torchrun(
+        layout, model_dir, out, timeout=180, nproc=nproc, module="tests.trainer.sharded_worker"
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(Path(out).read_text())
 
@@ -115,14 +116,34 @@ RL_LAYOUTS = {  # name: (ranks, overrides)
 }
 
 
-def _trainer(model_dir, records_file, report: Path, mode: str, *extra: str, nproc: int = 1,
-             steps: int = 2, timeout: float = 240):  # fmt: skip
+def _trainer(
+    model_dir,
+    records_file,
+    report: Path,
+    mode: str,
+    *extra: str,
+    nproc: int = 1,
+    steps: int = 2,
+    timeout: float = 240,
+):
     """``python -m trainer`` (under torchrun with ``nproc`` > 1), exporting every step to
     ``export/`` beside ``report``."""
-    args = ["-m", "trainer", f"model.path={model_dir}", f"data.records_file={records_file}",
-            f"router_replay.mode={mode}", "train.batch_size=4", "train.micro_batch_size=2",
-            "train.lr=1e-3", f"train.export_dir={report.parent / 'export'}", *extra,
-            "--steps", str(steps), "--report", str(report)]  # fmt: skip
+    args = [
+        "-m",
+        "trainer",
+        f"model.path={model_dir}",
+        f"data.records_file={records_file}",
+        f"router_replay.mode={mode}",
+        "train.batch_size=4",
+        "train.micro_batch_size=2",
+        "train.lr=1e-3",
+        f"train.export_dir={report.parent / 'export'}",
+        *extra,
+        "--steps",
+        str(steps),
+        "--report",
+        str(report),
+    ]
     head = [sys.executable]
     if nproc > 1:
         launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent))
@@ -130,8 +151,9 @@ def _trainer(model_dir, records_file, report: Path, mode: str, *extra: str, npro
         head += ["--standalone", "--nproc-per-node", str(nproc)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([*head, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    proc = subprocess.run(
+        [*head, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc, json.loads(report.read_text())
 
@@ -152,8 +174,9 @@ def unequal_records(records, tmp_path_factory):  # noqa: F811
     as real batches do. The allgather dispatcher crashed on it (gloo size mismatch)."""
     recs = load_records(records)
     assert [r.token_ids.size for r in recs] == [13, 13, 16, 16]
-    return save_records(tmp_path_factory.mktemp("unequal") / "rollout.npz",
-                        [recs[0], recs[2], recs[1], recs[3]])  # fmt: skip
+    return save_records(
+        tmp_path_factory.mktemp("unequal") / "rollout.npz", [recs[0], recs[2], recs[1], recs[3]]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -188,8 +211,9 @@ def test_rl_steps_under_tp_and_ep_equal_one_rank(
     tmp_path,
 ):
     nproc, extra = RL_LAYOUTS[layout]
-    proc, got = _trainer(tiny_model_dir, unequal_records, tmp_path / "r.json", mode, *extra,
-                         nproc=nproc)  # fmt: skip
+    proc, got = _trainer(
+        tiny_model_dir, unequal_records, tmp_path / "r.json", mode, *extra, nproc=nproc
+    )
     assert proc.stdout.count(f"step 1 [{mode}]") == 1, proc.stdout[-3000:]  # one rank logs
     reference, reference_dir = one_rank(mode)
     assert len(got) == len(reference) == 2
@@ -219,8 +243,10 @@ def _check_export(run_dir: Path, reference_dir: Path, model_dir, layout: str) ->
     source = load_hf_state_dict(model_dir)
     diff = torch.cat([(t - theirs[n]).abs().flatten() for n, t in ours.items()])
     moved = torch.cat([(t - source[n]).abs().flatten() for n, t in theirs.items()])
-    print(f"{layout}: export |diff| mean {diff.mean():.2e} max {diff.max():.2e}; "
-          f"training moved weights by mean {moved.mean():.2e} max {moved.max():.2e}")  # fmt: skip
+    print(
+        f"{layout}: export |diff| mean {diff.mean():.2e} max {diff.max():.2e}; "
+        f"training moved weights by mean {moved.mean():.2e} max {moved.max():.2e}"
+    )
     assert diff.max() <= WEIGHT_ATOL and diff.mean() <= WEIGHT_MEAN_ATOL
     # Trained weights, not the source's: a weight in the wrong place would be far off.
     assert moved.mean() > 100 * WEIGHT_MEAN_ATOL
@@ -246,9 +272,16 @@ def test_model_parallel_checkpoints_resume_to_the_same_weights(
     runs = {}
     for folder, steps in ((whole, 2), (split, 1), (split, 2)):
         folder.mkdir(exist_ok=True)
-        runs[folder] = _trainer(tiny_model_dir, records, folder / "r.json", "R3", *extra,
-                                f"train.checkpoint_dir={folder / 'ckpt'}", nproc=2,
-                                steps=steps)  # fmt: skip
+        runs[folder] = _trainer(
+            tiny_model_dir,
+            records,
+            folder / "r.json",
+            "R3",
+            *extra,
+            f"train.checkpoint_dir={folder / 'ckpt'}",
+            nproc=2,
+            steps=steps,
+        )
     proc, got = runs[split]
     assert proc.stdout.count("(1 steps done)") == 1, proc.stdout[-3000:]
     want = runs[whole][1]
@@ -277,8 +310,16 @@ def test_context_parallel_without_transformer_engine_is_refused_on_every_rank(
     tiny_model_dir,
     records,  # noqa: F811
 ):
-    args = [sys.executable, "-m", "trainer", f"model.path={tiny_model_dir}",
-            f"data.records_file={records}", "parallel.cp=2", "--steps", "1"]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "trainer",
+        f"model.path={tiny_model_dir}",
+        f"data.records_file={records}",
+        "parallel.cp=2",
+        "--steps",
+        "1",
+    ]
     for returncode, _, stderr in run_each_rank(args):
         assert returncode != 0
         assert "context parallel needs TransformerEngine attention" in stderr, stderr[-3000:]

@@ -39,15 +39,21 @@ def _record(sample_id: str, tokens: int, dtype, layers=None) -> Record:
     routes = routes.reshape(tokens - 1, 3, 2).astype(dtype)
     if layers is not None:
         routes = np.ascontiguousarray(routes[:, list(layers)])
-    turns = [Turn(0, 3, 2, 0, rng.random(1, np.float32)),
-             Turn(3, tokens, 3, 5, rng.random(tokens - 3, np.float32))]  # fmt: skip
+    turns = [
+        Turn(0, 3, 2, 0, rng.random(1, np.float32)),
+        Turn(3, tokens, 3, 5, rng.random(tokens - 3, np.float32)),
+    ]
     token_ids = rng.integers(0, 100, tokens, dtype=np.int32)
     return Record(sample_id, geometry, token_ids, routes, turns, "g", layers)
 
 
 def test_records_pack_into_one_buffer_and_back_unchanged():
-    records = [_record("a", 7, np.uint8, (0, 2)), None, _record("b", 4, np.uint16),
-               _record("c", 5, np.uint8, (1,))]  # fmt: skip
+    records = [
+        _record("a", 7, np.uint8, (0, 2)),
+        None,
+        _record("b", 4, np.uint16),
+        _record("c", 5, np.uint8, (1,)),
+    ]
     header, payload = pack_records(records)
     assert payload.dtype == np.uint8 and payload.ndim == 1
     assert payload.size >= sum(r.routes.nbytes for r in records if r is not None)
@@ -57,13 +63,17 @@ def test_records_pack_into_one_buffer_and_back_unchanged():
         if b is None:
             continue
         assert (a.sample_id, a.group_id, a.geometry, a.layers) == (
-            b.sample_id, b.group_id, b.geometry, b.layers)  # fmt: skip
+            b.sample_id,
+            b.group_id,
+            b.geometry,
+            b.layers,
+        )
         for x, y in ((a.token_ids, b.token_ids), (a.routes, b.routes)):
             assert x.dtype == y.dtype
             np.testing.assert_array_equal(x, y)
-        assert [(t.token_start, t.token_end, t.generated_start, t.policy_version)
-                for t in a.turns] == [(t.token_start, t.token_end, t.generated_start,
-                                       t.policy_version) for t in b.turns]  # fmt: skip
+        assert [
+            (t.token_start, t.token_end, t.generated_start, t.policy_version) for t in a.turns
+        ] == [(t.token_start, t.token_end, t.generated_start, t.policy_version) for t in b.turns]
         for s, t in zip(a.turns, b.turns, strict=True):
             np.testing.assert_array_equal(s.logprobs, t.logprobs)
     assert unpack_records(*pack_records([])) == []
@@ -78,12 +88,15 @@ def test_a_stage_record_aligns_as_the_whole_records_columns_and_needs_its_layers
 
     whole = [_record("a", 7, np.uint8), _record("b", 5, np.uint8)]
     # MoE layers (1, 2, 4): a second stage holding positions 1 and 2, layers 2 and 4.
-    stage = [dataclasses.replace(r, routes=np.ascontiguousarray(r.routes[:, [1, 2]]),
-                                 layers=(1, 2)) for r in whole]  # fmt: skip
+    stage = [
+        dataclasses.replace(r, routes=np.ascontiguousarray(r.routes[:, [1, 2]]), layers=(1, 2))
+        for r in whole
+    ]
     geometry = whole[0].geometry
     for side in ("right", "left"):
-        batch = PaddedBatch.from_samples(["a", "b"], [r.token_ids for r in whole],
-                                         padding_side=side)  # fmt: skip
+        batch = PaddedBatch.from_samples(
+            ["a", "b"], [r.token_ids for r in whole], padding_side=side
+        )
         want = align_routes(batch, whole, geometry, [2, 4])
         got = align_routes(batch, stage, geometry, [2, 4])
         for x, y in zip(got.indices, want.indices, strict=True):
@@ -101,8 +114,9 @@ def cache(tiny_model_dir, redis_node):
     from routereplay.dev.hf_rollout import random_prompts, rollout_records
 
     prompts = random_prompts(2, [5, 8], 512, seed=3)
-    records = rollout_records(tiny_model_dir, prompts, group_size=4, new_tokens=8, seed=0,
-                              prefix=f"stage-{os.getpid()}")  # fmt: skip
+    records = rollout_records(
+        tiny_model_dir, prompts, group_size=4, new_tokens=8, seed=0, prefix=f"stage-{os.getpid()}"
+    )
     store = RouteStore(connect(redis_node.url, cluster=False))
     server = RouteCacheServer(Config(host="127.0.0.1", port=0, grace_s=1), store).start()
     target = f"127.0.0.1:{server.port}"
@@ -117,13 +131,32 @@ def _run(model_dir, target, ids, out: Path, *extra) -> list[dict]:
     """2 R3 steps of 4 samples under TP2+SP x PP2 (4 ranks) from the route cache."""
     launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     head = [launcher] if launcher else [sys.executable, "-m", "torch.distributed.run"]
-    args = [*head, "--standalone", "--nproc-per-node", "4",
-            "-m", "trainer", f"model.path={model_dir}", f"route_cache.target={target}",
-            "router_replay.mode=R3", "train.batch_size=4", "train.micro_batch_size=2",
-            "train.ppo_epochs=1", "report.compare=false", "parallel.pp=2", "parallel.tp=2",
-            "parallel.sequence_parallel=true", f"router_replay.record_file={out / 'used.npz'}",
-            *extra, "--ids", ",".join(ids), "--steps", "2",
-            "--report", str(out / "r.json")]  # fmt: skip
+    args = [
+        *head,
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "-m",
+        "trainer",
+        f"model.path={model_dir}",
+        f"route_cache.target={target}",
+        "router_replay.mode=R3",
+        "train.batch_size=4",
+        "train.micro_batch_size=2",
+        "train.ppo_epochs=1",
+        "report.compare=false",
+        "parallel.pp=2",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        f"router_replay.record_file={out / 'used.npz'}",
+        *extra,
+        "--ids",
+        ",".join(ids),
+        "--steps",
+        "2",
+        "--report",
+        str(out / "r.json"),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("WORLD_SIZE", None)
     out.mkdir()
@@ -159,8 +192,15 @@ def test_tp2sp_pp2_reads_each_stored_route_byte_once_and_trains_as_whole_reads(
         assert sum(r["route_bytes"]["read"] for r in runs[name]) == served[name]
 
     for got, want in zip(runs["stage"], runs["whole"], strict=True):
-        for key in ("loss", "reward_mean", "expected_reward", "agreement", "rows", "gap",
-                    "replay_followed"):  # fmt: skip
+        for key in (
+            "loss",
+            "reward_mean",
+            "expected_reward",
+            "agreement",
+            "rows",
+            "gap",
+            "replay_followed",
+        ):
             assert got[key] == want[key], key
         assert set(got["replay_followed"]["exact"]) == {1.0}
     # The routes used, written by the lead, are the rollout's whole records.
@@ -179,8 +219,7 @@ def _share(rank: int, port: int, target: str, ids: list[str], out: str) -> None:
     from trainer.data.source import CacheSource
     from trainer.data.stage_reads import StageReads
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)  # fmt: skip
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         group = dist.new_group([0, 1], backend="gloo")
         source = CacheSource(target)
@@ -212,8 +251,10 @@ def test_one_rank_reads_the_layers_and_the_other_gets_the_same_records(redis_nod
     server = RouteCacheServer(Config(host="127.0.0.1", port=0, grace_s=1), store).start()
     target = f"127.0.0.1:{server.port}"
     rng = np.random.default_rng(0)
-    records = [synthetic_record(f"share-{os.getpid()}-{i}", QWEN3_30B_A3B, n, rng)
-               for i, n in enumerate((40, 7))]  # fmt: skip
+    records = [
+        synthetic_record(f"share-{os.getpid()}-{i}", QWEN3_30B_A3B, n, rng)
+        for i, n in enumerate((40, 7))
+    ]
     try:
         with RouteCacheClient(target) as client:
             for record in records:

@@ -13,9 +13,10 @@ import torch
 def needs_verl():
     """Skip the calling test module where verl is not installed (the project's environment)."""
     pytest.importorskip(
-        "verl", reason="verl is not installed here; `make test` runs these tests in verl's own "
-        "environment (make verl)"
-    )  # fmt: skip
+        "verl",
+        reason="verl is not installed here; `make test` runs these tests in verl's own "
+        "environment (make verl)",
+    )
 
 
 def use_cpu() -> None:

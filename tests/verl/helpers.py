@@ -53,8 +53,13 @@ def verl_model(model_dir, pg_collection=None, **overrides):
     from verl.utils.megatron.router_replay_patch import apply_router_replay_patch
 
     apply_router_replay_patch()
-    return build_model(model_dir, routing_replay=False, pg_collection=pg_collection,
-                       moe_enable_routing_replay=True, **overrides)  # fmt: skip
+    return build_model(
+        model_dir,
+        routing_replay=False,
+        pg_collection=pg_collection,
+        moe_enable_routing_replay=True,
+        **overrides,
+    )
 
 
 def nested(rows: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -108,8 +113,9 @@ def check_rows(maps, logits, batch: PaddedBatch, expected, native, topk: int, ro
     for layer, routing_map in maps.items():
         num_experts = routing_map.shape[1]
         own = one_hot(torch.topk(logits[layer], topk, dim=-1).indices, num_experts)
-        for b, (start, n) in enumerate(zip(batch.packed_starts.tolist(), batch.lengths.tolist(),
-                                           strict=True)):  # fmt: skip
+        for b, (start, n) in enumerate(
+            zip(batch.packed_starts.tolist(), batch.lengths.tolist(), strict=True)
+        ):
             for p in range(n):
                 r = start + p
                 if r not in rows:

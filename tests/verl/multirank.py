@@ -59,9 +59,14 @@ def run(args) -> dict:
     layout = Layout(**LAYOUTS[args.layout])
     world = init_world(layout)
     torch.manual_seed(1234)
-    built = verl_model(args.model_dir, world.pg_collection, load_weights=False,
-                       use_cpu_initialization=True, moe_token_dispatcher_type="allgather",
-                       **model_overrides(layout))  # fmt: skip
+    built = verl_model(
+        args.model_dir,
+        world.pg_collection,
+        load_weights=False,
+        use_cpu_initialization=True,
+        moe_token_dispatcher_type="allgather",
+        **model_overrides(layout),
+    )
     geometry = geometry_of(args.model_dir)
     records = load_records(args.records)
     ids = [r.sample_id for r in records]
@@ -86,9 +91,14 @@ def run(args) -> dict:
 
     with torch.no_grad(), capture_routing(built.routers) as (maps, logits):
         get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=[iter(range(1))], model=built.chunks,
-            num_microbatches=1, seq_length=batch.seq_len, micro_batch_size=1, forward_only=True,
-        )  # fmt: skip
+            forward_step_func=forward_step,
+            data_iterator=[iter(range(1))],
+            model=built.chunks,
+            num_microbatches=1,
+            seq_length=batch.seq_len,
+            micro_batch_size=1,
+            forward_only=True,
+        )
     maps = {k: v[0] for k, v in maps.items()}
     logits = {k: v[0] for k, v in logits.items()}
     share = batch.seq_len // layout.tp if layout.sequence_parallel else batch.seq_len
@@ -100,9 +110,14 @@ def run(args) -> dict:
         return r.routes[p, moe.index(layer)] if p < r.num_rows else None
 
     replayed, natural, bad = check_rows(
-        maps, logits, batch, expected, native=lambda b, p: p == records[b].num_tokens - 1,
-        topk=geometry.record.topk, rows=rows,
-    )  # fmt: skip
+        maps,
+        logits,
+        batch,
+        expected,
+        native=lambda b, p: p == records[b].num_tokens - 1,
+        topk=geometry.record.topk,
+        rows=rows,
+    )
     fetched_other = any(bool(t[:, others].any()) for t in routes.unbind()) if others else False
     return {
         "rank": world.rank,

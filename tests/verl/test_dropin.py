@@ -43,8 +43,12 @@ def test_generate_writes_each_call_as_a_turn_and_ships_ids(tiny_model_dir, route
     first = rollout_records(tiny_model_dir, [[9, 8, 7, 6]], group_size=1, new_tokens=3)[0]
     history = first.token_ids.tolist() + [33, 44]
     second = rollout_records(tiny_model_dir, [history], group_size=1, new_tokens=3, seed=4)[0]
-    server = Server([token_output(first, 4, policy_version=5),
-                     token_output(second, len(history), policy_version=6)])  # fmt: skip
+    server = Server(
+        [
+            token_output(first, 4, policy_version=5),
+            token_output(second, len(history), policy_version=6),
+        ]
+    )
 
     async def run():
         server.route_writer = AsyncTurnWriter(AsyncRouteCacheClient(route_cache), geometry)
@@ -61,8 +65,9 @@ def test_generate_writes_each_call_as_a_turn_and_ships_ids(tiny_model_dir, route
         stored = client.read("req-dropin")
     assert np.array_equal(stored.token_ids, second.token_ids)
     assert [(t.token_start, t.generated_start, t.policy_version) for t in stored.turns] == [
-        (0, 4, 5), (7, 9, 6)
-    ]  # fmt: skip
+        (0, 4, 5),
+        (7, 9, 6),
+    ]
     # Turn 1's rows from the first call; the rest (from its last token on) from the second.
     assert np.array_equal(stored.routes[: first.num_rows], first.routes)
     assert np.array_equal(stored.routes[first.num_rows :], second.routes[first.num_rows :])

@@ -29,8 +29,9 @@ def records_file(tiny_model_dir, route_cache, tmp_path_factory):
     """4 samples of 10 and 13 tokens (an odd length: TP2 pads it in the pack) written through
     the rollout seam; the same records in a file, the workers' oracle."""
     prompts = random_prompts(2, [5, 8], 512, seed=11)
-    records = rollout_records(tiny_model_dir, prompts, group_size=2, new_tokens=5, seed=2,
-                              prefix="verl-mr")  # fmt: skip
+    records = rollout_records(
+        tiny_model_dir, prompts, group_size=2, new_tokens=5, seed=2, prefix="verl-mr"
+    )
     with RouteCacheClient(route_cache) as client:
         writer = TurnWriter(client, geometry_of(tiny_model_dir))
         for r in records:
@@ -41,9 +42,24 @@ def records_file(tiny_model_dir, route_cache, tmp_path_factory):
 
 def _torchrun(layout, model_dir, records, cache, out):
     launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    cmd = [launcher, "--standalone", "--nproc-per-node", "2", "-m", "tests.verl.multirank",
-           "--layout", layout, "--model-dir", str(model_dir), "--records", str(records),
-           "--cache", cache, "--out", str(out)]  # fmt: skip
+    cmd = [
+        launcher,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "tests.verl.multirank",
+        "--layout",
+        layout,
+        "--model-dir",
+        str(model_dir),
+        "--records",
+        str(records),
+        "--cache",
+        cache,
+        "--out",
+        str(out),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
 
@@ -56,8 +72,9 @@ def _results(out) -> list[dict]:
 ROWS = 9 + 9 + 12 + 12
 
 
-def test_tp2_sp_each_rank_replays_its_sequence_share(tiny_model_dir, records_file, route_cache,
-                                                     tmp_path):  # fmt: skip
+def test_tp2_sp_each_rank_replays_its_sequence_share(
+    tiny_model_dir, records_file, route_cache, tmp_path
+):
     out = tmp_path / "tp2sp"
     proc = _torchrun("tp2sp", tiny_model_dir, records_file, route_cache, out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -73,8 +90,9 @@ def test_tp2_sp_each_rank_replays_its_sequence_share(tiny_model_dir, records_fil
     assert [r["read_from_cache"] for r in ranks] == [True, False]
 
 
-def test_pp2_each_stage_fetches_and_replays_only_its_layers(tiny_model_dir, records_file,
-                                                            route_cache, tmp_path):  # fmt: skip
+def test_pp2_each_stage_fetches_and_replays_only_its_layers(
+    tiny_model_dir, records_file, route_cache, tmp_path
+):
     out = tmp_path / "pp2"
     proc = _torchrun("pp2", tiny_model_dir, records_file, route_cache, out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -55,8 +55,14 @@ def calls(tiny_model_dir, tmp_path_factory, route_cache):
     with RouteCacheClient(route_cache) as client:
         writer = TurnWriter(client, geometry)
         for version, model_dir in enumerate(policies):
-            record = rollout_records(model_dir, [history], group_size=1, new_tokens=NEW_TOKENS,
-                                     seed=version, prefix=f"call{version}")[0]  # fmt: skip
+            record = rollout_records(
+                model_dir,
+                [history],
+                group_size=1,
+                new_tokens=NEW_TOKENS,
+                seed=version,
+                prefix=f"call{version}",
+            )[0]
             writer.write(SAMPLE, history, token_output(record, len(history), version))
             records.append(record)
             history = record.token_ids.tolist() + (TOOL_TOKENS[version] if version < 2 else [])
@@ -78,8 +84,10 @@ def test_each_turn_keeps_its_policys_routes(calls, route_cache):
     assert np.array_equal(stored.token_ids, calls[-1].token_ids)
     assert [t.policy_version for t in stored.turns] == [0, 1, 2]
     assert [(t.token_start, t.token_end, t.generated_start) for t in stored.turns] == [
-        (0, 9, 5), (9, 16, 12), (16, 22, 18)
-    ]  # fmt: skip
+        (0, 9, 5),
+        (9, 16, 12),
+        (16, 22, 18),
+    ]
     assert np.array_equal(stored.routes, _per_turn(calls))
 
 
@@ -107,17 +115,25 @@ def test_replay_follows_each_turns_routes_where_verls_overwrite_does_not(
     batch = PaddedBatch.packed([SAMPLE], [last.token_ids])
     moe = geometry.record.moe_layers
     followed = {}
-    for name, field, routes in (("integration", mine.routed_experts, per_turn),
-                                ("verl", nested([theirs]), last.routes)):  # fmt: skip
+    for name, field, routes in (
+        ("integration", mine.routed_experts, per_turn),
+        ("verl", nested([theirs]), last.routes),
+    ):
         built = verl_model(tiny_model_dir, pg_collection)
-        replay_r3(built.model, field, nested([tokens]), torch.ones(1, NEW_TOKENS),
-                  built.model.config)  # fmt: skip
+        replay_r3(
+            built.model, field, nested([tokens]), torch.ones(1, NEW_TOKENS), built.model.config
+        )
         maps, logits = forward_packed(built, batch)
         replayed, _, bad = check_rows(
-            maps, logits, batch, lambda b, p, layer, routes=routes: (
+            maps,
+            logits,
+            batch,
+            lambda b, p, layer, routes=routes: (
                 routes[p, moe.index(layer)] if p < last.num_rows else None
-            ), native=lambda b, p: p == last.num_rows, topk=geometry.record.topk,
-        )  # fmt: skip
+            ),
+            native=lambda b, p: p == last.num_rows,
+            topk=geometry.record.topk,
+        )
         assert not bad, (name, bad[:10])
         assert replayed == len(moe) * last.num_rows
         followed[name] = routes

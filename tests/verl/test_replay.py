@@ -44,8 +44,9 @@ NEW_TOKENS = 6
 def rollout(tiny_model_dir, route_cache):
     """4 samples (2 prompts x 2), each written through the rollout seam as one verl call."""
     prompts = random_prompts(2, PROMPT_LENGTHS, 512, seed=5)
-    records = rollout_records(tiny_model_dir, prompts, group_size=2, new_tokens=NEW_TOKENS,
-                              seed=1, prefix="verl1")  # fmt: skip
+    records = rollout_records(
+        tiny_model_dir, prompts, group_size=2, new_tokens=NEW_TOKENS, seed=1, prefix="verl1"
+    )
     geometry = geometry_of(tiny_model_dir)
     with RouteCacheClient(route_cache) as client:
         writer = TurnWriter(client, geometry)
@@ -86,8 +87,9 @@ def test_rollout_seam_stores_each_samples_moe_rows(rollout, route_cache, tiny_mo
             assert stored.turns[0].generated_start == record.turns[0].generated_start
 
 
-def test_fetched_field_equals_verls_own_on_every_column_verl_reads(rollout, route_cache,
-                                                                   tiny_model_dir):  # fmt: skip
+def test_fetched_field_equals_verls_own_on_every_column_verl_reads(
+    rollout, route_cache, tiny_model_dir
+):
     """verl's agent loop aligns the rollout's tensor to the sample (``AgentLoopOutput.as_dict``);
     the fetched field equals it on every MoE column (dense columns: zero here, never read)."""
     from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
@@ -113,21 +115,31 @@ def test_fetched_field_equals_verls_own_on_every_column_verl_reads(rollout, rout
         assert not mine[:, [i for i in range(geometry.num_hidden_layers) if i not in moe]].any()
 
 
-def test_nested_layout_every_router_follows_the_records(rollout, route_cache, tiny_model_dir,
-                                                        pg_collection):  # fmt: skip
+def test_nested_layout_every_router_follows_the_records(
+    rollout, route_cache, tiny_model_dir, pg_collection
+):
     geometry = geometry_of(tiny_model_dir)
     built = verl_model(tiny_model_dir, pg_collection)
     ids = [r.sample_id for r in rollout]
     tokens = [torch.from_numpy(r.token_ids.astype(np.int64)) for r in rollout]
     routes = RouteFetcher(CacheSource(route_cache), geometry).routes(ids, nested(tokens))
-    replay_r3(built.model, routes.routed_experts, nested(tokens), _response_mask(rollout),
-              built.model.config)  # fmt: skip
+    replay_r3(
+        built.model,
+        routes.routed_experts,
+        nested(tokens),
+        _response_mask(rollout),
+        built.model.config,
+    )
     batch = PaddedBatch.packed(ids, [t.numpy() for t in tokens])
     maps, logits = forward_packed(built, batch)
     replayed, natural, bad = check_rows(
-        maps, logits, batch, _expected(rollout, geometry),
-        native=lambda b, p: p == rollout[b].num_tokens - 1, topk=geometry.record.topk,
-    )  # fmt: skip
+        maps,
+        logits,
+        batch,
+        _expected(rollout, geometry),
+        native=lambda b, p: p == rollout[b].num_tokens - 1,
+        topk=geometry.record.topk,
+    )
     assert not bad, bad[:10]
     assert sorted(maps) == [1, 2, 3]
     # Every token but each sample's last, on each of the 3 MoE layers; the last ones natively.
@@ -135,8 +147,9 @@ def test_nested_layout_every_router_follows_the_records(rollout, route_cache, ti
     assert natural == 3 * len(rollout)
 
 
-def test_padded_layout_every_router_follows_the_records(rollout, route_cache, tiny_model_dir,
-                                                        pg_collection):  # fmt: skip
+def test_padded_layout_every_router_follows_the_records(
+    rollout, route_cache, tiny_model_dir, pg_collection
+):
     """verl's padded (BSHD) call: ``set_router_replay_data(routes [bs, seq, L, k],
     attention_mask)``, prompts left-padded and responses right-padded as verl's agent loop
     lays them out."""
@@ -157,16 +170,17 @@ def test_padded_layout_every_router_follows_the_records(rollout, route_cache, ti
         span = slice(prompt_width - prompt_len, prompt_width + r.num_tokens - prompt_len)
         input_ids[b, span] = torch.from_numpy(r.token_ids.astype(np.int64))
         attention_mask[b, span] = True
-    routes = RouteFetcher(CacheSource(route_cache), geometry).routes(ids, input_ids,
-                                                                     attention_mask)  # fmt: skip
+    routes = RouteFetcher(CacheSource(route_cache), geometry).routes(ids, input_ids, attention_mask)
     assert routes.routed_experts.shape == (*input_ids.shape, geometry.num_hidden_layers, 2)
     set_model_router_replay_action(built.model, RouterReplayAction.REPLAY_FORWARD)
-    set_router_replay_data(routes.routed_experts, attention_mask, built.model.config, 0,
-                           model=built.model)  # fmt: skip
+    set_router_replay_data(
+        routes.routed_experts, attention_mask, built.model.config, 0, model=built.model
+    )
     batch = PaddedBatch.packed(ids, [r.token_ids for r in rollout])
     maps, logits = forward_packed(built, batch)
-    replayed, _, bad = check_rows(maps, logits, batch, _expected(rollout, geometry),
-                                  native=lambda b, p: False, topk=2)  # fmt: skip
+    replayed, _, bad = check_rows(
+        maps, logits, batch, _expected(rollout, geometry), native=lambda b, p: False, topk=2
+    )
     assert not bad, bad[:10]
     assert replayed == 3 * sum(r.num_rows for r in rollout)
 
@@ -177,9 +191,11 @@ def test_missing_record_is_an_error_naming_it_or_native_by_setting(
     geometry = geometry_of(tiny_model_dir)
     ids = [rollout[0].sample_id, "verl-never-written", rollout[2].sample_id]
     kept = [rollout[0], None, rollout[2]]
-    tokens = [torch.from_numpy(rollout[0].token_ids.astype(np.int64)),
-              torch.arange(2, 13, dtype=torch.int64),
-              torch.from_numpy(rollout[2].token_ids.astype(np.int64))]  # fmt: skip
+    tokens = [
+        torch.from_numpy(rollout[0].token_ids.astype(np.int64)),
+        torch.arange(2, 13, dtype=torch.int64),
+        torch.from_numpy(rollout[2].token_ids.astype(np.int64)),
+    ]
     with pytest.raises(NotFound, match="verl-never-written"):
         RouteFetcher(CacheSource(route_cache), geometry).routes(ids, nested(tokens))
 
@@ -189,9 +205,13 @@ def test_missing_record_is_an_error_naming_it_or_native_by_setting(
     assert routes.present.tolist() == [True, False, True]
     built = verl_model(tiny_model_dir, pg_collection)
     replay_r3(
-        built.model, routes.routed_experts, nested(tokens), torch.ones(3, NEW_TOKENS),
-        built.model.config, mask_hook=lambda m: native_where_missing(m, routes.routed),
-    )  # fmt: skip
+        built.model,
+        routes.routed_experts,
+        nested(tokens),
+        torch.ones(3, NEW_TOKENS),
+        built.model.config,
+        mask_hook=lambda m: native_where_missing(m, routes.routed),
+    )
     batch = PaddedBatch.packed(ids, [t.numpy() for t in tokens])
     maps, logits = forward_packed(built, batch)
 
@@ -199,22 +219,28 @@ def test_missing_record_is_an_error_naming_it_or_native_by_setting(
         return None if kept[b] is None else _expected(kept, geometry)(b, p, layer)
 
     replayed, natural, bad = check_rows(
-        maps, logits, batch, expected, topk=2,
+        maps,
+        logits,
+        batch,
+        expected,
+        topk=2,
         native=lambda b, p: kept[b] is None or p == len(tokens[b]) - 1,
-    )  # fmt: skip
+    )
     assert not bad, bad[:10]
     assert natural == 3 * (len(tokens[1]) + 2)
 
 
-def test_records_of_another_model_are_refused_naming_the_sample(rollout, route_cache,
-                                                                tiny_model_dir):  # fmt: skip
+def test_records_of_another_model_are_refused_naming_the_sample(
+    rollout, route_cache, tiny_model_dir
+):
     geometry = geometry_of(tiny_model_dir)
     other = dataclasses.replace(geometry.record, num_experts=16, model_id="other")
     fetcher = RouteFetcher(CacheSource(route_cache), dataclasses.replace(geometry, record=other))
     sample = rollout[1]
     with pytest.raises(InvalidArgument, match=f"{sample.sample_id}.*of 8.*top-2 of 16"):
-        fetcher.routes([sample.sample_id],
-                       nested([torch.from_numpy(sample.token_ids.astype(np.int64))]))  # fmt: skip
+        fetcher.routes(
+            [sample.sample_id], nested([torch.from_numpy(sample.token_ids.astype(np.int64))])
+        )
     # A rollout of another model (its capture has 6 layers) is refused before anything is written.
     capture = engine_capture(sample, 6)
     output = token_output(sample, 5).model_copy(update={"routed_experts": capture})
@@ -233,8 +259,9 @@ def test_tokens_past_the_record_route_natively_with_the_mask_hook(
     would be replayed as expert 0, k times; ``native_where_missing`` routes them natively."""
     geometry = geometry_of(tiny_model_dir)
     record = rollout[3]
-    tokens = torch.cat([torch.from_numpy(record.token_ids.astype(np.int64)),
-                        torch.tensor([301, 302, 303])])  # fmt: skip
+    tokens = torch.cat(
+        [torch.from_numpy(record.token_ids.astype(np.int64)), torch.tensor([301, 302, 303])]
+    )
     routes = RouteFetcher(CacheSource(route_cache), geometry).routes(
         [record.sample_id], nested([tokens])
     )
@@ -243,17 +270,29 @@ def test_tokens_past_the_record_route_natively_with_the_mask_hook(
     past = range(record.num_rows, len(tokens) - 1)  # replayed by verl's mask, no route
     for hook in (None, lambda m: native_where_missing(m, routes.routed)):
         built = verl_model(tiny_model_dir, pg_collection)
-        replay_r3(built.model, routes.routed_experts, nested([tokens]), torch.ones(1, 4),
-                  built.model.config, mask_hook=hook)  # fmt: skip
+        replay_r3(
+            built.model,
+            routes.routed_experts,
+            nested([tokens]),
+            torch.ones(1, 4),
+            built.model.config,
+            mask_hook=hook,
+        )
         maps, logits = forward_packed(built, batch)
-        expert0 = {layer: [bool(m[p, 0]) and int(m[p].sum()) == 1 for p in past]
-                   for layer, m in maps.items()}  # fmt: skip
+        expert0 = {
+            layer: [bool(m[p, 0]) and int(m[p].sum()) == 1 for p in past]
+            for layer, m in maps.items()
+        }
         if hook is None:
             assert all(all(v) for v in expert0.values()), expert0
             continue
         replayed, natural, bad = check_rows(
-            maps, logits, batch, _expected([record], geometry), topk=2,
+            maps,
+            logits,
+            batch,
+            _expected([record], geometry),
+            topk=2,
             native=lambda b, p: p >= record.num_rows,
-        )  # fmt: skip
+        )
         assert not bad, bad[:10]
         assert (replayed, natural) == (3 * record.num_rows, 3 * 4)

@@ -259,9 +259,12 @@ class FeedPlans:
                     config.route_cache.target, security=config.route_cache.security()
                 )
             self.consumer = ReadyConsumer(
-                client, data.consumer_group, data.consumer, data.group_size,
+                client,
+                data.consumer_group,
+                data.consumer,
+                data.group_size,
                 start_from_latest=data.start_from_latest,
-            )  # fmt: skip
+            )
 
     def __iter__(self) -> Iterator[BatchPlan]:
         while (plan := self.next_plan()) is not None:
@@ -278,8 +281,10 @@ class FeedPlans:
             else:  # left pending: a restarted consumer gets them back
                 log.warning(
                     "%d of %d groups came from the feed within %.0f s: stopping",
-                    len(groups), self.groups_per_batch, self.wait_s,
-                )  # fmt: skip
+                    len(groups),
+                    self.groups_per_batch,
+                    self.wait_s,
+                )
         ids = self.dp.from_lead(ids)
         return None if ids is None else BatchPlan(ids)
 

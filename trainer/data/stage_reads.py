@@ -144,11 +144,13 @@ def pack_records(records: Sequence[Record | None]) -> tuple[list, np.ndarray]:
             header.append(None)
             continue
         arrays = [record.token_ids, record.routes, *(t.logprobs for t in record.turns)]
-        spans = [(t.token_start, t.token_end, t.generated_start, t.policy_version)
-                 for t in record.turns]  # fmt: skip
+        spans = [
+            (t.token_start, t.token_end, t.generated_start, t.policy_version) for t in record.turns
+        ]
         specs = [(a.dtype.str, a.shape) for a in arrays]
-        header.append((record.sample_id, record.group_id, record.geometry, record.layers,
-                       spans, specs))  # fmt: skip
+        header.append(
+            (record.sample_id, record.group_id, record.geometry, record.layers, spans, specs)
+        )
         for a in arrays:
             flat = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
             parts += [flat, np.zeros(_aligned(flat.size) - flat.size, np.uint8)]

@@ -83,9 +83,12 @@ class PaddedBatch:
         for start, t in zip(plan.cu_seqlens_padded[:-1], tokens, strict=True):
             ids[0, start : start + len(t)] = torch.as_tensor(np.asarray(t, dtype=np.int64))
         return cls(
-            tuple(sample_ids), ids, torch.from_numpy(plan.lengths.copy()), PACKED,
+            tuple(sample_ids),
+            ids,
+            torch.from_numpy(plan.lengths.copy()),
+            PACKED,
             torch.from_numpy(plan.cu_seqlens_padded[:-1].copy()),
-        )  # fmt: skip
+        )
 
     @property
     def batch_size(self) -> int:

@@ -88,8 +88,11 @@ def micro_batches(
             batch.sample_values(adv, b)[:] = float(advantages[i])
         # Column 0 of a sample has no log-prob (nothing before it): never a loss position.
         generated &= batch.position_ids() > 0
-        out.append(MicroBatch(chunk, [records[i] for i in group], tuple(group), batch,
-                              generated, rollout, adv))  # fmt: skip
+        out.append(
+            MicroBatch(
+                chunk, [records[i] for i in group], tuple(group), batch, generated, rollout, adv
+            )
+        )
     return out
 
 
@@ -117,8 +120,10 @@ def step_micro_batches(
     local_micro = max(train.micro_batch_size // dp.size, 1)
     side = PACKED if train.packing else train.padding_side
     multiple = layout.multiple
-    minis = [list(range(lo, min(lo + local_mini, len(samples))))
-             for lo in range(0, len(samples), local_mini)]  # fmt: skip
+    minis = [
+        list(range(lo, min(lo + local_mini, len(samples))))
+        for lo in range(0, len(samples), local_mini)
+    ]
     minis += [[]] * (int(dp.max(len(minis))) - len(minis))  # a rank short of samples
     groups, error = [], ""
     for mine in minis:
@@ -134,8 +139,11 @@ def step_micro_batches(
     if layout.pp > 1:
         # Megatron's pipeline schedules exchange activations of one shape: every
         # micro-batch of the step gets the largest (rows, seq) among them.
-        padded = [[padded_length(samples[j].token_ids.size, multiple) for j in group]
-                  for mini in groups for group in mini]  # fmt: skip
+        padded = [
+            [padded_length(samples[j].token_ids.size, multiple) for j in group]
+            for mini in groups
+            for group in mini
+        ]
         if side == PACKED:
             shape = (1, max((sum(p) for p in padded), default=0))
         else:

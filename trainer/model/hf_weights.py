@@ -164,10 +164,16 @@ def _latent_attention(mg: str, hf: str, fields: dict[str, Any]) -> list[tuple[st
     if fields["q_lora_rank"] is None:
         query = [("linear_q_proj", "q_proj")]
     else:
-        query = [("linear_q_down_proj", "q_a_proj"), ("q_layernorm", "q_a_layernorm"),
-                 ("linear_q_up_proj", "q_b_proj")]  # fmt: skip
-    latent = [("linear_kv_down_proj", "kv_a_proj_with_mqa"), ("kv_layernorm", "kv_a_layernorm"),
-              ("linear_kv_up_proj", "kv_b_proj")]  # fmt: skip
+        query = [
+            ("linear_q_down_proj", "q_a_proj"),
+            ("q_layernorm", "q_a_layernorm"),
+            ("linear_q_up_proj", "q_b_proj"),
+        ]
+    latent = [
+        ("linear_kv_down_proj", "kv_a_proj_with_mqa"),
+        ("kv_layernorm", "kv_a_layernorm"),
+        ("linear_kv_up_proj", "kv_b_proj"),
+    ]
     return [(f"{mg}{m}.weight", f"{hf}{h}.weight") for m, h in query + latent]
 
 
@@ -181,8 +187,14 @@ def _mlps(config: dict[str, Any]) -> list[tuple[str, str, tuple[str, str, str]]]
         mg, hf = f"decoder.layers.{layer}.mlp.", f"model.layers.{layer}."
         if is_moe and not names.fused_experts:
             # Checkpoints store experts one by one on disk.
-            prefixes += [(f"{mg}experts.local_experts.{e}.", f"{hf}{names.moe}experts.{e}.",
-                          names.expert_proj) for e in range(num_experts(config))]  # fmt: skip
+            prefixes += [
+                (
+                    f"{mg}experts.local_experts.{e}.",
+                    f"{hf}{names.moe}experts.{e}.",
+                    names.expert_proj,
+                )
+                for e in range(num_experts(config))
+            ]
             if shared:
                 prefixes.append((f"{mg}shared_experts.", hf + names.shared, DENSE_PROJ))
         elif not is_moe:
@@ -196,9 +208,14 @@ def _fused_experts(config: dict[str, Any]) -> list[tuple[str, str]]:
     names = check_supported(config).weights
     if not names.fused_experts:
         return []
-    return [(f"decoder.layers.{layer}.mlp.experts.local_experts.",
-             f"model.layers.{layer}.{names.moe}experts.")
-            for layer, is_moe in enumerate(moe_layer_pattern(config)) if is_moe]  # fmt: skip
+    return [
+        (
+            f"decoder.layers.{layer}.mlp.experts.local_experts.",
+            f"model.layers.{layer}.{names.moe}experts.",
+        )
+        for layer, is_moe in enumerate(moe_layer_pattern(config))
+        if is_moe
+    ]
 
 
 def _deinterleave(gate_up: torch.Tensor) -> torch.Tensor:
@@ -238,8 +255,10 @@ def _fused_to_hf(mg, config, out) -> None:
 
 
 def _layers(config: dict[str, Any]) -> list[tuple[str, str]]:
-    return [(f"decoder.layers.{i}.", f"model.layers.{i}.")
-            for i in range(len(moe_layer_pattern(config)))]  # fmt: skip
+    return [
+        (f"decoder.layers.{i}.", f"model.layers.{i}.")
+        for i in range(len(moe_layer_pattern(config)))
+    ]
 
 
 def hf_to_megatron(
@@ -260,9 +279,11 @@ def hf_to_megatron(
         attn = name + "self_attn."
         for kind in _qkv_kinds(config):
             out[f"{mg}self_attention.linear_qkv.{kind}"] = _qkv_to_megatron(
-                hf[f"{attn}q_proj.{kind}"], hf[f"{attn}k_proj.{kind}"], hf[f"{attn}v_proj.{kind}"],
+                hf[f"{attn}q_proj.{kind}"],
+                hf[f"{attn}k_proj.{kind}"],
+                hf[f"{attn}v_proj.{kind}"],
                 config,
-            )  # fmt: skip
+            )
     for mg, name, (gate, up, _) in _mlps(config):
         # Megatron's gated linear unit splits fc1's rows as [gate; up].
         out[mg + "linear_fc1.weight"] = torch.cat(

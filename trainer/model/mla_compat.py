@@ -57,8 +57,13 @@ class LocalMLACoreAttention(DotProductAttention):
     ``MultiLatentAttention`` passes: query/key ``[s, b, heads, k_channels]``, value
     ``[s, b, heads, v_channels]``, output ``[s, b, heads * v_channels]`` (per TP rank)."""
 
-    def __init__(self, *args: Any, k_channels: int | None = None,
-                 v_channels: int | None = None, **kwargs: Any):  # fmt: skip
+    def __init__(
+        self,
+        *args: Any,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+        **kwargs: Any,
+    ):
         del k_channels  # the scores' matmul takes any query/key size
         super().__init__(*args, **kwargs)
         if v_channels is not None:  # the Attention base class builds it once without them

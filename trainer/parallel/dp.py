@@ -98,8 +98,11 @@ class DataParallel:
         from the configuration alone, before any collective)."""
         if not self.enabled:
             return
-        sizes = (("batch_size", batch_size), ("micro_batch_size", micro_batch_size),
-                 ("mini_batch_size", mini_batch_size))  # fmt: skip
+        sizes = (
+            ("batch_size", batch_size),
+            ("micro_batch_size", micro_batch_size),
+            ("mini_batch_size", mini_batch_size),
+        )
         for name, n in sizes:
             if n % self.size:
                 raise LayoutError(
@@ -172,8 +175,11 @@ class DataParallel:
         optimizer skips it, as on one rank)."""
         mp = self.model
         if mp is not None and mp.tp > 1:
-            partial = [p for name, p in model.named_parameters()
-                       if p.requires_grad and _tp_partial(name, p)]  # fmt: skip
+            partial = [
+                p
+                for name, p in model.named_parameters()
+                if p.requires_grad and _tp_partial(name, p)
+            ]
             _sum_grads(partial, mp.tp_group)
         for params, group in self._grad_groups(model):
             _sum_grads(params, group)

@@ -27,21 +27,31 @@ class TrainerMetrics(MetricsEndpoint):
         kw = dict(namespace=NAMESPACE, registry=self.registry)
         self.steps = Counter("steps", "RL steps done", **kw)
         self.step_seconds = Histogram(
-            "step_seconds", "Wall time of an RL step, fetch wait included", buckets=STEP_BUCKETS,
+            "step_seconds",
+            "Wall time of an RL step, fetch wait included",
+            buckets=STEP_BUCKETS,
             **kw,
-        )  # fmt: skip
+        )
         self.fetch_wait = Histogram(
-            "fetch_wait_seconds", "Time the loop waited for a batch's records (0: prefetched)",
-            buckets=LATENCY_BUCKETS, **kw,
-        )  # fmt: skip
+            "fetch_wait_seconds",
+            "Time the loop waited for a batch's records (0: prefetched)",
+            buckets=LATENCY_BUCKETS,
+            **kw,
+        )
         self.agreement = Gauge(
-            "routing_agreement", "Last step's fraction of rows whose natural top-k set equals "
-            "the rollout's, per MoE layer", ["layer"], **kw,
-        )  # fmt: skip
+            "routing_agreement",
+            "Last step's fraction of rows whose natural top-k set equals "
+            "the rollout's, per MoE layer",
+            ["layer"],
+            **kw,
+        )
         self.replay_followed = Gauge(
-            "replay_followed", "Last step's fraction of replayed rows routed exactly as the "
-            "rollout (R3), per MoE layer", ["layer"], **kw,
-        )  # fmt: skip
+            "replay_followed",
+            "Last step's fraction of replayed rows routed exactly as the "
+            "rollout (R3), per MoE layer",
+            ["layer"],
+            **kw,
+        )
         self.route_bytes_read = Counter(
             "route_bytes_read", "Route bytes the ranks read from the route cache", **kw
         )

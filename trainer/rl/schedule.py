@@ -157,8 +157,12 @@ class Schedule:
                     stack.enter_context(built.controls[v].forward(per_chunk[v][m]))
                 if observe and built.controls is not None:
                     stack.enter_context(built.controls[v].observe(result.routes[m]))
-                out = model(batch.token_ids, batch.position_ids(), batch.attention_mask(),
-                            padding_mask=self._padding_mask(model, batch))  # fmt: skip
+                out = model(
+                    batch.token_ids,
+                    batch.position_ids(),
+                    batch.attention_mask(),
+                    padding_mask=self._padding_mask(model, batch),
+                )
             return out, functools.partial(loss_func, m)
 
         def loss_func(m, logits):

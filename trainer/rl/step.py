@@ -165,10 +165,16 @@ class RLStep:
     def _plan(self, samples, records, adv) -> StepLayout:
         """This rank's micro-batches and replay ids (``trainer.layout.plan_step``)."""
         return plan_step(
-            samples, records, adv, train=self.config.train, dp=self.dp, share=self.share,
-            geometry=self.built.geometry, router_layers=[r.layer for r in self.built.routers],
+            samples,
+            records,
+            adv,
+            train=self.config.train,
+            dp=self.dp,
+            share=self.share,
+            geometry=self.built.geometry,
+            router_layers=[r.layer for r in self.built.routers],
             model_id=self.config.model.model_id or None,
-        )  # fmt: skip
+        )
 
     def _recorded(self, mb: MicroBatch) -> dict[int, torch.Tensor]:
         """Per router of this rank, the record's route of each of its rows (``MASKED``: none)."""
@@ -255,7 +261,7 @@ class RLStep:
         work.chosen = [
             {layer: torch.where(ok[:, None], seen["natural"], MASKED) for layer, seen in mb.items()}
             for mb, ok in zip(old.routes, work.replayable, strict=True)
-        ]  # fmt: skip
+        ]
         if self.passes.old is Routing.ROLLOUT:
             work.followed += self._followed(old, work.recorded)
 
@@ -266,10 +272,14 @@ class RLStep:
         if self.compare and mbs:
             result = self._pass(
                 work.batches,
-                lambda m, logits: (None, {"logp": objective.token_logprobs(
-                    logits, mbs[m].batch.token_ids)}),
-                self.passes.compare, work.rollout, None,
-            )  # fmt: skip
+                lambda m, logits: (
+                    None,
+                    {"logp": objective.token_logprobs(logits, mbs[m].batch.token_ids)},
+                ),
+                self.passes.compare,
+                work.rollout,
+                None,
+            )
             work.other_logp = [o["logp"] for o in result.outputs]
             if self.passes.compare is Routing.NATURAL:
                 work.natural_routes = result.routes
@@ -348,8 +358,11 @@ class RLStep:
         ).summed(dp)
         # Each rank counts what it read itself (one rank per TP/CP group with stage reads).
         read = int(measure.world_sum(np.array([fetched.route_bytes], np.int64))[0])
-        valid, replayed, stored = (int(totals.valid_rows), int(totals.replayed_rows),
-                                   int(totals.stored_route_bytes))  # fmt: skip
+        valid, replayed, stored = (
+            int(totals.valid_rows),
+            int(totals.replayed_rows),
+            int(totals.stored_route_bytes),
+        )
         time_s = {"fetch": fetched.fetch_s, "fetch_wait": fetched.wait_s, **work.times}
         if dp.enabled:  # the slowest rank's time (the step waits for it)
             time_s = {k: max(t[k] for t in dp.all_gather(time_s)) for k in time_s}
@@ -412,8 +425,9 @@ class RLStep:
 
         replay = None
         if replay_update:
-            replay = [[update_ids[lo + m][r.layer] for r in self.built.routers]
-                      for m in range(len(mini))]  # fmt: skip
+            replay = [
+                [update_ids[lo + m][r.layer] for r in self.built.routers] for m in range(len(mini))
+            ]
         return self.schedule.run(
             [mb.batch for mb in mini], loss, replay=replay, forward_only=False, observe=True
         )
@@ -461,8 +475,13 @@ class RLStep:
             per_sample = {}
             for mb, lp in zip(mbs, per_mb, strict=True):
                 sel = mb.generated & ~torch.isnan(mb.rollout_logp)
-                for j, s, r, ok in zip(mb.index, mb.per_sample(lp), mb.per_sample(mb.rollout_logp),
-                                       mb.per_sample(sel), strict=True):  # fmt: skip
+                for j, s, r, ok in zip(
+                    mb.index,
+                    mb.per_sample(lp),
+                    mb.per_sample(mb.rollout_logp),
+                    mb.per_sample(sel),
+                    strict=True,
+                ):
                     per_sample[j] = (s[ok].numpy(), r[ok].numpy())
             pairs = self._in_batch_order(per_sample)
             trainer = np.concatenate([p[0] for p in pairs]) if pairs else np.zeros(0)
@@ -531,12 +550,15 @@ class RLStep:
     def _record(self, sample, rollout: Record | None, routes: np.ndarray, lp) -> Record:
         """A sample's routes as a record (the rollout's turns, the trainer's log-probs)."""
         if rollout is not None:
-            spans = [(t.token_start, t.token_end, t.generated_start, t.policy_version)
-                     for t in rollout.turns]  # fmt: skip
+            spans = [
+                (t.token_start, t.token_end, t.generated_start, t.policy_version)
+                for t in rollout.turns
+            ]
         else:
             first = np.flatnonzero(sample.generated)
             gen = int(first[0]) if first.size else sample.token_ids.size
             spans = [(0, sample.token_ids.size, gen, 0)]
         turns = [Turn(s, e, g, v, lp[g:e].astype(np.float32)) for s, e, g, v in spans]
-        return Record(sample.sample_id, self.built.geometry, sample.token_ids, routes, turns,
-                      sample.group_id)  # fmt: skip
+        return Record(
+            sample.sample_id, self.built.geometry, sample.token_ids, routes, turns, sample.group_id
+        )
