@@ -120,3 +120,38 @@ def record_natural_routes(
                 Record(batch.sample_ids[b], built.geometry, tokens, sample_routes, [turn])
             )
     return outputs, records
+
+
+def replay_random_routes(built, batch: PaddedBatch, seed: int):
+    """Replay distinct random routes (which ignore any group limit) on ``batch``, without
+    gradients, and see what each router did.
+
+    Returns:
+        ``(aligned, rows, maps, logits, probs)``: the alignment, bool ``[tokens]`` of the rows
+        replayed, and per router layer the routing map and gating logits
+        (``capture_routing``) and the routing probabilities ``[tokens, experts]``.
+    """
+    from trainer.layout.align import align_routes
+
+    geometry = built.geometry
+    routes = [random_routes(seed + b, int(n) - 1, geometry) for b, n in enumerate(batch.lengths)]
+    records = [
+        make_record(batch.sample_ids[b], batch.sample_tokens(b).numpy(), routes[b], geometry)
+        for b in range(batch.batch_size)
+    ]
+    aligned = align_routes(batch, records, geometry, built.replay.layers)
+    probs: dict[int, torch.Tensor] = {}
+    handles = [
+        r.router.register_forward_hook(
+            lambda m, i, o, layer=r.layer: probs.__setitem__(layer, o[0].detach().clone())
+        )
+        for r in built.routers
+    ]
+    try:
+        with torch.no_grad(), built.replay.step(), capture_routing(built.routers) as (maps, logits):
+            with built.replay.forward(aligned.indices):
+                next_token_loss(built.model, batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return aligned, aligned.replayed.reshape(-1), maps, logits, probs

@@ -23,6 +23,7 @@ from tests.trainer.helpers import (
     one_hot,
     random_batch,
     random_routes,
+    replay_random_routes,
 )
 from trainer.layout.align import align_routes
 from trainer.model.build import build_model
@@ -111,27 +112,7 @@ def test_deepseek_v2_router_uses_its_group_limit(family_model_dir, pg_collection
         differs |= not torch.equal(maps[r.layer][0], plain)
     assert differs
 
-    routes = [random_routes(30 + b, int(n) - 1, geometry) for b, n in enumerate(batch.lengths)]
-    records = [
-        make_record(batch.sample_ids[b], batch.sample_tokens(b).numpy(), routes[b], geometry)
-        for b in range(batch.batch_size)
-    ]
-    aligned = align_routes(batch, records, geometry, built.replay.layers)
-    probs: dict[int, torch.Tensor] = {}
-    handles = [
-        r.router.register_forward_hook(
-            lambda m, i, o, layer=r.layer: probs.__setitem__(layer, o[0].detach().clone())
-        )
-        for r in built.routers
-    ]
-    try:
-        with torch.no_grad(), built.replay.step(), capture_routing(built.routers) as (_, logits):
-            with built.replay.forward(aligned.indices):
-                next_token_loss(built.model, batch)
-    finally:
-        for h in handles:
-            h.remove()
-    rows = aligned.replayed.reshape(-1)
+    aligned, rows, _, logits, probs = replay_random_routes(built, batch, 30)
     for j, r in enumerate(built.routers):
         ids = aligned.indices[j][rows]
         expected = torch.softmax(logits[r.layer][0][rows], dim=-1).gather(1, ids) * 1.5

@@ -28,6 +28,7 @@ from tests.trainer.helpers import (
     random_batch,
     random_routes,
     record_natural_routes,
+    replay_random_routes,
 )
 from trainer.layout.align import align_routes, routes_from_recorded
 from trainer.layout.batch import PaddedBatch
@@ -151,23 +152,7 @@ def test_glm_forced_routes_are_weighted_by_unbiased_scaled_scores(glm):
     geometry, config = glm.geometry, glm.model.config
     batch = random_batch(2, [10, 6, 8], "right")
     # Random routes ignore the group limit: replay must follow them anyway.
-    routes = [random_routes(100 + b, int(n) - 1, geometry) for b, n in enumerate(batch.lengths)]
-    aligned = align_routes(batch, _records(batch, routes, geometry), geometry, glm.replay.layers)
-    probs: dict[int, torch.Tensor] = {}
-    handles = [
-        r.router.register_forward_hook(
-            lambda m, i, o, layer=r.layer: probs.__setitem__(layer, o[0].detach().clone())
-        )
-        for r in glm.routers
-    ]
-    try:
-        with torch.no_grad(), glm.replay.step(), capture_routing(glm.routers) as (maps, logits):
-            with glm.replay.forward(aligned.indices):
-                next_token_loss(glm.model, batch)
-    finally:
-        for h in handles:
-            h.remove()
-    rows = aligned.replayed.reshape(-1)
+    aligned, rows, maps, logits, probs = replay_random_routes(glm, batch, 100)
     scale = config.moe_router_topk_scaling_factor
     assert scale == 2.5
     for j, r in enumerate(glm.routers):

@@ -17,14 +17,11 @@ pytest.importorskip("megatron.core")
 
 from routereplay.families.gpt_oss import TINY_SLIDING_WINDOW
 from tests.trainer.helpers import (
-    capture_routing,
-    make_record,
     next_token_loss,
     one_hot,
     random_batch,
-    random_routes,
+    replay_random_routes,
 )
-from trainer.layout.align import align_routes
 from trainer.layout.batch import PaddedBatch
 from trainer.model.build import build_model
 from trainer.model.hf_config import UnsupportedConfig, read_hf_config, transformer_config
@@ -88,27 +85,7 @@ def test_gradients_reach_sinks_biases_and_router(built):
 def test_forced_routes_are_weighted_by_the_softmax_of_their_own_biased_logits(built):
     geometry = built.geometry
     batch = random_batch(2, [10, 6, 8], "right")
-    routes = [random_routes(100 + b, int(n) - 1, geometry) for b, n in enumerate(batch.lengths)]
-    records = [
-        make_record(batch.sample_ids[b], batch.sample_tokens(b).numpy(), routes[b], geometry)
-        for b in range(batch.batch_size)
-    ]
-    aligned = align_routes(batch, records, geometry, built.replay.layers)
-    probs: dict[int, torch.Tensor] = {}
-    handles = [
-        r.router.register_forward_hook(
-            lambda m, i, o, layer=r.layer: probs.__setitem__(layer, o[0].detach().clone())
-        )
-        for r in built.routers
-    ]
-    try:
-        with torch.no_grad(), built.replay.step(), capture_routing(built.routers) as (maps, logits):
-            with built.replay.forward(aligned.indices):
-                next_token_loss(built.model, batch)
-    finally:
-        for h in handles:
-            h.remove()
-    rows = aligned.replayed.reshape(-1)
+    aligned, rows, maps, logits, probs = replay_random_routes(built, batch, 100)
     for j, r in enumerate(built.routers):
         ids = aligned.indices[j][rows]
         assert torch.equal(maps[r.layer][0][rows], one_hot(ids, geometry.num_experts))
