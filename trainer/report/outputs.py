@@ -27,7 +27,6 @@ from trainer.config import TrainerConfig
 from trainer.model.build import TrainerModel
 from trainer.parallel.dp import DataParallel
 from trainer.report.step_report import FeedBatch, StepReport
-from trainer.rl.optim import AdamW
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +38,7 @@ class Run:
 
     config: TrainerConfig
     model: TrainerModel
-    optimizer: AdamW
+    optimizer: object  # trainer.rl.optim.AdamW: saved with the checkpoints
     dp: DataParallel
     feed: object = None  # trainer.data.source.FeedPlans
 
@@ -288,7 +287,7 @@ def gathered_weights(built: TrainerModel, dp: DataParallel) -> dict[str, torch.T
 
 
 def save_checkpoint(
-    config: TrainerConfig, built: TrainerModel, optimizer: AdamW, step: int, dp: DataParallel
+    config: TrainerConfig, built: TrainerModel, optimizer, step: int, dp: DataParallel
 ) -> None:
     """Checkpoint after ``step``: the lead writes the one file (data parallel: every rank holds
     the same state), or every rank its shard and the lead names the step once all have."""
