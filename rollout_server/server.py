@@ -13,7 +13,7 @@ from rollout_server.engine import Engine
 from rollout_server.rollout import Rollout, RolloutLimits
 from rollout_server.writer import RecordWriter
 from routereplay.domain.rollout import SampleRequest, ServerStatus, WeightsUpdate
-from routereplay.rpc.client import AsyncRouteCacheClient
+from routereplay.rpc.client import AsyncRouteCacheClient, RetryPolicy
 from routereplay.rpc.grpc_server import LIVENESS, make_aio_server, set_serving_aio
 from routereplay.rpc.metrics import ServiceMetrics
 from routereplay.rpc.rollout_wire import (
@@ -158,6 +158,7 @@ class RolloutServer:
         self.config = config
         self.engine = engine
         self.cache: AsyncRouteCacheClient | None = None
+        self.write_cache: AsyncRouteCacheClient | None = None
         self.rollout: Rollout | None = None
         self.port = 0
         self._server = None
@@ -174,8 +175,20 @@ class RolloutServer:
             timeout_s=config.cache_timeout_s,
             security=config.route_cache_security,
         )
+        # The record writer retries each write itself, with its own budget (write_retry_s),
+        # backoff and counters (write_retries): its client tries once, so an outage shows in
+        # those counters instead of being ridden through unseen inside the client's retries.
+        self.write_cache = AsyncRouteCacheClient(
+            config.route_cache,
+            timeout_s=config.cache_timeout_s,
+            retry=RetryPolicy(attempts=1),
+            security=config.route_cache_security,
+        )
         writer = RecordWriter(
-            self.cache, config.max_pending_writes, config.write_workers, config.write_retry_s
+            self.write_cache,
+            config.max_pending_writes,
+            config.write_workers,
+            config.write_retry_s,
         )
         limits = RolloutLimits(
             config.max_n, config.max_prompts, config.store_wait_s, config.capture_routes
@@ -206,6 +219,7 @@ class RolloutServer:
         await set_serving_aio(self._health, [SERVICE_NAME], False)
         await self._server.stop(grace)
         await self.rollout.writer.stop(grace)
+        await self.write_cache.close()
         await self.cache.close()
         self.metrics.stop()
         self._server = None
