@@ -15,14 +15,10 @@ The ready feed (``read_ready``, ``ack_ready``) is read through ``routereplay.rpc
 
 from __future__ import annotations
 
-import asyncio
 import json
-import random
-import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-
-import grpc
+from functools import partial
 
 from routereplay.domain.codec import Encoding, encode_routes
 from routereplay.domain.feed import ReadyPage, ReadyRead
@@ -34,9 +30,9 @@ from routereplay.domain.record import (
     TurnAppend,
     check_layer_selection,
 )
-from routereplay.errors import BY_STATUS, RouteReplayError
 from routereplay.rpc.grpc_server import channel_options
 from routereplay.rpc.security import PLAINTEXT, ClientSecurity, secure_aio_channel, secure_channel
+from routereplay.rpc.transport import AsyncIO, Blocking, RetryPolicy, Stream, Unary
 from routereplay.rpc.wire import (
     DEFAULT_CHUNK_BYTES,
     ChunkFirst,
@@ -44,7 +40,6 @@ from routereplay.rpc.wire import (
     append_requests,
     geometry_from_pb,
     layer_selection_to_pb,
-    read_records,
     ready_page_from_pb,
     ready_read_to_pb,
     serialized,
@@ -89,59 +84,11 @@ class RecordInfo:
     route_bytes: int  # the route bytes as stored (encoded), the sum of the blocks' sizes
 
 
-@dataclass(frozen=True)
-class RetryPolicy:
-    """UNAVAILABLE is retried up to ``attempts`` times in all, pausing ``backoff(attempt)``
-    between: ``initial_backoff_s`` doubled each time up to ``max_backoff_s``, times a random
-    0.5-1.
-
-    The defaults ride through a Redis Cluster failover with the deployment's
-    ``cluster-node-timeout`` of 5 s: the failover takes that time-out plus 1-1.5 s (the
-    failure report and the replica's election delay; 2.0-2.5 s measured with a 1 s time-out),
-    about 6.5 s, and the route cache then finds the new master within 0.1 s. The pauses add
-    up to at least 9.35 s (0.05 + 0.1 + 0.2, then 36 of at least 0.25 s; at most 18.7 s), not
-    counting the attempts themselves. The 0.5 s cap bounds how long a writer waits once
-    Redis is back. (The earlier 5 attempts paused 0.75-1.5 s in all: writes failed through a
-    failover.)
-    """
-
-    attempts: int = 40
-    initial_backoff_s: float = 0.1
-    max_backoff_s: float = 0.5
-
-    def backoff(self, attempt: int) -> float:
-        base = min(self.max_backoff_s, self.initial_backoff_s * 2**attempt)
-        return base * (0.5 + random.random() / 2)
-
-    def pause_after(self, exc: grpc.RpcError, attempt: int) -> float:
-        """Seconds to wait before retrying after ``exc`` failed ``attempt`` (0-based); raises
-        its domain error when it is not retried (not UNAVAILABLE, or the last attempt). The
-        sync and asyncio clients share this and differ only in how they wait."""
-        if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.attempts - 1:
-            raise domain_error(exc) from None
-        return self.backoff(attempt)
-
-
-def domain_error(exc: grpc.RpcError) -> RouteReplayError:
-    """The domain exception for a failed call, with the server's message."""
-    code = exc.code()
-    cls = BY_STATUS.get(code.name if code else "", RouteReplayError)
-    return cls(exc.details() or str(code))
-
-
 def _selection_pb(layers: Sequence[int] | None):
     """A checked layer selection for a read request (None: every layer)."""
     if layers is None:
         return None
     return layer_selection_to_pb(check_layer_selection(layers, name="layers"))
-
-
-def _batch_request(sample_ids, skip_missing: bool, selection) -> route_cache_pb2.ReadBatchRequest:
-    """A batch read of ``sample_ids``; after UNAVAILABLE the clients resume with the ids not
-    yet delivered."""
-    return route_cache_pb2.ReadBatchRequest(
-        sample_ids=sample_ids, skip_missing=skip_missing, layers=selection, layer_parts=True
-    )
 
 
 def _stub(channel) -> route_cache_pb2_grpc.RouteCacheStub:
@@ -200,7 +147,25 @@ def _after_lost_reply(request: route_cache_pb2.ReadReadyRequest) -> None:
         request.pending_cursor = "0"
 
 
-class _Base:
+# The call table: each RPC's reply converter and retry rule, for both clients.
+WRITE = Unary("WriteRecord", _write_result)
+APPEND = Unary("AppendTurn", _write_result)
+STAT = Unary("StatRecord", _info)
+DELETE = Unary("DeleteRecord", lambda reply: None)
+READ_READY = Unary("ReadReady", ready_page_from_pb, before_retry=_after_lost_reply)
+ACK_READY = Unary("AckReady", lambda reply: reply.acknowledged)
+# A record stream; a retried batch read resumes after the last record it delivered.
+READ = Stream("ReadRecord", lambda: RecordAssembler().feed)
+READ_BATCH = Stream("ReadBatch", lambda: RecordAssembler().feed)
+
+
+class _RouteCacheCalls:
+    """The route cache's calls, written once: each builds its request and hands it to the
+    transport with its table entry. ``RouteCacheClient`` returns the values;
+    ``AsyncRouteCacheClient`` returns awaitables (``read_batch``: an async iterator)."""
+
+    _transport_of: type[Blocking] | type[AsyncIO]
+
     def __init__(
         self,
         target: str,
@@ -216,34 +181,9 @@ class _Base:
         self.retry = retry or RetryPolicy()
         self.encoding = Encoding(encoding)
         self.chunk_bytes = chunk_bytes
-
-
-class RouteCacheClient(_Base):
-    """Blocking client. Args: target ``host:port`` (or several replicas: see the module
-    docstring); timeout_s per call; the retry policy;
-    the encoding of written routes (RAW, or ZSTD for memory-bound Redis); chunk size; TLS and
-    the bearer token (``routereplay.rpc.security.ClientSecurity``; plaintext by default)."""
-
-    def __init__(self, target: str, **kwargs):
-        super().__init__(target, **kwargs)
-        self.channel = secure_channel(target, self.security, channel_options() + BALANCING_OPTIONS)
+        self.channel = self._open_channel(target, security, channel_options() + BALANCING_OPTIONS)
         self.stub = _stub(self.channel)
-
-    def close(self) -> None:
-        self.channel.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def _call(self, fn):
-        for attempt in range(self.retry.attempts):
-            try:
-                return fn()
-            except grpc.RpcError as exc:
-                time.sleep(self.retry.pause_after(exc, attempt))
+        self.transport = self._transport_of(self.stub, self.retry)
 
     def write(self, record: Record, more_turns: bool = False) -> WriteResult:
         """Check, encode once, and store a new record (retried whole on UNAVAILABLE).
@@ -252,27 +192,15 @@ class RouteCacheClient(_Base):
         announce it on the ready feed with its ``final`` append instead of now."""
         record.validate(check_ids=False)
         encoded = encode_routes(record.routes, self.encoding)
-        return _write_result(
-            self._call(
-                lambda: self.stub.WriteRecord(
-                    write_requests(record, encoded, self.chunk_bytes, more_turns),
-                    timeout=self.timeout_s,
-                )
-            )
-        )
+        requests = partial(write_requests, record, encoded, self.chunk_bytes, more_turns)
+        return self.transport.unary(WRITE, requests, self.timeout_s)
 
     def append(self, append: TurnAppend, final: bool = False) -> WriteResult:
         """Append a turn; ``final``: the sample's last, announced on the ready feed."""
         append.validate(check_ids=False)
         encoded = encode_routes(append.routes, self.encoding)
-        return _write_result(
-            self._call(
-                lambda: self.stub.AppendTurn(
-                    append_requests(append, encoded, self.chunk_bytes, final),
-                    timeout=self.timeout_s,
-                )
-            )
-        )
+        requests = partial(append_requests, append, encoded, self.chunk_bytes, final)
+        return self.transport.unary(APPEND, requests, self.timeout_s)
 
     def read(self, sample_id: str, layers: Sequence[int] | None = None) -> Record:
         """One record; with ``layers`` (a range or ascending list of MoE layer indices, i.e.
@@ -282,11 +210,7 @@ class RouteCacheClient(_Base):
         request = route_cache_pb2.ReadRecordRequest(
             sample_id=sample_id, layers=_selection_pb(layers), layer_parts=True
         )
-
-        def once():
-            return next(read_records(self.stub.ReadRecord(request, timeout=self.timeout_s)))
-
-        return self._call(once)
+        return self.transport.first(self.transport.stream(READ, request, self.timeout_s))
 
     def read_batch(
         self,
@@ -298,24 +222,24 @@ class RouteCacheClient(_Base):
         ``Missing`` with ``skip_missing``. ``layers``: as in ``read``, for every record.
         After UNAVAILABLE, resumes after the last one."""
         selection = _selection_pb(layers)
-        done = 0
-        for attempt in range(self.retry.attempts):
-            request = _batch_request(sample_ids[done:], skip_missing, selection)
-            try:
-                for item in read_records(self.stub.ReadBatch(request, timeout=self.timeout_s)):
-                    done += 1
-                    yield item
-                return
-            except grpc.RpcError as exc:
-                time.sleep(self.retry.pause_after(exc, attempt))
+
+        def after(done: int) -> route_cache_pb2.ReadBatchRequest:
+            return route_cache_pb2.ReadBatchRequest(
+                sample_ids=sample_ids[done:],
+                skip_missing=skip_missing,
+                layers=selection,
+                layer_parts=True,
+            )
+
+        return self.transport.stream(READ_BATCH, after, self.timeout_s)
 
     def stat(self, sample_id: str) -> RecordInfo:
         request = route_cache_pb2.StatRecordRequest(sample_id=sample_id)
-        return _info(self._call(lambda: self.stub.StatRecord(request, timeout=self.timeout_s)))
+        return self.transport.unary(STAT, request, self.timeout_s)
 
     def delete(self, sample_id: str) -> None:
         request = route_cache_pb2.DeleteRecordRequest(sample_id=sample_id)
-        self._call(lambda: self.stub.DeleteRecord(request, timeout=self.timeout_s))
+        return self.transport.unary(DELETE, request, self.timeout_s)
 
     def read_ready(
         self,
@@ -344,14 +268,7 @@ class RouteCacheClient(_Base):
                 start_from_latest,
             )
         )
-        timeout = self.timeout_s + block_ms / 1000
-        for attempt in range(self.retry.attempts):
-            try:
-                return ready_page_from_pb(self.stub.ReadReady(request, timeout=timeout))
-            except grpc.RpcError as exc:
-                pause = self.retry.pause_after(exc, attempt)
-                _after_lost_reply(request)
-                time.sleep(pause)
+        return self.transport.unary(READ_READY, request, self.timeout_s + block_ms / 1000)
 
     def ack_ready(self, consumer_group: str, entry_ids: Sequence[str], consumer: str = "") -> int:
         """Acknowledge ready entries (idempotent). Returns how many it settled (see AckReady:
@@ -359,18 +276,34 @@ class RouteCacheClient(_Base):
         request = route_cache_pb2.AckReadyRequest(
             consumer_group=consumer_group, entry_ids=list(entry_ids), consumer=consumer
         )
-        return self._call(lambda: self.stub.AckReady(request, timeout=self.timeout_s)).acknowledged
+        return self.transport.unary(ACK_READY, request, self.timeout_s)
 
 
-class AsyncRouteCacheClient(_Base):
-    """The same calls for asyncio (``grpc.aio``)."""
+class RouteCacheClient(_RouteCacheCalls):
+    """Blocking client. Args: target ``host:port`` (or several replicas: see the module
+    docstring); timeout_s per call; the retry policy; the encoding of written routes (RAW, or
+    ZSTD for memory-bound Redis); chunk size; TLS and the bearer token
+    (``routereplay.rpc.security.ClientSecurity``; plaintext by default)."""
 
-    def __init__(self, target: str, **kwargs):
-        super().__init__(target, **kwargs)
-        self.channel = secure_aio_channel(
-            target, self.security, channel_options() + BALANCING_OPTIONS
-        )
-        self.stub = _stub(self.channel)
+    _transport_of = Blocking
+    _open_channel = staticmethod(secure_channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class AsyncRouteCacheClient(_RouteCacheCalls):
+    """The same calls for asyncio (``grpc.aio``): each returns an awaitable, and
+    ``read_batch`` an async iterator."""
+
+    _transport_of = AsyncIO
+    _open_channel = staticmethod(secure_aio_channel)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -380,108 +313,3 @@ class AsyncRouteCacheClient(_Base):
 
     async def __aexit__(self, *exc):
         await self.close()
-
-    async def _call(self, fn):
-        for attempt in range(self.retry.attempts):
-            try:
-                return await fn()
-            except grpc.RpcError as exc:
-                await asyncio.sleep(self.retry.pause_after(exc, attempt))
-
-    async def write(self, record: Record, more_turns: bool = False) -> WriteResult:
-        record.validate(check_ids=False)
-        encoded = encode_routes(record.routes, self.encoding)
-        response = await self._call(
-            lambda: self.stub.WriteRecord(
-                write_requests(record, encoded, self.chunk_bytes, more_turns),
-                timeout=self.timeout_s,
-            )
-        )
-        return _write_result(response)
-
-    async def append(self, append: TurnAppend, final: bool = False) -> WriteResult:
-        append.validate(check_ids=False)
-        encoded = encode_routes(append.routes, self.encoding)
-        response = await self._call(
-            lambda: self.stub.AppendTurn(
-                append_requests(append, encoded, self.chunk_bytes, final),
-                timeout=self.timeout_s,
-            )
-        )
-        return _write_result(response)
-
-    async def read(self, sample_id: str, layers: Sequence[int] | None = None) -> Record:
-        records = [r async for r in self.read_batch([sample_id], layers=layers)]
-        return records[0]
-
-    async def read_batch(
-        self,
-        sample_ids: Sequence[str],
-        skip_missing: bool = False,
-        layers: Sequence[int] | None = None,
-    ) -> AsyncIterator[Record | Missing]:
-        selection = _selection_pb(layers)
-        done = 0
-        for attempt in range(self.retry.attempts):
-            request = _batch_request(sample_ids[done:], skip_missing, selection)
-            try:
-                assembler = RecordAssembler()
-                async for response in self.stub.ReadBatch(request, timeout=self.timeout_s):
-                    item = assembler.feed(response)
-                    if item is not None:
-                        done += 1
-                        yield item
-                return
-            except grpc.RpcError as exc:
-                await asyncio.sleep(self.retry.pause_after(exc, attempt))
-
-    async def stat(self, sample_id: str) -> RecordInfo:
-        request = route_cache_pb2.StatRecordRequest(sample_id=sample_id)
-        return _info(
-            await self._call(lambda: self.stub.StatRecord(request, timeout=self.timeout_s))
-        )
-
-    async def delete(self, sample_id: str) -> None:
-        request = route_cache_pb2.DeleteRecordRequest(sample_id=sample_id)
-        await self._call(lambda: self.stub.DeleteRecord(request, timeout=self.timeout_s))
-
-    async def read_ready(
-        self,
-        consumer_group: str,
-        consumer: str,
-        max_entries: int = 256,
-        block_ms: int = 0,
-        pending_cursor: str = "",
-        claim_idle_ms: int = 0,
-        claim_cursor: str = "",
-        start_from_latest: bool = False,
-    ) -> ReadyPage:
-        request = ready_read_to_pb(
-            ReadyRead(
-                consumer_group,
-                consumer,
-                max_entries,
-                block_ms,
-                pending_cursor,
-                claim_idle_ms,
-                claim_cursor,
-                start_from_latest,
-            )
-        )
-        timeout = self.timeout_s + block_ms / 1000
-        for attempt in range(self.retry.attempts):
-            try:
-                return ready_page_from_pb(await self.stub.ReadReady(request, timeout=timeout))
-            except grpc.RpcError as exc:
-                pause = self.retry.pause_after(exc, attempt)
-                _after_lost_reply(request)
-                await asyncio.sleep(pause)
-
-    async def ack_ready(
-        self, consumer_group: str, entry_ids: Sequence[str], consumer: str = ""
-    ) -> int:
-        request = route_cache_pb2.AckReadyRequest(
-            consumer_group=consumer_group, entry_ids=list(entry_ids), consumer=consumer
-        )
-        response = await self._call(lambda: self.stub.AckReady(request, timeout=self.timeout_s))
-        return response.acknowledged
