@@ -12,7 +12,7 @@ per-router replay ids). Stages per batch:
   message is sent only then); writes of earlier samples overlap generation and are not here;
 - fetch: one ``read_batch`` of the batch's records;
 - reshard: ``plan_step`` on the batch (TP1: the whole batch; micro-batches under the token
-  budget, packed, every record aligned to int64 replay ids).
+  budget, packed, every record aligned to int16 replay ids).
 
 Two baselines, same run: the same capture-on engine behind a second server that stores
 nothing, its batches interleaved with the measured ones (what moving the routes costs, free of

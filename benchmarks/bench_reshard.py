@@ -4,8 +4,9 @@ Qwen3-30B-A3B geometry (48 MoE layers, top-8 of 128 experts: 384 bytes per token
 8 samples of 32K tokens per rank, packed into micro-batches by a token budget. For each layout
 the timed work is what the RL step calls per batch after fetching its records,
 ``trainer.layout.plan_step``: micro-batches under the budget, each packed to the layout's
-multiple with its per-token tensors, its records aligned to megatron's int64 per-router replay
-ids for this stage's routers, then cut to this rank's CP chunks and SP share. The baseline is a
+multiple with its per-token tensors, its records aligned to per-router replay ids for this
+stage's routers (int16: ``replay_dtype``; each router widens its own to megatron's int64 on
+the device), then cut to this rank's CP chunks and SP share. The baseline is a
 plain copy of the same route bytes (the rank's records' routes, one ``np.copyto`` per record)
 in the same run.
 
@@ -161,12 +162,13 @@ def main() -> None:
             f"({nbytes / 2**20:.0f} MiB of uint8 routes), packed into micro-batches of at most "
             f"{args.budget} tokens; medians of {args.repeats} runs. Timed: "
             "`trainer.layout.plan_step`, what the RL step calls (micro-batches, packing, the "
-            "per-token tensors, records aligned to megatron's int64 per-router replay ids for "
-            "this stage's routers, this rank's CP chunks and SP share). Baseline: a plain copy "
+            "per-token tensors, records aligned to int16 per-router replay ids for this stage's "
+            "routers, this rank's CP chunks and SP share; each router widens its ids to int64 "
+            "on the device). Baseline: a plain copy "
             f"of the same route bytes in the same run, **{copy_ms:.1f} ms**.",
             "",
             "| layout (rank shown) | routers | micro-batches | plan_step ms | x copy "
-            "| replay ids MiB (int64) |",
+            "| replay ids MiB (int16) |",
             "|---|---|---|---|---|---|",
             *rows,
             "",

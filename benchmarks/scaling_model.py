@@ -23,8 +23,8 @@ figure is arithmetic on those, nothing is measured here:
   capacity (an upper bound: one client, loopback, no replication);
 - a fetching trainer rank holds its data-parallel share of a step's records as fetched (uint8,
   its stage's MoE layers), then its local rows (its CP chunk and SP share, its stage's layers)
-  as int32 (the trainer's host dtype while resharding) and megatron's per-router int64
-  tensors.
+  as int16 (the trainer's replay ids on the host, ``replay_dtype``) and megatron's per-router
+  int64 tensors (on the device).
 
 Usage: python benchmarks/scaling_model.py [--tokens-per-s N] [--rollout-gpus 64] [...]
 """
@@ -195,7 +195,7 @@ def scale(model: Model, fleet: Fleet, measured: Measured) -> dict:
         "rank_samples": rank_samples,
         "stage_layers": stage_layers,
         "rank_fetched_bytes": fetched,
-        "rank_int32_bytes": 4 * local_routes,
+        "rank_int16_bytes": 2 * local_routes,
         "rank_int64_bytes": 8 * local_routes,
         "rank_fetch_s": fetched / (measured.stage_read * MIB),
     }
@@ -261,8 +261,8 @@ def markdown(rows: list[dict], fleet: Fleet, measured: Measured, models) -> str:
             lambda r: f"**{r['rank_fetched_bytes'] / GIB:.2f} GiB** ({r['stage_layers']} layers)",
         ),
         (
-            "its local routes as int32; as int64 router tensors",
-            lambda r: f"{r['rank_int32_bytes'] / GIB:.2f}; {r['rank_int64_bytes'] / GIB:.2f} GiB",
+            "its local routes as int16 replay ids; as int64 router tensors",
+            lambda r: f"{r['rank_int16_bytes'] / GIB:.2f}; {r['rank_int64_bytes'] / GIB:.2f} GiB",
         ),
         (
             "fetching them at one process's layer-selected read rate",

@@ -45,7 +45,7 @@ def test_qwen3_fleet_by_hand():
     assert (r["dp"], r["rank_samples"], r["stage_layers"]) == (16, 64, 12)
     assert r["rank_fetched_bytes"] == 192 * MIB
     # 64 x 32768 / TP4 = 524,288 local tokens x 12 layers (48 / PP4) x 8.
-    assert r["rank_int32_bytes"] == 192 * MIB
+    assert r["rank_int16_bytes"] == 96 * MIB
     assert r["rank_int64_bytes"] == 384 * MIB
     assert r["rank_fetch_s"] == pytest.approx(1.2)  # 192 MiB at 160 MiB/s
     # A slower layer-selected read counts for stage reads: 2 x (117.1875 / 150 + 117.1875 /
@@ -63,8 +63,8 @@ def test_deepseek_uneven_stages_and_other_fleet():
     assert r["fetch_fanout_whole"] == 16 and r["dp"] == 4
     assert (r["fetch_fanout"], r["fetch_calls_per_record"], r["stage_layers"]) == (1, 4, 15)
     assert r["rank_samples"] == 25
-    # 25 x 32768 / CP2 / TP2 = 204,800 tokens x ceil(58 / 4) = 15 layers x 8 x 4 bytes.
-    assert r["rank_int32_bytes"] == 204_800 * 15 * 8 * 4
+    # 25 x 32768 / CP2 / TP2 = 204,800 tokens x ceil(58 / 4) = 15 layers x 8 x 2 bytes.
+    assert r["rank_int16_bytes"] == 204_800 * 15 * 8 * 2
     load = 8 * 1850 * 464 / MIB * (1 / 150 + 16 / 160)
     assert r["cache_replicas_whole"] == int(load) + 1
     assert r["cache_replicas"] == math.ceil(8 * 1850 * 464 / MIB * (1 / 150 + 1 / 160))

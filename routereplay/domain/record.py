@@ -27,9 +27,16 @@ def route_dtype(num_experts: int) -> np.dtype:
 
 
 MASKED = -1
-"""A route row with no recorded route, where replay ids are signed (the trainer's int64 replay
-ids, megatron's ``[tokens, k]``): the row routes natively. Never a stored expert id: records
-hold unsigned ids (``route_dtype``)."""
+"""A route row with no recorded route, where replay ids are signed (the trainer's replay ids,
+``replay_dtype``): the row routes natively. Never a stored expert id: records hold unsigned
+ids (``route_dtype``)."""
+
+
+def replay_dtype(num_experts: int) -> np.dtype:
+    """The smallest signed type that holds expert ids below ``num_experts`` and ``MASKED``: the
+    trainer's replay ids on the host, a quarter of megatron's int64 (each router widens its
+    own ids where it runs, on the device)."""
+    return np.dtype(np.int16) if num_experts <= 2**15 else np.dtype(np.int32)
 
 
 def check_sample_id(sample_id: str, name: str = "sample_id") -> None:

@@ -3,7 +3,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from routereplay.domain.record import Geometry, Turn, check_sample_id, check_turns
+from routereplay.domain.record import (
+    MASKED,
+    Geometry,
+    Turn,
+    check_sample_id,
+    check_turns,
+    replay_dtype,
+    route_dtype,
+)
 from routereplay.errors import InvalidArgument
 
 
@@ -53,3 +61,12 @@ def test_turns_partition_the_tokens():
         check_turns([Turn(0, 5, 6)], 0, 5)
     with pytest.raises(InvalidArgument, match="turns is empty"):
         check_turns([], 0, 5)
+
+
+@pytest.mark.parametrize("num_experts", [2, 256, 257, 32768, 32769, 65536])
+def test_replay_dtype_holds_every_stored_id_and_the_mask(num_experts):
+    dtype = replay_dtype(num_experts)
+    stored = np.array([0, num_experts - 1], dtype=route_dtype(num_experts))
+    assert stored.astype(dtype).tolist() == [0, num_experts - 1]  # no id wraps around
+    assert np.array(MASKED, dtype=dtype) == MASKED
+    assert dtype.itemsize == (2 if num_experts <= 32768 else 4)

@@ -114,7 +114,7 @@ def test_deepseek_v2_router_uses_its_group_limit(family_model_dir, pg_collection
 
     aligned, rows, _, logits, probs = replay_random_routes(built, batch, 30)
     for j, r in enumerate(built.routers):
-        ids = aligned.indices[j][rows]
+        ids = aligned.indices[j][rows].long()
         expected = torch.softmax(logits[r.layer][0][rows], dim=-1).gather(1, ids) * 1.5
         torch.testing.assert_close(probs[r.layer][rows].gather(1, ids), expected)
 
@@ -154,7 +154,7 @@ def test_mtp_layer_is_never_a_decoder_layer(family_model_dir, pg_collection):
             next_token_loss(built.model, batch)
     rows = aligned.replayed.reshape(-1)
     for j, r in enumerate(built.routers):
-        want = one_hot(aligned.indices[j][rows], geometry.num_experts)
+        want = one_hot(aligned.indices[j][rows].long(), geometry.num_experts)
         assert torch.equal(maps[r.layer][0][rows], want), f"layer {r.layer}"
 
 

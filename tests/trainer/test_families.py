@@ -108,7 +108,7 @@ def test_r2_update_passes_after_optimizer_steps_replay_the_recorded_routes(
         optimizer.step()
         rows = aligned.replayed.reshape(-1)
         for j, layer in enumerate(built.replay.layers):
-            recorded = one_hot(aligned.indices[j][rows], built.geometry.num_experts)
+            recorded = one_hot(aligned.indices[j][rows].long(), built.geometry.num_experts)
             assert torch.equal(maps[layer][0][rows], recorded), f"layer {layer}"
     # The routers' own choice after the steps (their natural routing, bias and group limit
     # included) differs from the recorded routes: otherwise the test proves nothing.
@@ -156,7 +156,7 @@ def test_glm_forced_routes_are_weighted_by_unbiased_scaled_scores(glm):
     scale = config.moe_router_topk_scaling_factor
     assert scale == 2.5
     for j, r in enumerate(glm.routers):
-        ids = aligned.indices[j][rows]
+        ids = aligned.indices[j][rows].long()
         assert torch.equal(maps[r.layer][0][rows], one_hot(ids, geometry.num_experts))
         chosen = torch.sigmoid(logits[r.layer][0][rows]).gather(1, ids)
         expected = chosen / chosen.sum(-1, keepdim=True) * scale
@@ -181,7 +181,9 @@ def test_expert_bias_moves_with_the_replayed_routes(family_model_dir, pg_collect
     for j, r in enumerate(built.routers):
         # The counts are the routing map megatron used: the replayed ids on replayed rows.
         used = maps[r.layer][0]
-        assert torch.equal(used[rows], one_hot(aligned.indices[j][rows], geometry.num_experts))
+        assert torch.equal(
+            used[rows], one_hot(aligned.indices[j][rows].long(), geometry.num_experts)
+        )
         counts.append(used.sum(0).float())
         assert torch.equal(r.router.local_tokens_per_expert, counts[-1])
     optimizer.step()

@@ -87,7 +87,7 @@ def test_forced_routes_are_weighted_by_the_softmax_of_their_own_biased_logits(bu
     batch = random_batch(2, [10, 6, 8], "right")
     aligned, rows, maps, logits, probs = replay_random_routes(built, batch, 100)
     for j, r in enumerate(built.routers):
-        ids = aligned.indices[j][rows]
+        ids = aligned.indices[j][rows].long()
         assert torch.equal(maps[r.layer][0][rows], one_hot(ids, geometry.num_experts))
         # The gating logits include the router bias (x @ W.T + b).
         expected = torch.softmax(logits[r.layer][0][rows].gather(1, ids), dim=-1)

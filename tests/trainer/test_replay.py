@@ -89,7 +89,7 @@ def test_forced_routes_are_followed_and_masked_rows_route_natively(built):
     replayed = aligned.replayed.reshape(-1)
     for j, layer in enumerate(built.replay.layers):
         routing = maps[layer][0]
-        forced = one_hot(aligned.indices[j][replayed], geometry.num_experts)
+        forced = one_hot(aligned.indices[j][replayed].long(), geometry.num_experts)
         assert torch.equal(routing[replayed], forced), f"layer {layer}"
         natural = one_hot(
             logits[layer][0].topk(geometry.topk, dim=-1).indices, geometry.num_experts
@@ -121,7 +121,7 @@ def test_alignment_matches_an_independent_computation(built, padding_side):
     aligned = align_routes(batch, _records(batch, routes, geometry), geometry, built.replay.layers)
     expected = _expected_indices(batch, routes, range(geometry.num_moe_layers), geometry.topk)
     for j in range(geometry.num_moe_layers):
-        assert aligned.indices[j].dtype == torch.int64
+        assert aligned.indices[j].dtype == torch.int16  # replay_dtype of the tiny model's experts
         np.testing.assert_array_equal(aligned.indices[j].numpy(), expected[j])
     rows_with_route = (batch.lengths - 1).sum()
     assert int(aligned.replayed.sum()) == int(rows_with_route)
@@ -268,7 +268,7 @@ def test_r2_update_passes_after_an_optimizer_step_use_the_recorded_routes(built)
         optimizer.step()
         replayed = aligned.replayed.reshape(-1)
         for j, layer in enumerate(built.replay.layers):
-            recorded = one_hot(aligned.indices[j][replayed], built.geometry.num_experts)
+            recorded = one_hot(aligned.indices[j][replayed].long(), built.geometry.num_experts)
             assert torch.equal(maps[layer][0][replayed], recorded), f"layer {layer}"
             natural = logits[layer][0].topk(built.geometry.topk, dim=-1).indices
             changed |= not torch.equal(

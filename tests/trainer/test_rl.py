@@ -108,7 +108,7 @@ def test_r2_update_passes_replay_the_recorded_routes_after_optimizer_steps(
         )
         rows = aligned.replayed.reshape(-1)
         for j, layer in enumerate(layers):
-            expected = one_hot(aligned.indices[j][rows], built.geometry.num_experts)
+            expected = one_hot(aligned.indices[j][rows].long(), built.geometry.num_experts)
             assert torch.equal(maps[layer][call][rows], expected), (call, layer)
     # ... even though the optimizer steps moved the natural routing away from them.
     assert report.update_agreement[-1] < 0.99

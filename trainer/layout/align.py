@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from routereplay.domain.record import MASKED, Geometry, Record
+from routereplay.domain.record import MASKED, Geometry, Record, replay_dtype
 from routereplay.errors import InvalidArgument
 from trainer.config import MissingRecord
 from trainer.layout.batch import PaddedBatch
@@ -30,8 +30,9 @@ class AlignedRoutes:
     """One batch's replay ids for this rank's routers.
 
     Attributes:
-        indices: One int64 ``[seq * rows, k]`` tensor per router (in the order of
-            ``layers``), megatron's token order; ``MASKED`` rows route natively.
+        indices: One ``[seq * rows, k]`` tensor per router (in the order of ``layers``),
+            megatron's token order, in ``replay_dtype`` (int16 up to 32768 experts); ``MASKED``
+            rows route natively.
         replayed: bool ``[seq, rows]``: True where a recorded route is replayed.
         layers: Global layer number of each entry of ``indices``.
         missing: Sample ids that had no record (routed natively under ``missing="native"``).
@@ -115,7 +116,7 @@ def align_routes(
         raise ValueError(f"router layers {list(layers)} must be MoE layers of the model")
     seq, nrows, k = batch.seq_len, batch.num_rows, geometry.topk
     # [seq, rows, routers, k]: megatron's token order before flattening.
-    out = np.full((seq, nrows, len(layers), k), MASKED, dtype=np.int64)
+    out = np.full((seq, nrows, len(layers), k), MASKED, dtype=replay_dtype(geometry.num_experts))
     absent: list[str] = []
     for b, record in enumerate(records):
         sample_id = batch.sample_ids[b]

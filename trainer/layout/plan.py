@@ -27,8 +27,8 @@ class StepLayout:
         minis: This rank's mini-batches, each a list of micro-batches (as many on every DP
             rank; a rank short of samples gets empty ones).
         replay_ids: Per micro-batch (``micro_batches`` order), this rank's replay ids of the
-            rollout's routes: one int64 ``[local tokens, k]`` per router of this rank, in the
-            routers' order, ``MASKED`` where a row has no recorded route.
+            rollout's routes: one ``[local tokens, k]`` per router of this rank (``replay_dtype``),
+            in the routers' order, ``MASKED`` where a row has no recorded route.
         replayed: Per micro-batch, its rows with a recorded route (every rank's rows, one
             layer).
         replayable: Per micro-batch, bool ``[local tokens]``: this rank's rows that have a

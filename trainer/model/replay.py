@@ -46,9 +46,11 @@ from routereplay.domain.record import MASKED
 class MaskedRouterReplay(RouterReplay):
     """Megatron's ``RouterReplay`` where rows whose ids are ``MASKED`` route natively.
 
-    Target tensors: int64 ``[tokens, topk]`` in megatron's token order (``[seq, batch]``
-    flattened, this rank's tokens only); a row is either ``topk`` distinct expert ids or all
-    ``MASKED``.
+    Target tensors: signed ``[tokens, topk]`` (the trainer's compact ``replay_dtype``, or the
+    int64 ids a pass recorded) in megatron's token order (``[seq, batch]`` flattened, this
+    rank's tokens only); a row is either ``topk`` distinct expert ids or all ``MASKED``. Each
+    call widens its ids to int64 on the scores' device: the host holds and sends a quarter of
+    the bytes.
     """
 
     observer = None
@@ -85,7 +87,7 @@ class MaskedRouterReplay(RouterReplay):
             return values, natural
         if target is None:
             raise RuntimeError("replay is on but no indices were set for this router")
-        target = target.to(scores.device)
+        target = target.to(scores.device, torch.int64)
         if target.shape != (scores.shape[0], topk):
             raise ValueError(
                 f"replay indices have shape {tuple(target.shape)}; this router call has "
@@ -133,7 +135,7 @@ class RouterReplayControl:
                 r.replay.set_router_replay_action(action)
 
     def load(self, indices: Sequence[torch.Tensor]) -> None:
-        """Queue one micro-batch's replay ids: one int64 ``[tokens, topk]`` tensor per router,
+        """Queue one micro-batch's replay ids: one ``[tokens, topk]`` tensor per router,
         in ``self.routers`` order, ``MASKED`` rows routing natively."""
         if len(indices) != len(self.routers):
             raise ValueError(
