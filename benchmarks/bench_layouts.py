@@ -33,6 +33,7 @@ from pathlib import Path
 
 from benchmarks.bench_trainer import SIZE_KW
 from benchmarks.common import machine, write_section
+from trainer.report.step_report import StepReport, reports_from_json
 
 ROOT = Path(__file__).resolve().parents[1]
 TP2SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
@@ -59,7 +60,7 @@ READS = {"stage": [], "whole": ["data.stage_reads=false"]}
 
 def trainer_reports(
     model_dir, source: str, out: Path, mode: str, ranks: int, extra, steps: int, ids: list[str] = ()
-) -> list[dict]:
+) -> list[StepReport]:
     """The step reports of one ``python -m trainer`` run; ``source``: where records come from
     (``data.records_file=...``, or ``route_cache.target=...`` with ``ids``)."""
     head = [sys.executable]
@@ -90,7 +91,7 @@ def trainer_reports(
     proc = subprocess.run([*head, *args], cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{mode} {extra}: {proc.stderr[-3000:]}")
-    return json.loads(report.read_text())
+    return reports_from_json(json.loads(report.read_text()))
 
 
 def run_trainer(model_dir, records, out: Path, mode: str, ranks: int, extra, steps: int):
@@ -98,7 +99,7 @@ def run_trainer(model_dir, records, out: Path, mode: str, ranks: int, extra, ste
     reports = trainer_reports(
         model_dir, f"data.records_file={records}", out, mode, ranks, extra, steps
     )
-    return [r["time_s"]["old_logprob"] + r["time_s"]["update"] for r in reports[1:]]
+    return [r.time_s.old_logprob + r.time_s.update for r in reports[1:]]
 
 
 def route_reads(model_dir, recs, tmp: Path, layouts: dict, steps: int = 2) -> dict:
@@ -140,7 +141,7 @@ def route_reads(model_dir, recs, tmp: Path, layouts: dict, steps: int = 2) -> di
                 )
                 total = served("route_cache_route_bytes_served_total") - before
                 # The trainer's own count of what it read agrees with the route cache's.
-                assert sum(r["route_bytes"]["read"] for r in reports) == total, (name, reads)
+                assert sum(r.route_bytes.read for r in reports) == total, (name, reads)
                 row[reads] = total / steps
                 row[f"{reads}_ratio"] = total / (steps * out["stored_per_step"])
                 print(f"{name:14s} {reads:5s} reads {row[f'{reads}_ratio']:.3f}x", flush=True)

@@ -226,15 +226,15 @@ def fetch_vs_step(model_dir, built, records, batches: int) -> dict:
                 ],
             )
             reports = train(config, plans, source=source, built=(built, AdamW(built.model, 1e-5)))
-            later = reports[1:]
+            times = [r.time_s for r in reports[1:]]
             out[prefetch] = {
-                key: statistics.median(getattr(r.time_s, key) for r in later)
-                for key in ("fetch", "fetch_wait", "align")
+                "fetch": statistics.median(t.fetch for t in times),
+                "fetch_wait": statistics.median(t.fetch_wait for t in times),
+                "align": statistics.median(t.align for t in times),
+                "step": statistics.median(
+                    t.align + t.old_logprob + t.compare + t.update for t in times
+                ),
             }
-            out[prefetch]["step"] = statistics.median(
-                sum(getattr(r.time_s, k) for k in ("align", "old_logprob", "compare", "update"))
-                for r in later
-            )
     finally:
         source.close()
         server.stop(0)

@@ -123,6 +123,24 @@ def cache_reader(route_cache):
         yield client
 
 
+def start_rollout_process(model_dir, route_cache_target: str, *args: str, env=None):
+    """``python -m rollout_server ARGS`` on ``model_dir`` writing to the route cache, once it
+    serves (vLLM's start takes minutes on a busy CPU), in its own process group so that the
+    teardown can reap whatever a kill leaves behind. Returns (process, target)."""
+    from routereplay.dev.launch import start_service
+
+    return start_service(
+        "rollout_server",
+        "--route-cache",
+        route_cache_target,
+        "--model",
+        str(model_dir),
+        *args,
+        env=env,
+        timeout_s=300,
+    )
+
+
 def rollout_config(route_cache_target: str, **overrides):
     from rollout_server.config import Config
 

@@ -20,10 +20,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_server.server import SERVICE_NAME
-from routereplay.dev.launch import free_port, stop_process, wait_serving
+from routereplay.dev.launch import stop_process
 from routereplay.domain.rollout import SampleDone, SamplingOptions
 from routereplay.rpc.grpc_server import LIVENESS
 from routereplay.rpc.rollout_client import AsyncRolloutClient
+from tests.rollout_server.conftest import start_rollout_process
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow  # a vLLM engine of its own
@@ -59,30 +60,19 @@ def server_without_compiler(tiny_model_dir, route_cache, tmp_path_factory):
         "CXX": str(root / "no-such-compiler"),
     }
     assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(root))
-    port = free_port()
-    args = [
-        sys.executable,
-        "-m",
-        "rollout_server",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--route-cache",
+    proc, target = start_rollout_process(
+        tiny_model_dir,
         route_cache.target,
-        "--model",
-        str(tiny_model_dir),
         "--max-model-len",
         "256",
         "--max-num-seqs",
         "2",
         "--grace-s",
         "5",
-    ]
-    proc = subprocess.Popen(args, env=env, start_new_session=True)
+        env=env,
+    )
     try:
-        wait_serving(f"127.0.0.1:{port}", proc, timeout_s=300)
-        yield proc, f"127.0.0.1:{port}"
+        yield proc, target
     finally:
         stop_process(proc, 5)
 

@@ -30,6 +30,7 @@ from tests.rollout_server.oracle import (
     load_hf_model,
     oracle,
 )
+from trainer.report.step_report import reports_from_json
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,9 +101,9 @@ def _serve_and_check(family, model_dir, route_cache, cache_reader, loop, work_di
             )
         )
         n_layers = len(EXPECTED_MOE_LAYERS[family])
-        assert report["agreement"]["exact"] == [1.0] * n_layers  # trainer natural = vLLM's
-        assert report["replay_followed"]["exact"] == [1.0] * n_layers
-        assert report["policy_versions"] == [version + 1]
+        assert report.agreement.exact == [1.0] * n_layers  # trainer natural = vLLM's
+        assert report.replay_followed.exact == [1.0] * n_layers
+        assert report.policy_versions == [version + 1]
         hf_new = load_hf_model(export)
         stale = 0
         for final in loop.run_until_complete(generate(client)):
@@ -151,7 +152,7 @@ async def _train_and_push(model_dir, cache_target, server_target, ids, work_dir:
     )
     out, _ = await asyncio.wait_for(proc.communicate(), timeout=300)
     assert proc.returncode == 0, out.decode(errors="replace")[-6000:]
-    (report,) = json.loads((work_dir / "report.json").read_text())
+    (report,) = reports_from_json(json.loads((work_dir / "report.json").read_text()))
     export = work_dir / "export"
     return report, export / (export / "latest").read_text().strip()
 

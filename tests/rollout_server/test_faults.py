@@ -10,18 +10,16 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 import redis
 
-from routereplay.dev.launch import free_port, wait_serving
 from routereplay.domain.rollout import SampleDelta, SamplingOptions
 from routereplay.errors import NotFound, Unavailable
 from routereplay.rpc.rollout_client import AsyncRolloutClient
+from tests.rollout_server.conftest import start_rollout_process
 from tests.route_cache.conftest import raw_keys
 
 pytest.importorskip("vllm")
@@ -31,28 +29,11 @@ pytest.importorskip("vllm")
 def rollout_process(tiny_model_dir, route_cache):
     """``python -m rollout_server`` on the tiny model, in its own process group so that the
     teardown can reap whatever the kill leaves behind."""
-    port = free_port()
-    args = [
-        sys.executable,
-        "-m",
-        "rollout_server",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--route-cache",
-        route_cache.target,
-        "--model",
-        str(tiny_model_dir),
-        "--max-model-len",
-        "512",
-        "--max-num-seqs",
-        "4",
-    ]
-    proc = subprocess.Popen(args, start_new_session=True)
+    proc, target = start_rollout_process(
+        tiny_model_dir, route_cache.target, "--max-model-len", "512", "--max-num-seqs", "4"
+    )
     try:
-        wait_serving(f"127.0.0.1:{port}", proc, timeout_s=300)
-        yield proc, f"127.0.0.1:{port}"
+        yield proc, target
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -1,5 +1,5 @@
 """Test helpers: observe routers through forward hooks, a next-token loss, random batches, the
-natural routes of a model as records (megatron's ``RECORD``)."""
+natural routes of a model as records (megatron's ``RECORD``), two runs' step reports compared."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from routereplay.domain.record import Geometry, Record, Turn
 from trainer.layout.align import routes_from_recorded
 from trainer.layout.batch import PaddedBatch
+from trainer.report.step_report import StepReport
 
 
 @contextlib.contextmanager
@@ -155,3 +156,27 @@ def replay_random_routes(built, batch: PaddedBatch, seed: int):
         for h in handles:
             h.remove()
     return aligned, aligned.replayed.reshape(-1), maps, logits, probs
+
+
+def assert_same_counts(step: StepReport, ref: StepReport) -> None:
+    """What a run in another layout reports exactly as the reference does: samples, reward,
+    rows, routing and update agreement. (No pytest rewriting here: the values go in the
+    messages.)"""
+    assert step.samples == ref.samples, (step.samples, ref.samples)
+    assert step.reward_mean == ref.reward_mean, (step.reward_mean, ref.reward_mean)
+    assert step.rows == ref.rows, (step.rows, ref.rows)
+    assert step.agreement == ref.agreement, (step.agreement, ref.agreement)
+    assert step.update_agreement == ref.update_agreement, (
+        step.update_agreement,
+        ref.update_agreement,
+    )
+
+
+def assert_same_step(got: StepReport, want: StepReport) -> None:
+    """Two runs of the same arithmetic (a resumed run, other reads): the loss, expected reward,
+    gaps, routing agreement and rows, to the bit."""
+    assert got.loss == want.loss, (got.loss, want.loss)
+    assert got.expected_reward == want.expected_reward, (got.expected_reward, want.expected_reward)
+    assert got.gap == want.gap, (got.gap, want.gap)
+    assert got.agreement == want.agreement, (got.agreement, want.agreement)
+    assert got.rows == want.rows, (got.rows, want.rows)

@@ -23,6 +23,7 @@ import torch
 from routereplay.domain.record_file import save_records
 from tests.trainer.ranks import run_each_rank
 from tests.trainer.tolerance import LAYOUT_LOSS_ATOL
+from trainer.report.step_report import reports_from_json
 
 pytest.importorskip("megatron.core")
 
@@ -82,21 +83,21 @@ def test_dp2_step_equals_one_rank(tiny_model_dir, records, tmp_path):
     # Only DP rank 0 logs the step line.
     assert dp.stdout.count("step 0 [R3]") == 1, dp.stdout[-3000:]
 
-    ref = json.loads((one / "report.json").read_text())[0]
-    got = json.loads((two / "report.json").read_text())[0]
-    assert got["agreement"] == ref["agreement"]
-    assert got["reward_mean"] == ref["reward_mean"]
-    assert got["rows"] == ref["rows"]
-    assert got["replay_followed"] == ref["replay_followed"]
-    assert got["replay_followed"]["exact"] == [1.0, 1.0, 1.0]
-    assert got["samples"] == ref["samples"] == 4
-    assert got["update_agreement"] == ref["update_agreement"]
+    (ref,) = reports_from_json(json.loads((one / "report.json").read_text()))
+    (got,) = reports_from_json(json.loads((two / "report.json").read_text()))
+    assert got.agreement == ref.agreement
+    assert got.reward_mean == ref.reward_mean
+    assert got.rows == ref.rows
+    assert got.replay_followed == ref.replay_followed
+    assert got.replay_followed.exact == [1.0, 1.0, 1.0]
+    assert got.samples == ref.samples == 4
+    assert got.update_agreement == ref.update_agreement
     # The bound derived in tests/trainer/tolerance.py (the layouts' steps: 2.74e-6).
-    assert got["loss"] == pytest.approx(ref["loss"], abs=LAYOUT_LOSS_ATOL)
-    assert got["expected_reward"] == pytest.approx(ref["expected_reward"], abs=LAYOUT_LOSS_ATOL)
-    for name in ref["gap"]:
-        assert got["gap"][name]["tokens"] == ref["gap"][name]["tokens"]
-        assert got["gap"][name]["mean_abs"] == pytest.approx(ref["gap"][name]["mean_abs"], abs=1e-5)
+    assert got.loss == pytest.approx(ref.loss, abs=LAYOUT_LOSS_ATOL)
+    assert got.expected_reward == pytest.approx(ref.expected_reward, abs=LAYOUT_LOSS_ATOL)
+    for name, gap in ref.gap.items():
+        assert got.gap[name].tokens == gap.tokens
+        assert got.gap[name].mean_abs == pytest.approx(gap.mean_abs, abs=1e-5)
 
     w1 = torch.load(next((one / "ckpt").glob("step_*.pt")), weights_only=False)["model"]
     w2 = torch.load(next((two / "ckpt").glob("step_*.pt")), weights_only=False)["model"]

@@ -16,6 +16,7 @@ import torch
 
 from routereplay.domain.record_file import save_records
 from tests.conftest import OTHER_FAMILIES
+from tests.trainer.helpers import assert_same_counts
 from tests.trainer.test_sharded_weights import (
     GAP_ATOL,
     LOSS_ATOL,
@@ -79,15 +80,14 @@ def _trains_like_one_rank(family, model_dir, tmp_path, layout):
     assert proc.stdout.count("step 1 [R3]") == 1, proc.stdout[-3000:]  # one rank logs
     assert len(got) == len(want) == 2
     for ref, step in zip(want, got, strict=True):
-        for key in ("samples", "reward_mean", "rows", "agreement", "update_agreement"):
-            assert step[key] == ref[key], key
-        assert step["replay_followed"] == ref["replay_followed"]
-        assert set(step["replay_followed"]["exact"]) == {1.0}
-        assert step["loss"] == pytest.approx(ref["loss"], abs=_loss_atol(family))
-        for name, gap in ref["gap"].items():
-            assert step["gap"][name]["mean_abs"] == pytest.approx(gap["mean_abs"], abs=GAP_ATOL)
+        assert_same_counts(step, ref)
+        assert step.replay_followed == ref.replay_followed
+        assert set(step.replay_followed.exact) == {1.0}
+        assert step.loss == pytest.approx(ref.loss, abs=_loss_atol(family))
+        for name, gap in ref.gap.items():
+            assert step.gap[name].mean_abs == pytest.approx(gap.mean_abs, abs=GAP_ATOL)
     # The float32 trainer's natural routing on the first step's weights is the rollout's.
-    assert set(want[0]["agreement"]["exact"]) == {1.0}
+    assert set(want[0].agreement.exact) == {1.0}
     _check_export(tmp_path / "run", tmp_path / "one", model_dir, family)
     # The expert bias moves by whole steps of moe_router_bias_update_rate (1e-3, the weight
     # tolerance): the counts summed over the TP ranks' tokens must move it exactly as one rank.
@@ -125,8 +125,8 @@ def test_padding_moves_no_expert_bias(layout, nproc, order, family_model_dir, tm
     model_dir = family_model_dir("glm4_moe")
     _, want, got = _against_one_rank(model_dir, [5, 8], tmp_path, layout, nproc, order)
     for ref, step in zip(want, got, strict=True):
-        assert step["replay_followed"] == ref["replay_followed"]
-        assert step["loss"] == pytest.approx(ref["loss"], abs=LOSS_ATOL)
+        assert step.replay_followed == ref.replay_followed
+        assert step.loss == pytest.approx(ref.loss, abs=LOSS_ATOL)
     ours, theirs = _exported(tmp_path / "run"), _exported(tmp_path / "one")
     source = load_hf_state_dict(model_dir)
     biases = [n for n in theirs if n.endswith("e_score_correction_bias")]

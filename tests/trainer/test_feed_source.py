@@ -28,6 +28,7 @@ from routereplay.errors import RouteReplayError
 from routereplay.rpc.client import RouteCacheClient
 from routereplay.rpc.ready import ReadyConsumer
 from routereplay.rpc.security import ClientSecurity, ServerSecurity
+from tests.trainer.helpers import assert_same_counts
 from tests.trainer.tolerance import loss_atol
 from trainer.config import ConfigError, load_config
 from trainer.data.source import BatchPlan, FeedPlans
@@ -37,7 +38,6 @@ from trainer.reshard import Layout, RankCoords
 from trainer.train import train
 
 ROOT = Path(__file__).resolve().parents[2]
-SAME = ("agreement", "reward_mean", "rows", "samples", "update_agreement")
 
 
 class Cache:
@@ -127,8 +127,7 @@ def test_feed_batches_are_whole_groups_trained_once_then_acknowledged(
     assert [r.feed.groups for r in reports] == [[first[0].group_id], [second[0].group_id]]
     assert all(r.feed.rollout_versions == [0] for r in reports)
     for got, want in zip(reports, ids_reports, strict=True):
-        for key in SAME:
-            assert getattr(got, key) == getattr(want, key), key
+        assert_same_counts(got, want)
         assert got.loss == pytest.approx(want.loss, abs=1e-6)
     assert cache.pending("trainer") == 0  # every entry acknowledged, the repeats included
 
@@ -218,8 +217,7 @@ def test_two_ranks_share_one_consumer(
     assert [r.feed.groups for r in reports] == groups  # one consumer read them, in order
     for got, want in zip(reports, ids_reports, strict=True):
         assert got.samples == 4  # not 8: no sample trained twice (DP) or counted twice (TP)
-        for key in SAME:
-            assert getattr(got, key) == getattr(want, key), key
+        assert_same_counts(got, want)
         # Another layout: 2 samples of 10 generated tokens per mini-batch, groups of 4.
         assert got.loss == pytest.approx(want.loss, abs=loss_atol(20, 4, 512))
     assert cache.pending("trainer") == 0

@@ -33,6 +33,8 @@ from route_cache.server import RouteCacheServer
 from route_cache.store import RouteStore, connect
 from routereplay.domain.record_file import load_records
 from routereplay.rpc.client import RouteCacheClient
+from tests.trainer.helpers import assert_same_step
+from trainer.report.step_report import reports_from_json
 
 pytest.importorskip("megatron.core")
 psutil = pytest.importorskip("psutil")  # installed with vllm
@@ -150,12 +152,12 @@ def test_rank_killed_mid_step_resumes_to_the_same_result(
     assert f"({resumed_at} steps done)" in log  # it resumed from its last checkpoint
     print(f"resumed after {resumed_at} of {STEPS} steps")
 
-    ref_reports = json.loads((ref_dir / "report.json").read_text())
-    reports = json.loads((run_dir / "report.json").read_text())
-    assert [r["step"] for r in reports] == list(range(resumed_at, STEPS))
+    ref_reports = reports_from_json(json.loads((ref_dir / "report.json").read_text()))
+    reports = reports_from_json(json.loads((run_dir / "report.json").read_text()))
+    assert [r.step for r in reports] == list(range(resumed_at, STEPS))
     for got, want in zip(reports, ref_reports[resumed_at:], strict=True):
-        for key in ("loss", "reward_mean", "expected_reward", "agreement", "rows", "gap"):
-            assert got[key] == want[key], key
+        assert_same_step(got, want)
+        assert got.reward_mean == want.reward_mean
 
     # The same records were fetched for the resumed steps: ids and routes.
     ref_used, used = load_records(ref_dir / "used.npz"), load_records(run_dir / "used.npz")

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from routereplay.domain.record_file import load_records, save_records
+from tests.trainer.helpers import assert_same_counts
 from tests.trainer.ranks import run_each_rank
 from tests.trainer.test_dp_train import records  # noqa: F401 (fixture)
 from tests.trainer.test_multirank import tiny8_model_dir  # noqa: F401 (fixture)
@@ -34,26 +35,24 @@ from tests.trainer.test_sharded_weights import (
     _exported,
     _trainer,
 )
+from trainer.report.step_report import StepReport
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow
 
-SAME = ("samples", "reward_mean", "rows", "agreement", "update_agreement")
 
-
-def _same_steps(got: list[dict], want: list[dict]) -> None:
+def _same_steps(got: list[StepReport], want: list[StepReport]) -> None:
     assert len(got) == len(want)
     for step, ref in zip(got, want, strict=True):
-        for key in SAME:
-            assert step[key] == ref[key], key
-        if "replay_followed" in ref:
-            assert step["replay_followed"] == ref["replay_followed"]
-            assert set(step["replay_followed"]["exact"]) == {1.0}
-        assert step["loss"] == pytest.approx(ref["loss"], abs=LOSS_ATOL)
-        assert step["expected_reward"] == pytest.approx(ref["expected_reward"], abs=LOSS_ATOL)
-        for name, gap in ref["gap"].items():
-            assert step["gap"][name]["tokens"] == gap["tokens"]
-            assert step["gap"][name]["mean_abs"] == pytest.approx(gap["mean_abs"], abs=GAP_ATOL)
+        assert_same_counts(step, ref)
+        if ref.replay_followed is not None:
+            assert step.replay_followed == ref.replay_followed
+            assert set(step.replay_followed.exact) == {1.0}
+        assert step.loss == pytest.approx(ref.loss, abs=LOSS_ATOL)
+        assert step.expected_reward == pytest.approx(ref.expected_reward, abs=LOSS_ATOL)
+        for name, gap in ref.gap.items():
+            assert step.gap[name].tokens == gap.tokens
+            assert step.gap[name].mean_abs == pytest.approx(gap.mean_abs, abs=GAP_ATOL)
 
 
 def _same_weights(ours: dict, theirs: dict) -> None:
@@ -193,8 +192,8 @@ def test_a_token_budget_below_the_longest_sample_fails_on_every_rank(
 def test_report_carries_the_policy_entropy(tiny_model_dir, records, tmp_path):
     _, got, _ = _run(tiny_model_dir, records, tmp_path, "one", "R3")
     # Uniform over 512 tokens would be ln 512 = 6.24; a random tiny model is close to it.
-    assert all(0.0 < step["entropy"] <= np.log(512) + 1e-6 for step in got)
-    assert json.dumps(got)  # the report stays JSON
+    assert all(0.0 < step.entropy <= np.log(512) + 1e-6 for step in got)
+    assert json.dumps([step.as_dict() for step in got])  # the report stays JSON
 
 
 @pytest.mark.parametrize(

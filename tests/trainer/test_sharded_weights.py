@@ -23,12 +23,14 @@ import pytest
 import torch
 
 from routereplay.domain.record_file import load_records, save_records
+from tests.trainer.helpers import assert_same_counts, assert_same_step
 from tests.trainer.ranks import run_each_rank
 from tests.trainer.test_dp_train import records  # noqa: F401 (fixture)
 from tests.trainer.test_model_parity import LOGIT_ATOL
 from tests.trainer.test_multirank import _torchrun, tiny8_model_dir  # noqa: F401 (fixture)
 from tests.trainer.tolerance import LAYOUT_LOSS_ATOL
 from trainer.model.shard_weights import tp_slice
+from trainer.report.step_report import StepReport, reports_from_json
 
 pytest.importorskip("megatron.core")
 
@@ -125,7 +127,7 @@ def _trainer(
     nproc: int = 1,
     steps: int = 2,
     timeout: float = 240,
-):
+) -> tuple[subprocess.CompletedProcess, list[StepReport]]:
     """``python -m trainer`` (under torchrun with ``nproc`` > 1), exporting every step to
     ``export/`` beside ``report``."""
     args = [
@@ -155,7 +157,7 @@ def _trainer(
         [*head, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc, json.loads(report.read_text())
+    return proc, reports_from_json(json.loads(report.read_text()))
 
 
 def _exported(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -183,9 +185,9 @@ def unequal_records(records, tmp_path_factory):  # noqa: F811
 def one_rank(tiny_model_dir, unequal_records, tmp_path_factory):
     """Per mode, 2 steps on one rank (lr 1e-3: step 1 runs on weights step 0 moved) on
     ``unequal_records``: the reports and the folder the run wrote into."""
-    runs: dict[str, tuple[list[dict], Path]] = {}
+    runs: dict[str, tuple[list[StepReport], Path]] = {}
 
-    def get(mode: str) -> tuple[list[dict], Path]:
+    def get(mode: str) -> tuple[list[StepReport], Path]:
         if mode not in runs:
             report = tmp_path_factory.mktemp("one") / "r.json"
             runs[mode] = (
@@ -218,16 +220,15 @@ def test_rl_steps_under_tp_and_ep_equal_one_rank(
     reference, reference_dir = one_rank(mode)
     assert len(got) == len(reference) == 2
     for ref, step in zip(reference, got, strict=True):
-        for key in ("samples", "reward_mean", "rows", "agreement", "update_agreement"):
-            assert step[key] == ref[key], key
+        assert_same_counts(step, ref)
         # R3: every rank's routed rows, summed, followed the rollout's routes as on one rank.
-        assert step.get("replay_followed") == ref.get("replay_followed")
-        assert step["loss"] == pytest.approx(ref["loss"], abs=LOSS_ATOL)
-        assert step["expected_reward"] == pytest.approx(ref["expected_reward"], abs=LOSS_ATOL)
-        for name, gap in ref["gap"].items():
-            assert step["gap"][name]["mean_abs"] == pytest.approx(gap["mean_abs"], abs=GAP_ATOL)
+        assert step.replay_followed == ref.replay_followed
+        assert step.loss == pytest.approx(ref.loss, abs=LOSS_ATOL)
+        assert step.expected_reward == pytest.approx(ref.expected_reward, abs=LOSS_ATOL)
+        for name, gap in ref.gap.items():
+            assert step.gap[name].mean_abs == pytest.approx(gap.mean_abs, abs=GAP_ATOL)
     # Step 1 trains on weights step 0 changed: its gap to the rollout is far from step 0's.
-    assert got[1]["gap"]["replayed"]["mean_abs"] > 100 * GAP_ATOL
+    assert got[1].gap["replayed"].mean_abs > 100 * GAP_ATOL
     _check_export(tmp_path, reference_dir, tiny_model_dir, layout)
 
 
@@ -285,9 +286,9 @@ def test_model_parallel_checkpoints_resume_to_the_same_weights(
     proc, got = runs[split]
     assert proc.stdout.count("(1 steps done)") == 1, proc.stdout[-3000:]
     want = runs[whole][1]
-    assert [r["step"] for r in got] == [1]
-    for key in ("loss", "expected_reward", "gap", "agreement", "update_agreement", "rows"):
-        assert got[0][key] == want[1][key], key
+    assert [r.step for r in got] == [1]
+    assert_same_step(got[0], want[1])
+    assert got[0].update_agreement == want[1].update_agreement
 
     names = sorted(p.name for p in (whole / "ckpt").glob("step_000002.*.pt"))
     assert len(names) == 2 and names[0] != names[1], names  # one file per rank

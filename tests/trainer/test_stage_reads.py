@@ -25,7 +25,9 @@ from route_cache.store import RouteStore, connect
 from routereplay.domain.record import Geometry, Record, Turn
 from routereplay.domain.record_file import load_records
 from routereplay.rpc.client import RouteCacheClient
+from tests.trainer.helpers import assert_same_step
 from trainer.data.stage_reads import pack_records, unpack_records
+from trainer.report.step_report import StepReport, reports_from_json
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVED = "route_cache_route_bytes_served_total"
@@ -127,7 +129,7 @@ def cache(tiny_model_dir, redis_node):
     server.stop(0)
 
 
-def _run(model_dir, target, ids, out: Path, *extra) -> list[dict]:
+def _run(model_dir, target, ids, out: Path, *extra) -> list[StepReport]:
     """2 R3 steps of 4 samples under TP2+SP x PP2 (4 ranks) from the route cache."""
     launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     head = [launcher] if launcher else [sys.executable, "-m", "torch.distributed.run"]
@@ -162,7 +164,7 @@ def _run(model_dir, target, ids, out: Path, *extra) -> list[dict]:
     out.mkdir()
     proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads((out / "r.json").read_text())
+    return reports_from_json(json.loads((out / "r.json").read_text()))
 
 
 @pytest.mark.slow
@@ -187,22 +189,15 @@ def test_tp2sp_pp2_reads_each_stored_route_byte_once_and_trains_as_whole_reads(
     assert served["whole"] == 4 * sum(stored)  # every rank a whole record: TP x PP
     # Each step's reads, as the trainer counted them: the stored bytes of its batch.
     for name, factor in (("stage", 1), ("whole", 4)):
-        assert [r["route_bytes"]["batch"] for r in runs[name]] == stored
-        assert [r["route_bytes"]["read"] for r in runs[name]] == [factor * s for s in stored]
-        assert sum(r["route_bytes"]["read"] for r in runs[name]) == served[name]
+        assert [r.route_bytes.batch for r in runs[name]] == stored
+        assert [r.route_bytes.read for r in runs[name]] == [factor * s for s in stored]
+        assert sum(r.route_bytes.read for r in runs[name]) == served[name]
 
     for got, want in zip(runs["stage"], runs["whole"], strict=True):
-        for key in (
-            "loss",
-            "reward_mean",
-            "expected_reward",
-            "agreement",
-            "rows",
-            "gap",
-            "replay_followed",
-        ):
-            assert got[key] == want[key], key
-        assert set(got["replay_followed"]["exact"]) == {1.0}
+        assert_same_step(got, want)
+        assert got.reward_mean == want.reward_mean
+        assert got.replay_followed == want.replay_followed
+        assert set(got.replay_followed.exact) == {1.0}
     # The routes used, written by the lead, are the rollout's whole records.
     used = load_records(tmp_path / "stage" / "used.npz")
     assert [r.sample_id for r in used] == ids
