@@ -194,10 +194,11 @@ def build_tiny_model(
 
 
 def _add_mtp_layers(out: Path, config, seed: int) -> None:
-    """Write the multi-token-prediction layers a DeepSeek-V3 checkpoint has after its decoder
-    layers, which transformers neither builds nor saves: ``model.layers.{N + i}`` with
-    DeepSeek-V3's names (a decoder layer's tensors plus ``enorm``, ``hnorm``, ``eh_proj``,
-    ``shared_head.norm``, ``shared_head.head`` and ``embed_tokens``). Random, from ``seed``:
+    """Write the multi-token-prediction layers DeepSeek-V3 and GLM-4.5 checkpoints have after
+    their decoder layers, which transformers neither builds nor saves: ``model.layers.{N + i}``
+    with the names both use (a decoder layer's tensors plus ``enorm``, ``hnorm``, ``eh_proj``,
+    ``shared_head.norm``, ``shared_head.head`` and ``embed_tokens``; some later GLM releases
+    leave the last two out, vLLM then shares ``lm_head`` and the embedding). Random, from ``seed``:
     the last decoder layer's tensors plus noise (std 0.01), so that a router reading them in
     place of a decoder layer's routes differently."""
     import torch

@@ -1,5 +1,6 @@
 """GLM-4.5: DeepSeek-V3's router (sigmoid scores, selection-only expert bias, group-limited
-top-k, scaling factor, shared experts) with ordinary attention, partial rotary and qk-norm."""
+top-k, scaling factor, shared experts) with ordinary attention, partial rotary and qk-norm;
+like DeepSeek-V3, a multi-token-prediction layer after the decoder in every release."""
 
 from __future__ import annotations
 
@@ -60,7 +61,9 @@ def refuse_sigmoid_group_routing(config: dict[str, Any]) -> None:
 def tiny_config(size: MoESize, token_ids: dict[str, int]):
     """16 experts in 4 groups of which 2 are kept, top-4, a random selection-only expert bias
     (set by the builder), ``routed_scaling_factor`` 2.5, a shared expert,
-    ``first_k_dense_replace`` 1, partial rotary (half the head), qk-norm, qkv bias."""
+    ``first_k_dense_replace`` 1, partial rotary (half the head), qk-norm, qkv bias, and one
+    multi-token-prediction layer (its tensors added by the builder), as every GLM-4.5 and
+    GLM-4.5-Air checkpoint has."""
     import transformers
 
     return transformers.Glm4MoeConfig(
@@ -80,7 +83,7 @@ def tiny_config(size: MoESize, token_ids: dict[str, int]):
         partial_rotary_factor=0.5,
         use_qk_norm=True,
         attention_bias=True,
-        num_nextn_predict_layers=0,
+        num_nextn_predict_layers=1,
     )
 
 
@@ -109,4 +112,5 @@ FAMILY = Family(
     tiny_size=MoESize(num_experts=16, num_experts_per_tok=4),
     refuse=refuse_sigmoid_group_routing,
     partial_rotary=True,
+    mtp_layers=True,
 )

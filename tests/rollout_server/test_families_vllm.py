@@ -43,12 +43,13 @@ TEXTS = [
 # be told from the old checkpoint.
 GREEDY = SamplingOptions(temperature=0.0, max_tokens=16)
 SAMPLED = SamplingOptions(temperature=1.0, top_p=0.9, top_k=50, max_tokens=16)
+# The MTP layer of GLM-4.5 and DeepSeek-V3 (model.layers.4) is no decoder layer: no column of
+# its own.
 EXPECTED_MOE_LAYERS = {
     "qwen2_moe": (1, 2, 3),
     "mixtral": (0, 1, 2, 3),
     "glm4_moe": (1, 2, 3),
     "gpt_oss": (0, 1, 2, 3),
-    # DeepSeek-V3's MTP layer (model.layers.4) is no decoder layer: no column of its own.
     "deepseek_v3": (1, 2, 3),
     "deepseek_v2": (1, 2, 3),
 }

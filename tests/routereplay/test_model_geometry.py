@@ -93,6 +93,7 @@ def glm4_moe(**kw):
         n_group=2,
         topk_group=1,
         first_k_dense_replace=1,
+        num_nextn_predict_layers=1,  # as every GLM-4.5 and GLM-4.5-Air release
     )
     return transformers.Glm4MoeConfig(**{**args, **kw})
 
@@ -199,6 +200,15 @@ def test_deepseek_mtp_layers_excluded_and_freq():
     assert geom2.record.moe_layers == (2, 4)
     # Kimi-K2 is DeepSeek-V3's architecture under its own model_type.
     assert geometry_from_config({**config, "model_type": "kimi_k2"}, "dsv3") == geom
+
+
+def test_glm_mtp_layer_excluded():
+    # GLM-4.5's MTP layer (model.layers.4 here) is an MoE layer too, but no decoder layer.
+    config = glm4_moe().to_dict()
+    assert config["num_nextn_predict_layers"] == 1
+    geom = geometry_from_config(config, "glm")
+    assert geom.record.moe_layers == (1, 2, 3)
+    assert geom.num_hidden_layers == 4
 
 
 def test_geometry_is_the_stored_geometry():

@@ -1,9 +1,9 @@
 """DeepSeek-V2/V3 particulars (float32, CPU, one rank): what megatron cannot reproduce is
-refused by name, Kimi-K2 is DeepSeek-V3 under its own names, V2's group limit matters, and the
-checkpoint's multi-token-prediction layer is never a decoder layer.
+refused by name, Kimi-K2 is DeepSeek-V3 under its own names, V2's group limit matters.
 
 Parity with transformers (both families) is in test_model_parity.py; replay, R2 and the
-layouts run for them through ``OTHER_FAMILIES`` in test_families.py and test_family_layouts.py.
+layouts run for them through ``OTHER_FAMILIES`` in test_families.py and test_family_layouts.py;
+the multi-token-prediction layer (V3's and GLM-4.5's) in test_mtp.py.
 """
 
 from __future__ import annotations
@@ -18,17 +18,13 @@ pytest.importorskip("megatron.core")
 
 from tests.trainer.helpers import (
     capture_routing,
-    make_record,
     next_token_loss,
     one_hot,
     random_batch,
-    random_routes,
     replay_random_routes,
 )
-from trainer.layout.align import align_routes
 from trainer.model.build import build_model
 from trainer.model.hf_config import UnsupportedConfig, read_hf_config, transformer_config
-from trainer.model.hf_weights import load_hf_state_dict
 
 
 def _config(family_model_dir, family, **changes):
@@ -119,55 +115,6 @@ def test_deepseek_v2_router_uses_its_group_limit(family_model_dir, pg_collection
         torch.testing.assert_close(probs[r.layer][rows].gather(1, ids), expected)
 
 
-def test_mtp_layer_is_never_a_decoder_layer(family_model_dir, pg_collection):
-    """The checkpoint's MTP layer (``model.layers.4``, a full MoE layer with its own router)
-    is left out: the model's routers are the decoder's MoE layers 1-3 of the geometry, each
-    holding its own layer's router weights and expert bias (not the MTP layer's), and the
-    routes replayed for global layer L reach that router. Reading the MTP layer as a decoder
-    layer (a shifted layer number, the MTP router aliased to a decoder layer) fails here."""
-    model_dir = family_model_dir("deepseek_v3")
-    built = build_model(model_dir, routing_replay=True, pg_collection=pg_collection)
-    hf = load_hf_state_dict(model_dir)
-    config = built.hf_config
-    assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == 4
-    assert built.geometry.moe_layers == (1, 2, 3)
-    assert built.replay.layers == (1, 2, 3)
-    assert len(built.model.decoder.layers) == 4
-    mtp_gate = hf["model.layers.4.mlp.gate.weight"]
-    for r in built.routers:
-        own = hf[f"model.layers.{r.layer}.mlp.gate.weight"]
-        assert torch.equal(r.router.weight, own), f"layer {r.layer}"
-        assert not torch.equal(r.router.weight, mtp_gate)
-        bias = hf[f"model.layers.{r.layer}.mlp.gate.e_score_correction_bias"]
-        assert torch.equal(r.router.expert_bias, bias)
-    # Forced routes per global layer land on that layer's router, none elsewhere.
-    geometry = built.geometry
-    batch = random_batch(9, [8, 11], "right")
-    routes = [random_routes(60 + b, int(n) - 1, geometry) for b, n in enumerate(batch.lengths)]
-    records = [
-        make_record(batch.sample_ids[b], batch.sample_tokens(b).numpy(), routes[b], geometry)
-        for b in range(batch.batch_size)
-    ]
-    aligned = align_routes(batch, records, geometry, built.replay.layers)
-    with torch.no_grad(), built.replay.step(), capture_routing(built.routers) as (maps, _):
-        with built.replay.forward(aligned.indices):
-            next_token_loss(built.model, batch)
-    rows = aligned.replayed.reshape(-1)
-    for j, r in enumerate(built.routers):
-        want = one_hot(aligned.indices[j][rows].long(), geometry.num_experts)
-        assert torch.equal(maps[r.layer][0][rows], want), f"layer {r.layer}"
-
-
-def test_mtp_layers_are_refused_unless_dropped(family_model_dir, pg_collection):
-    with pytest.raises(UnsupportedConfig, match="drop_mtp_layers"):
-        build_model(
-            family_model_dir("deepseek_v3"),
-            routing_replay=True,
-            pg_collection=pg_collection,
-            drop_mtp_layers=False,
-        )
-
-
 def test_tensor_parallelism_without_sp_is_refused(family_model_dir, pg_collection):
     with pytest.raises(UnsupportedConfig, match="needs sequence parallelism"):
         build_model(
@@ -176,17 +123,3 @@ def test_tensor_parallelism_without_sp_is_refused(family_model_dir, pg_collectio
             pg_collection=pg_collection,
             tensor_model_parallel_size=2,
         )
-
-
-def test_export_carries_the_mtp_layer_over(family_model_dir, pg_collection, tmp_path):
-    from trainer.model.export import export_hf
-
-    model_dir = family_model_dir("deepseek_v3")
-    built = build_model(model_dir, routing_replay=False, pg_collection=pg_collection)
-    out = export_hf(built, model_dir, tmp_path / "export")
-    source, exported = load_hf_state_dict(model_dir), load_hf_state_dict(out)
-    assert sorted(exported) == sorted(source)
-    mtp = [name for name in source if name.startswith("model.layers.4.")]
-    assert len(mtp) > 60
-    for name in mtp:
-        assert torch.equal(exported[name], source[name]), name

@@ -213,7 +213,6 @@ def test_unknown_config_key_is_refused_by_name(family, family_model_dir):
     [
         ({"norm_topk_prob": False}, "norm_topk_prob"),
         ({"topk_group": 1}, "top 2"),
-        ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers"),
         ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "yarn"}}, "rope scaling"),
     ],
 )

@@ -93,7 +93,8 @@ def _trains_like_one_rank(family, model_dir, tmp_path, layout):
     # tolerance): the counts summed over the TP ranks' tokens must move it exactly as one rank.
     ours, theirs = _exported(tmp_path / "run"), _exported(tmp_path / "one")
     source = load_hf_state_dict(model_dir)
-    # Decoder layers only: DeepSeek-V3's MTP layer (model.layers.4) is carried over untouched.
+    # Decoder layers only: the MTP layer (model.layers.4: DeepSeek-V3's, GLM-4.5's) is carried
+    # over untouched.
     biases = [
         n
         for n in theirs
@@ -129,8 +130,12 @@ def test_padding_moves_no_expert_bias(layout, nproc, order, family_model_dir, tm
         assert step.loss == pytest.approx(ref.loss, abs=LOSS_ATOL)
     ours, theirs = _exported(tmp_path / "run"), _exported(tmp_path / "one")
     source = load_hf_state_dict(model_dir)
-    biases = [n for n in theirs if n.endswith("e_score_correction_bias")]
+    # The MTP layer's bias is no decoder layer's: carried over untouched.
+    mtp_bias = "model.layers.4.mlp.gate.e_score_correction_bias"
+    biases = [n for n in theirs if n.endswith("e_score_correction_bias") and n != mtp_bias]
     assert len(biases) == 3
     for name in biases:
         assert torch.equal(ours[name], theirs[name]), name
         assert not torch.equal(theirs[name], source[name]), name
+    for export in (ours, theirs):
+        assert torch.equal(export[mtp_bias], source[mtp_bias])
