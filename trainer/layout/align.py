@@ -115,8 +115,9 @@ def align_routes(
     if unknown or not layers:
         raise ValueError(f"router layers {list(layers)} must be MoE layers of the model")
     seq, nrows, k = batch.seq_len, batch.num_rows, geometry.topk
-    # [seq, rows, routers, k]: megatron's token order before flattening.
-    out = np.full((seq, nrows, len(layers), k), MASKED, dtype=replay_dtype(geometry.num_experts))
+    # [routers, seq, rows, k]: per router, megatron's token order before flattening, so each
+    # router's ids are one contiguous block (a view, no second copy).
+    out = np.full((len(layers), seq, nrows, k), MASKED, dtype=replay_dtype(geometry.num_experts))
     absent: list[str] = []
     for b, record in enumerate(records):
         sample_id = batch.sample_ids[b]
@@ -131,13 +132,13 @@ def align_routes(
         check_tokens(record, batch.sample_tokens(b).numpy().astype(np.int32))
         start, rows = int(batch.starts[b]), record.num_rows
         # Row i belongs to token i (its input); the final token has no row and stays MASKED.
-        out[start : start + rows, int(batch.rows[b])] = record.routes[:, _columns(record, layers)]
+        columns = _select(record.routes, _columns(record, layers))
+        out[:, start : start + rows, int(batch.rows[b])] = columns.transpose(1, 0, 2)
     if absent:
         log.warning("%d samples have no record; they route natively: %s", len(absent), absent)
     # Every column is masked on the same rows, so the first tells which rows replay.
-    replayed = torch.from_numpy(out[:, :, 0, 0] != MASKED)
-    flat = torch.from_numpy(out).reshape(seq * nrows, len(layers), k)
-    indices = [flat[:, j].contiguous() for j in range(len(layers))]
+    replayed = torch.from_numpy(out[0, :, :, 0] != MASKED)
+    indices = [torch.from_numpy(ids).reshape(seq * nrows, k) for ids in out]
     return AlignedRoutes(indices, replayed, tuple(layers), absent)
 
 
@@ -152,6 +153,15 @@ def _columns(record: Record, layers: Sequence[int]) -> list[int]:
             "routers replay"
         )
     return [held.index(layer) for layer in layers]
+
+
+def _select(routes: np.ndarray, columns: list[int]) -> np.ndarray:
+    """``routes[:, columns]``; a view when the columns are a run (a whole record, a stage's
+    read), not a copy."""
+    first = columns[0]
+    if columns == list(range(first, first + len(columns))):
+        return routes[:, first : first + len(columns)]
+    return routes[:, columns]
 
 
 def routes_from_recorded(
