@@ -193,7 +193,13 @@ def test_report_carries_the_policy_entropy(tiny_model_dir, records, tmp_path):
     _, got, _ = _run(tiny_model_dir, records, tmp_path, "one", "R3")
     # Uniform over 512 tokens would be ln 512 = 6.24; a random tiny model is close to it.
     assert all(0.0 < step.entropy <= np.log(512) + 1e-6 for step in got)
-    assert json.dumps([step.as_dict() for step in got])  # the report stays JSON
+    # The report stays JSON, and reads back whole; a figure left out is an error, not a None.
+    for step in got:
+        data = json.loads(json.dumps(step.as_dict()))
+        assert StepReport.from_dict(data) == step
+        del data["loss"]
+        with pytest.raises(KeyError, match="loss"):
+            StepReport.from_dict(data)
 
 
 @pytest.mark.parametrize(

@@ -122,8 +122,12 @@ class StepReport:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepReport:
-        """Read ``as_dict``'s form back (a ``report.json`` entry)."""
-        kwargs = {f.name: data.get(f.name) for f in fields(cls)}
+        """Read ``as_dict``'s form back (a ``report.json`` entry). A field without a default
+        that is absent raises ``KeyError``: two reports missing the same figure must not read
+        back as equal ``None``s."""
+        kwargs = {
+            f.name: data.get(f.name) if f.default is None else data[f.name] for f in fields(cls)
+        }
         kwargs.update(
             rows=Rows(**data["rows"]),
             route_bytes=RouteBytes(**data["route_bytes"]),
