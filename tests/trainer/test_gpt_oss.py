@@ -142,3 +142,47 @@ def test_settings_megatron_cannot_reproduce_are_refused(model_dir, changes, matc
     config.update(changes)
     with pytest.raises(UnsupportedConfig, match=match):
         transformer_config(config, routing_replay=True)
+
+
+# One process per vector width, sharing an inductor cache: the second finds the first's entries.
+_ACTIVATION = """
+import sys, torch
+from trainer.model.hf_config import read_hf_config, transformer_config
+act = transformer_config(read_hf_config(sys.argv[1]), routing_replay=True).activation_func
+for rows in (1, 5, 17, 33):  # the tokens an expert gets vary, so do the compiled shapes
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)) * 4
+    torch.testing.assert_close(act(x), x * torch.sigmoid(1.702 * x), rtol=1e-6, atol=1e-6)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() != "AVX512",
+    reason="needs a CPU with AVX-512 to run both vector widths",
+)
+@pytest.mark.parametrize("order", [("AVX512", "avx2"), ("avx2", "AVX512")])
+def test_the_expert_activation_is_right_whatever_vector_width_ran_before(
+    model_dir, order, tmp_path
+):
+    """The experts' gate activation under ``ATEN_CPU_CAPABILITY=avx2`` after a run with
+    AVX-512 kernels on the same machine and user, and the reverse. Megatron's torch.compile'd
+    quick_gelu gave NaN losses in the first order (an AVX-512 kernel rebuilt for AVX2 left half
+    its outputs unwritten) and heap corruption in the second."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+    for capability in order:
+        env["ATEN_CPU_CAPABILITY"] = capability
+        proc = subprocess.run(
+            [sys.executable, "-c", _ACTIVATION, str(model_dir)],
+            env=env,
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, f"{capability}: {proc.stderr[-3000:]}"

@@ -251,12 +251,22 @@ def transformer_config(
     return transformer
 
 
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's SwiGLU gate, ``x * sigmoid(1.702 x)``, in eager torch as transformers runs it.
+
+    Not megatron's ``quick_gelu``: it is ``torch.compile``'d, and on the CPU inductor's on-disk
+    cache (one per user by default) is not keyed by the vector width that
+    ``ATEN_CPU_CAPABILITY`` selects. A kernel generated for AVX-512 (16 floats a step) and
+    compiled again for AVX2 (8 a step) leaves half its outputs unwritten (NaN losses); the
+    reverse writes past its buffer (heap corruption). tests/trainer/test_gpt_oss.py shows it.
+    """
+    return x * torch.sigmoid(1.702 * x)
+
+
 def _activation(name: str):
     if name == "silu":
         return F.silu
-    if name == "quick_gelu":  # x * sigmoid(1.702 x): gpt-oss's SwiGLU gate
-        from megatron.core.fusions.fused_bias_geglu import quick_gelu
-
+    if name == "quick_gelu":  # megatron's fused paths compare with its own; they are off
         return quick_gelu
     raise UnsupportedConfig(f"activation {name!r} is not mapped")
 
