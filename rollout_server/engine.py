@@ -312,9 +312,15 @@ class VLLMEngine:
         self._model_config = json.loads((Path(model) / "config.json").read_text())
         self._capture = capture_routes
         eager = engine_args.pop("enforce_eager", False) or on_cpu
+        dtype = dtype or ("float32" if on_cpu else "auto")
+        if on_cpu and dtype == "float32" and self._model_config.get("kv_lora_rank"):
+            # On a CPU with AMX, vLLM picks its AMX latent-attention kernels, which take bf16 or
+            # fp16 weights only: a float32 DeepSeek model fails to load ("expect weight to be
+            # bfloat16, ..."). Its reference kernels run any dtype.
+            engine_args.setdefault("attention_backend", "CPU_MLA")
         args = AsyncEngineArgs(
             model=str(model),
-            dtype=dtype or ("float32" if on_cpu else "auto"),
+            dtype=dtype,
             enforce_eager=eager,
             worker_extension_cls=f"{MoEReloadExtension.__module__}.MoEReloadExtension",
             **{**engine_args, **capture},
