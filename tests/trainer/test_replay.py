@@ -24,7 +24,7 @@ from tests.trainer.helpers import (
 from trainer.layout.align import align_routes, routes_from_recorded
 from trainer.layout.batch import PaddedBatch
 from trainer.model.build import build_model
-from trainer.reshard import Layout, RankCoords, shard_padded
+from trainer.reshard import Layout, RankCoords, rank_positions, shard_padded
 
 
 @pytest.fixture
@@ -131,6 +131,43 @@ def test_alignment_matches_an_independent_computation(built, padding_side):
     )
     for j, layer in enumerate(geometry.moe_layers[1:]):
         np.testing.assert_array_equal(stage.indices[j].numpy(), expected[layer - 1])
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout(tp=2, sequence_parallel=True),
+        Layout(cp=2),
+        Layout(tp=2, cp=2, sequence_parallel=True),
+    ],
+    ids=["tp2sp", "cp2", "tp2sp_cp2"],
+)
+@pytest.mark.parametrize("form", ["right", "left", "packed"])
+def test_aligning_a_ranks_positions_equals_cutting_the_whole_alignment(layout, form):
+    """A rank aligns only the rows it keeps (its CP chunks, its SP share): the same ids as
+    aligning every row and cutting them with ``shard_padded``, and the same replayed rows."""
+    geometry = Geometry((1, 2, 3), 2, 8, "m")
+    lengths = [9, 4, 13]
+    tokens = [np.arange(2, 2 + n) for n in lengths]
+    ids = [f"p{i}" for i in range(len(lengths))]
+    if form == "packed":
+        batch = PaddedBatch.packed(ids, tokens, multiple=layout.multiple)
+    else:
+        batch = PaddedBatch.from_samples(ids, tokens, padding_side=form, max_length=16)
+    routes = [random_routes(20 + b, n - 1, geometry) for b, n in enumerate(lengths)]
+    records = _records(batch, routes, geometry)
+    whole = align_routes(batch, records, geometry, geometry.moe_layers)
+    held = 0
+    for tp_rank, cp_rank in np.ndindex(layout.tp, layout.cp):
+        coords = RankCoords(tp_rank=int(tp_rank), cp_rank=int(cp_rank))
+        positions = rank_positions(batch.seq_len, layout, coords)
+        mine = align_routes(batch, records, geometry, geometry.moe_layers, positions=positions)
+        assert torch.equal(mine.replayed, whole.replayed)
+        for got, full in zip(mine.indices, whole.indices, strict=True):
+            want = shard_padded(full, batch.seq_len, layout, coords)
+            assert torch.equal(got, want), (coords, form)
+        held += int((mine.indices[0][:, 0] != MASKED).sum())
+    assert held == int(whole.replayed.sum()) == sum(lengths) - 3  # each row on one rank
 
 
 def test_uint16_expert_ids_survive_alignment_and_resharding():

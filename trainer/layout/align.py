@@ -30,10 +30,12 @@ class AlignedRoutes:
     """One batch's replay ids for this rank's routers.
 
     Attributes:
-        indices: One ``[seq * rows, k]`` tensor per router (in the order of ``layers``),
-            megatron's token order, in ``replay_dtype`` (int16 up to 32768 experts); ``MASKED``
-            rows route natively.
-        replayed: bool ``[seq, rows]``: True where a recorded route is replayed.
+        indices: One ``[positions * rows, k]`` tensor per router (in the order of
+            ``layers``), megatron's token order, in ``replay_dtype`` (int16 up to 32768
+            experts); ``MASKED`` rows route natively. ``positions``: every sequence position,
+            or this rank's.
+        replayed: bool ``[seq, rows]``: True where a recorded route is replayed (every
+            rank's rows).
         layers: Global layer number of each entry of ``indices``.
         missing: Sample ids that had no record (routed natively under ``missing="native"``).
     """
@@ -85,6 +87,7 @@ def align_routes(
     *,
     missing: str = "error",
     model_id: str | None = None,
+    positions: np.ndarray | None = None,
 ) -> AlignedRoutes:
     """Build per-router replay ids for a padded batch.
 
@@ -99,6 +102,9 @@ def align_routes(
         missing: ``"error"`` refuses a missing record; ``"native"`` routes that sample natively
             and logs a warning.
         model_id: When given, records must carry this model id.
+        positions: The sequence positions whose rows this rank keeps, in its order
+            (``trainer.reshard.rank_positions``: its CP chunks and SP share); only those rows
+            are written. None: every row.
 
     Returns:
         The ``AlignedRoutes``.
@@ -115,9 +121,13 @@ def align_routes(
     if unknown or not layers:
         raise ValueError(f"router layers {list(layers)} must be MoE layers of the model")
     seq, nrows, k = batch.seq_len, batch.num_rows, geometry.topk
-    # [routers, seq, rows, k]: per router, megatron's token order before flattening, so each
-    # router's ids are one contiguous block (a view, no second copy).
-    out = np.full((len(layers), seq, nrows, k), MASKED, dtype=replay_dtype(geometry.num_experts))
+    keep = np.arange(seq) if positions is None else np.asarray(positions)
+    local = np.full(seq, -1)  # sequence position -> this rank's position, -1: not its row
+    local[keep] = np.arange(len(keep))
+    # [routers, local positions, rows, k]: per router, megatron's token order before
+    # flattening, so each router's ids are one contiguous block (a view, no second copy).
+    out = np.full((len(layers), len(keep), nrows, k), MASKED, replay_dtype(geometry.num_experts))
+    replayed = torch.zeros((seq, nrows), dtype=torch.bool)
     absent: list[str] = []
     for b, record in enumerate(records):
         sample_id = batch.sample_ids[b]
@@ -130,15 +140,20 @@ def align_routes(
             raise InvalidArgument(f"record {record.sample_id!r} is in the slot of {sample_id!r}")
         check_geometry(record.geometry, geometry, sample_id, model_id)
         check_tokens(record, batch.sample_tokens(b).numpy().astype(np.int32))
-        start, rows = int(batch.starts[b]), record.num_rows
+        start, rows, row = int(batch.starts[b]), record.num_rows, int(batch.rows[b])
         # Row i belongs to token i (its input); the final token has no row and stays MASKED.
-        columns = _select(record.routes, _columns(record, layers))
-        out[:, start : start + rows, int(batch.rows[b])] = columns.transpose(1, 0, 2)
+        replayed[start : start + rows, row] = True
+        columns = _select(record.routes, _columns(record, layers)).transpose(1, 0, 2)
+        where = local[start : start + rows]
+        first = int(where[0])
+        if first >= 0 and np.array_equal(where, np.arange(first, first + rows)):
+            out[:, first : first + rows, row] = columns  # all of them, in order: a slice
+        else:
+            mine = where >= 0
+            out[:, where[mine], row] = columns[:, mine]
     if absent:
         log.warning("%d samples have no record; they route natively: %s", len(absent), absent)
-    # Every column is masked on the same rows, so the first tells which rows replay.
-    replayed = torch.from_numpy(out[0, :, :, 0] != MASKED)
-    indices = [torch.from_numpy(ids).reshape(seq * nrows, k) for ids in out]
+    indices = [torch.from_numpy(ids).reshape(len(keep) * nrows, k) for ids in out]
     return AlignedRoutes(indices, replayed, tuple(layers), absent)
 
 

@@ -59,8 +59,8 @@ def plan_step(
     model_id: str | None = None,
 ) -> StepLayout:
     """Lay one step's batch out for this rank: mini- and micro-batches (padded or packed, to
-    the layout's multiple), then each micro-batch's records aligned to its token layout and cut
-    to this rank's rows and routers.
+    the layout's multiple), then each micro-batch's records aligned to its token layout, only
+    this rank's rows and routers.
 
     Args:
         samples / records / advantages: This DP rank's share of the step's batch (records None
@@ -78,9 +78,15 @@ def plan_step(
     ids, replayed, replayable = [], [], []
     for mb in itertools.chain.from_iterable(minis):
         aligned = align_routes(
-            mb.batch, mb.records, geometry, router_layers, missing="native", model_id=model_id
+            mb.batch,
+            mb.records,
+            geometry,
+            router_layers,
+            missing="native",
+            model_id=model_id,
+            positions=share.positions(mb.batch),
         )
-        ids.append([share.rows(mb.batch, i) for i in aligned.indices])
+        ids.append(aligned.indices)
         replayed.append(int(aligned.replayed.sum()))
         replayable.append(share.replayable(mb.batch))
     return StepLayout(minis, ids, replayed, replayable)

@@ -3,11 +3,12 @@ then its sequence-parallel split), for replay ids and for the inputs megatron cu
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from trainer.layout.batch import PaddedBatch
 from trainer.parallel.dp import ModelParallel
-from trainer.reshard import Layout, cp_index, shard_padded
+from trainer.reshard import Layout, cp_index, rank_positions, shard_padded
 
 
 class RankShare:
@@ -20,6 +21,12 @@ class RankShare:
     def __init__(self, mp: ModelParallel | None):
         self.mp = mp
         self.layout = mp.layout if mp is not None else Layout()
+
+    def positions(self, batch: PaddedBatch) -> np.ndarray | None:
+        """The sequence positions whose rows this rank keeps (None: every one)."""
+        if self.mp is None:
+            return None
+        return rank_positions(batch.seq_len, self.layout, self.mp.coords)
 
     def rows(self, batch: PaddedBatch, x):
         """This rank's rows of a micro-batch's rows in megatron order ``[seq * rows, ...]``

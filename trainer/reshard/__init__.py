@@ -53,7 +53,7 @@ from trainer.reshard.microbatch import (
     dynamic_microbatches,
 )
 from trainer.reshard.packing import PackPlan, cp_index, sp_slice
-from trainer.reshard.share import shard_padded
+from trainer.reshard.share import rank_positions, shard_padded
 
 __all__ = [
     "DynamicBatches",
@@ -70,6 +70,7 @@ __all__ = [
     "layer_columns",
     "pad_multiple",
     "padded_length",
+    "rank_positions",
     "shard_padded",
     "sp_slice",
     "stage_moe_layers",

@@ -3,27 +3,36 @@ megatron's token order (replay ids, masks)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from trainer.reshard.layout import Layout, LayoutError, RankCoords
 from trainer.reshard.packing import cp_index, sp_slice
 
 
+def rank_positions(seq: int, layout: Layout, coords: RankCoords) -> np.ndarray:
+    """The sequence positions whose rows this rank keeps, in its order: its CP chunks, then
+    its SP share of them. Whole positions: ``seq`` is a multiple of the layout's multiple, so
+    megatron's scatter of the seq-major ``[seq / cp * batch]`` rows cuts between positions."""
+    if seq % layout.multiple:
+        raise LayoutError(f"seq={seq} must be a multiple of {layout.multiple} for {layout}")
+    positions = cp_index(seq, layout.cp, coords.cp_rank)
+    if layout.sequence_parallel and layout.tp > 1:
+        positions = positions[sp_slice(len(positions), layout.tp, coords.tp_rank)]
+    return positions
+
+
 def shard_padded(x, seq: int, layout: Layout, coords: RankCoords):
-    """A padded batch's rows in megatron order ``[seq * batch, ...]`` -> this rank's rows:
-    CP chunks along ``seq``, then the SP share of the CP-local ``[seq / cp * batch]`` rows
-    (megatron scatters ``[seq, batch, hidden]`` along seq, so rows stay seq-major)."""
+    """A padded batch's rows in megatron order ``[seq * batch, ...]`` -> this rank's rows (those
+    of its ``rank_positions``; a view where they are one run)."""
     batch = x.shape[0] // seq
     if seq * batch != x.shape[0]:
         raise LayoutError(f"{x.shape[0]} rows are not seq={seq} x a batch size")
-    if seq % layout.multiple:
-        raise LayoutError(f"seq={seq} must be a multiple of {layout.multiple} for {layout}")
-    local = x
-    if layout.cp > 1:
-        view = x.reshape(seq, batch, *x.shape[1:])
-        idx = cp_index(seq, layout.cp, coords.cp_rank)
-        local = view[torch.from_numpy(idx) if isinstance(x, torch.Tensor) else idx]
-        local = local.reshape(-1, *x.shape[1:])
-    if layout.sequence_parallel and layout.tp > 1:
-        local = local[sp_slice(local.shape[0], layout.tp, coords.tp_rank)]
-    return local
+    positions = rank_positions(seq, layout, coords)
+    view = x.reshape(seq, batch, *x.shape[1:])
+    first = int(positions[0])
+    if np.array_equal(positions, np.arange(first, first + len(positions))):
+        local = view[first : first + len(positions)]
+    else:
+        local = view[torch.from_numpy(positions) if isinstance(x, torch.Tensor) else positions]
+    return local.reshape(-1, *x.shape[1:])
