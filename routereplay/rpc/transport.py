@@ -105,15 +105,20 @@ def _request(request: Request, *args):
     return request(*args) if callable(request) else request
 
 
-class Blocking:
-    """Makes the calls of a sync stub; waits by blocking."""
-
+class _Transport:
     def __init__(self, stub, retry: RetryPolicy):
         self.stub, self.retry = stub, retry
 
+    def _prepare(self, call: Unary | Stream):
+        """The call's retry policy and the stub's method."""
+        return (self.retry if call.retried else NO_RETRY), getattr(self.stub, call.method)
+
+
+class Blocking(_Transport):
+    """Makes the calls of a sync stub; waits by blocking."""
+
     def unary(self, call: Unary, request: Request, timeout: float | None, **kwargs):
-        retry = self.retry if call.retried else NO_RETRY
-        method = getattr(self.stub, call.method)
+        retry, method = self._prepare(call)
         for attempt in range(retry.attempts):
             message = _request(request)
             try:
@@ -124,8 +129,7 @@ class Blocking:
                 time.sleep(pause)
 
     def stream(self, call: Stream, request: Request, timeout: float | None) -> Iterator:
-        retry = self.retry if call.retried else NO_RETRY
-        method = getattr(self.stub, call.method)
+        retry, method = self._prepare(call)
         done = 0
         for attempt in range(retry.attempts):
             parse = call.parser()
@@ -148,15 +152,11 @@ class Blocking:
         return next(values)
 
 
-class AsyncIO:
+class AsyncIO(_Transport):
     """Makes the calls of a ``grpc.aio`` stub; waits with asyncio."""
 
-    def __init__(self, stub, retry: RetryPolicy):
-        self.stub, self.retry = stub, retry
-
     async def unary(self, call: Unary, request: Request, timeout: float | None, **kwargs):
-        retry = self.retry if call.retried else NO_RETRY
-        method = getattr(self.stub, call.method)
+        retry, method = self._prepare(call)
         for attempt in range(retry.attempts):
             message = _request(request)
             try:
@@ -167,8 +167,7 @@ class AsyncIO:
                 await asyncio.sleep(pause)
 
     async def stream(self, call: Stream, request: Request, timeout: float | None) -> AsyncIterator:
-        retry = self.retry if call.retried else NO_RETRY
-        method = getattr(self.stub, call.method)
+        retry, method = self._prepare(call)
         done = 0
         for attempt in range(retry.attempts):
             parse = call.parser()
