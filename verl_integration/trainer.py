@@ -12,6 +12,7 @@ own routers, so a worker fetches only those (a layer-selected read, once per TP/
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -24,6 +25,7 @@ from routereplay.domain.record import Record
 from routereplay.errors import InvalidArgument, NotFound
 
 MISSING_RECORD = ("error", "native")
+logger = logging.getLogger(__name__)
 
 
 class Routes(NamedTuple):
@@ -31,12 +33,15 @@ class Routes(NamedTuple):
     False for samples without a record (``missing="native"``). ``routed``: bool per token, laid
     out like ``input_ids`` (jagged or padded), True on the rows that hold a recorded route; the
     others (a missing sample's, tokens past the record such as a tool's answer after the last
-    generation, padding) are zero in the field and must route natively
-    (``native_where_missing``)."""
+    generation, padding, rows past a divergence) are zero in the field and must route natively
+    (``native_where_missing``). ``diverged``: int ``[bs]``, the record's rows left native
+    because the batch's tokens differ from the record's before them (see
+    ``RouteFetcher.routes``)."""
 
     routed_experts: torch.Tensor
     present: torch.Tensor
     routed: torch.Tensor
+    diverged: torch.Tensor | None = None
 
 
 class RouteFetcher:
@@ -82,10 +87,17 @@ class RouteFetcher:
             input_ids: jagged ``[bs, j]`` (the result is jagged), or padded ``[bs, seq]`` with
                 ``attention_mask`` (bool or 0/1 ``[bs, seq]``, True on real tokens).
 
+        Token check: where the batch's tokens differ from the record's first at position ``d``,
+        rows ``d`` on (whose prefix differs) are left native and counted in ``diverged``; only
+        a difference inside the record's first turn (before its last token) is an error. verl's
+        token builders may drop a stop token where a tool's answer follows a generation, so a
+        later turn's history can differ from the record from that junction on; every row
+        before ``d`` saw the recorded prefix and is exact.
+
         Raises:
             NotFound: a missing record with ``missing="error"``, naming it.
             InvalidArgument: a record of another model, or whose tokens differ from the
-                sample's, naming it.
+                sample's inside its first turn (another sample's record), naming it.
         """
         records = self.records(sample_ids)
         present = torch.tensor([r is not None for r in records], dtype=torch.bool)
@@ -94,11 +106,12 @@ class RouteFetcher:
             parts = [
                 self._rows(r, t, s) for r, t, s in zip(records, tokens, sample_ids, strict=True)
             ]
-            routed = [torch.arange(p.shape[0]) < rows for p, rows in parts]
+            routed = [torch.arange(p.shape[0]) < rows for p, rows, _ in parts]
             return Routes(
-                torch.nested.as_nested_tensor([p for p, _ in parts], layout=torch.jagged),
+                torch.nested.as_nested_tensor([p for p, _, _ in parts], layout=torch.jagged),
                 present,
                 torch.nested.as_nested_tensor(routed, layout=torch.jagged),
+                torch.tensor([d for _, _, d in parts], dtype=torch.int64),
             )
         if attention_mask is None:
             raise ValueError("padded input_ids need their attention_mask")
@@ -107,36 +120,53 @@ class RouteFetcher:
             bs, seq, self.geometry.num_hidden_layers, self.geometry.record.topk, dtype=torch.int16
         )
         routed = torch.zeros(bs, seq, dtype=torch.bool)
+        diverged = torch.zeros(bs, dtype=torch.int64)
         for b, (record, sample_id) in enumerate(zip(records, sample_ids, strict=True)):
             where = attention_mask[b].bool().nonzero().squeeze(1)
-            out[b, where], rows = self._rows(record, input_ids[b, where], sample_id)
+            out[b, where], rows, diverged[b] = self._rows(record, input_ids[b, where], sample_id)
             routed[b, where[:rows]] = True
-        return Routes(out, present, routed)
+        return Routes(out, present, routed, diverged)
 
     def _rows(self, record: Record | None, tokens: torch.Tensor, sample_id):
-        """One sample's int16 ``[len(tokens), num_hidden_layers, k]`` and how many leading rows
-        hold a recorded route."""
+        """One sample's int16 ``[len(tokens), num_hidden_layers, k]``, how many leading rows
+        hold a recorded route and how many of the record's rows a divergence left native."""
         n = tokens.shape[0]
         out = torch.zeros(
             n, self.geometry.num_hidden_layers, self.geometry.record.topk, dtype=torch.int16
         )
         if record is None:
-            return out, 0
+            return out, 0, 0
         common = min(n, record.num_tokens)
         stored = torch.from_numpy(record.token_ids[:common].astype(np.int64))
         differ = (tokens[:common].cpu() != stored).nonzero()
+        rows = min(record.num_rows, n)
+        diverged = 0
         if len(differ):
             at = int(differ[0])
-            raise InvalidArgument(
-                f"sample {sample_id!r}: the route record's tokens differ from the batch's at "
-                f"position {at} (record {record.num_tokens} tokens, batch {n}): routes of "
-                "another sample or of another tokenization"
+            first_turn_end = record.turns[0].token_end if record.turns else record.num_tokens
+            if at < first_turn_end - 1:
+                raise InvalidArgument(
+                    f"sample {sample_id!r}: the route record's tokens differ from the batch's at "
+                    f"position {at}, inside its first turn (tokens 0-{first_turn_end - 1}; "
+                    f"record {record.num_tokens} tokens, batch {n}): routes of another sample "
+                    "or of another tokenization"
+                )
+            diverged = max(rows - at, 0)
+            rows = min(rows, at)
+            logger.log(
+                logging.WARNING if diverged else logging.DEBUG,
+                "sample %r: the batch's tokens differ from its route record's from position %d "
+                "on (record %d tokens, batch %d); %d recorded rows from there route natively",
+                sample_id,
+                at,
+                record.num_tokens,
+                n,
+                diverged,
             )
-        rows = min(record.num_rows, n)
         columns = torch.tensor(record.moe_layers)
         routes = torch.from_numpy(record.routes[:rows].astype(np.int16))
         out[:rows, columns] = routes
-        return out, rows
+        return out, rows, diverged
 
 
 def _check_model(record: Record, expected) -> None:

@@ -133,3 +133,165 @@ def check_rows(maps, logits, batch: PaddedBatch, expected, native, topk: int, ro
                 if not torch.equal(routing_map[local], want):
                     bad.append(f"layer {layer} sample {b} position {p}")
     return replayed, natural, bad
+
+
+def engine_on_cpu(model_dir, pg_collection, cache: str, overrides: dict):
+    """``RouteCacheEngine``, as verl's registry returns it for ``("language_model",
+    "megatron")`` here, on the trainer's megatron model (R3), initialised on this rank.
+
+    Replaced, because a CPU has no use for them (tests/verl/test_engine.py says why each):
+    ``EngineRegistry.new``'s constructor (the class is verl's registry's; the instance is made
+    with ``object.__new__`` and given the attributes verl's methods read), verl's
+    ``MegatronEngine.initialize`` (mbridge, optimizer; the mix-in's own ``initialize`` runs
+    over it), the CPU platform's ``current_device`` (``"cpu"``: ``forward_step``'s
+    ``batch.to(get_device_id())`` takes 0 for ``cuda:0``) and verl's model forward function
+    (``get_mcore_engine_forward_fn``: its THD path hands ``packed_seq_params`` to attention
+    kernels the CPU lacks; the stand-in runs the same packed rows with a block-diagonal mask),
+    and ``torch.cuda.synchronize`` (a no-op: megatron's variable-length p2p shape exchange,
+    ``p2p_communication._communicate_shapes``, calls it after the gloo exchange).
+
+    Returns:
+        (engine, the ``TrainerModel``, ``calls``: the micro-batches' ids in schedule order,
+        the route source's builds and whether one ran inside megatron's schedule).
+    """
+    import os
+    from types import SimpleNamespace
+
+    import verl.models.mcore as mcore
+    from verl.utils.device import get_platform
+    from verl.workers.config import McoreEngineConfig, RouterReplayConfig
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.megatron import transformer_impl
+
+    import verl_integration.engine as engine_module
+
+    type(get_platform()).current_device = lambda self: "cpu"
+    if not torch.cuda.is_available():  # megatron's p2p shape exchange ends with it
+        torch.cuda.synchronize = lambda device=None: None
+    os.environ["ROUTER_REPLAY_CACHE"] = cache
+    engine_module.register_engine()
+    cls = EngineRegistry.get_engine_cls("language_model", "megatron")
+    built = verl_model(
+        model_dir,
+        pg_collection,
+        load_weights=False,
+        use_cpu_initialization=True,
+        moe_token_dispatcher_type="allgather",
+        **overrides,
+    )
+    for chunk in built.chunks:  # verl's schedule call: shapes go over p2p (TP1 here)
+        chunk.config.variable_seq_lengths = True
+    engine = object.__new__(cls)
+    engine.engine_config = McoreEngineConfig(
+        router_replay=RouterReplayConfig(mode="R3"), use_remove_padding=True, use_mbridge=True
+    )
+    engine.model_config = SimpleNamespace(
+        local_path=str(model_dir),
+        hf_config=SimpleNamespace(architectures=["Qwen3MoeForCausalLM"]),
+        tokenizer=SimpleNamespace(pad_token_id=0),
+        mtp=SimpleNamespace(enable=False, enable_train=False),
+    )
+    engine.enable_routing_replay = True
+    engine.mini_layer_topk_idx_list = []
+
+    calls = {"micro_batches": [], "source_builds": 0, "source_built_in_schedule": False}
+    in_schedule = [False]
+
+    def verl_initialize(self):  # verl's: tf_config and module from mbridge
+        self.tf_config, self.module = built.chunks[0].config, built.chunks
+
+    verl_source = engine_module.worker_source
+
+    def worker_source(*args, **kwargs):
+        calls["source_builds"] += 1
+        calls["source_built_in_schedule"] |= in_schedule[0]
+        source = verl_source(*args, **kwargs)
+        moe = args[2].record.moe_layers
+        calls["read_layers"] = None if source.layers is None else [moe[i] for i in source.layers]
+        return source
+
+    verl_schedule = transformer_impl.get_forward_backward_func
+
+    def get_forward_backward_func():
+        schedule = verl_schedule()
+
+        def run(**kwargs):
+            in_schedule[0] = True
+            try:
+                return schedule(**kwargs)
+            finally:
+                in_schedule[0] = False
+
+        return run
+
+    step = engine.forward_step
+
+    def forward_step(batch_iter, model, *args, **kwargs):
+        batch = next(batch_iter)
+        calls["micro_batches"].append(_batch_ids(batch))
+        return step(iter([batch]), model, *args, **kwargs)
+
+    transformer_impl.MegatronEngine.initialize = verl_initialize
+    transformer_impl.get_forward_backward_func = get_forward_backward_func
+    engine_module.worker_source = worker_source
+    mcore.get_mcore_engine_forward_fn = lambda hf_config: packed_forward
+    engine.forward_step = forward_step
+    engine.initialize()
+    return engine, built, calls
+
+
+def _batch_ids(batch) -> list[str]:
+    from verl_integration.engine import sample_ids
+
+    return sample_ids(batch)
+
+
+def packed_forward(model, input_ids, multi_modal_inputs, logits_processor=None, **kwargs):
+    """verl's THD model forward (``gptmodel_forward_model_engine``) on the CPU: the
+    micro-batch's sequences back to back in one row (verl packs them the same way for TP1,
+    CP1: no alignment padding), attention block-diagonal; returns the log-probs of the next
+    tokens, jagged like ``input_ids``, from the last stage."""
+    from megatron.core.utils import unwrap_model
+
+    ids = [str(i) for i in range(input_ids.shape[0])]
+    batch = PaddedBatch.packed(ids, [t.cpu().numpy() for t in input_ids.unbind()])
+    out = model(batch.token_ids, batch.position_ids(), batch.attention_mask())
+    if not unwrap_model(model).post_process:
+        return out
+    labels = torch.roll(batch.token_ids, -1, dims=1)
+    log_probs = torch.log_softmax(out.float(), -1).gather(-1, labels.unsqueeze(-1))[0, :, 0]
+    lengths = input_ids.offsets().diff().tolist()
+    return {"log_probs": nested(list(torch.split(log_probs, lengths)))}
+
+
+def engine_batch(sample_ids: Sequence[str], tokens: Sequence[np.ndarray], v1: bool = False):
+    """The batch verl's engine worker hands ``forward_backward_batch`` for an R3 forward (no
+    padding: jagged ``input_ids``; dynamic batch size), the ids as verl's V0 path carries them
+    (``DataProto.to_tensordict``: a ``route_cache_id`` column) or its V1 path
+    (``list_of_dict_to_tensordict``: one ``extra_fields`` dict per sample)."""
+    from tensordict.tensorclass import NonTensorData, NonTensorStack
+    from verl.utils import tensordict_utils as tu
+
+    from verl_integration.rollout import ID_FIELD
+
+    rows = [torch.as_tensor(np.asarray(t, dtype=np.int64)) for t in tokens]
+    fields = {
+        "input_ids": nested(rows),
+        "loss_mask": nested([torch.ones(len(t), dtype=torch.int64) for t in rows]),
+        "response_mask": torch.ones(len(rows), 4, dtype=torch.int64),
+    }
+    if v1:
+        fields["extra_fields"] = NonTensorStack.from_list(
+            [NonTensorData({ID_FIELD: s, "global_steps": 0}) for s in sample_ids]
+        )
+    else:
+        fields[ID_FIELD] = NonTensorStack.from_list([NonTensorData(s) for s in sample_ids])
+    data = tu.get_tensordict(fields)
+    tu.assign_non_tensor(
+        data,
+        use_dynamic_bsz=True,
+        max_token_len_per_gpu=max(len(t) for t in rows) + 4,
+        enable_routing_replay=True,
+        temperature=1.0,
+    )
+    return data

@@ -22,13 +22,19 @@ import torch
 
 from tests.verl.cpu import use_cpu
 
-LAYOUTS = {"tp2sp": dict(tp=2, sequence_parallel=True), "pp2": dict(pp=2)}
+LAYOUTS = {
+    "tp2sp": dict(tp=2, sequence_parallel=True),
+    "pp2": dict(pp=2),
+    "engine_pp2": dict(pp=2),
+    "engine_pp2_v1": dict(pp=2),
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     for flag in ("--layout", "--model-dir", "--records", "--cache", "--out"):
         parser.add_argument(flag, required=True)
+    parser.add_argument("--tails", default="[]")
     args = parser.parse_args()
     use_cpu()
     torch.set_num_threads(1)
@@ -36,7 +42,7 @@ def main() -> None:
 
     result: dict = {}
     try:
-        result = run(args)
+        result = run_engine(args) if args.layout.startswith("engine") else run(args)
     except Exception:
         result = {"error": traceback.format_exc()}
         raise
@@ -131,6 +137,73 @@ def run(args) -> dict:
         "replayed": replayed,
         "natural": natural,
         "bad": bad[:20],
+    }
+
+
+def run_engine(args) -> dict:
+    """verl's own ``MegatronEngineWithLMHead.forward_backward_batch`` and ``forward_step`` (R3,
+    megatron's pipeline schedule) in ``RouteCacheEngine``, the engine verl's registry returns
+    here; the batch as verl's engine worker hands it over. What is replaced (``engine_on_cpu``)
+    and why: tests/verl/test_engine.py's module docstring."""
+    import numpy as np
+
+    from routereplay.domain.record_file import load_records
+    from tests.trainer.helpers import capture_routing
+    from tests.verl.helpers import check_rows, engine_batch, engine_on_cpu, geometry_of
+    from trainer.layout.batch import PaddedBatch
+    from trainer.parallel.world import init_world, model_overrides
+    from trainer.reshard import Layout
+
+    layout = Layout(**LAYOUTS[args.layout])
+    world = init_world(layout)
+    torch.manual_seed(1234)
+    geometry = geometry_of(args.model_dir)
+    records = load_records(args.records)  # the oracle: every row's route as generated
+    tails = json.loads(args.tails)  # per sample, tokens after the record (a tool's answer)
+    tokens = [
+        np.concatenate([r.token_ids.astype(np.int64), np.asarray(t, dtype=np.int64)])
+        for r, t in zip(records, tails, strict=True)
+    ]
+    engine, built, calls = engine_on_cpu(
+        args.model_dir, world.pg_collection, args.cache, model_overrides(layout)
+    )
+    data = engine_batch([r.sample_id for r in records], tokens, v1=args.layout.endswith("v1"))
+    moe = geometry.record.moe_layers
+    with capture_routing(built.routers) as (maps, logits), torch.no_grad():
+        output = engine.forward_backward_batch(data, None, forward_only=True)
+    by_id = {r.sample_id: (r, tok) for r, tok in zip(records, tokens, strict=True)}
+    replayed = natural = 0
+    bad: list[str] = []
+    for c, micro_ids in enumerate(calls["micro_batches"]):
+        micro = [by_id[i] for i in micro_ids]
+        batch = PaddedBatch.packed(micro_ids, [t for _, t in micro])
+
+        def expected(b, p, layer, micro=micro):
+            r = micro[b][0]
+            return r.routes[p, moe.index(layer)] if p < r.num_rows else None
+
+        rep, nat, wrong = check_rows(
+            {k: v[c] for k, v in maps.items()},
+            {k: v[c] for k, v in logits.items()},
+            batch,
+            expected,
+            native=lambda b, p, micro=micro: p >= micro[b][0].num_rows,
+            topk=geometry.record.topk,
+        )
+        replayed, natural, bad = replayed + rep, natural + nat, bad + wrong
+    return {
+        "rank": world.rank,
+        "pp_rank": world.coords.pp_rank,
+        "router_layers": sorted(r.layer for r in built.routers),
+        "engine_class": type(engine).__name__,
+        "micro_batches": calls["micro_batches"],
+        "source_builds": calls["source_builds"],
+        "source_built_in_schedule": calls["source_built_in_schedule"],
+        "read_layers": calls["read_layers"],
+        "replayed": replayed,
+        "natural": natural,
+        "bad": bad[:20],
+        "log_probs": sorted(output.get("model_output", {}).keys()) if output else None,
     }
 
 
