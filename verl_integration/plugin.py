@@ -1,23 +1,81 @@
-"""verl's vLLM rollout through the route cache, as a verl plugin: with
-``VERL_USE_EXTERNAL_MODULES=verl_integration.plugin`` in the environment of verl's driver,
-``import verl`` imports this module, which registers the ``vllm`` rollout replica again with
-``RouteCacheGenerate`` in front of verl's ``vLLMHttpServer`` (``rollout.route_cache_replica``).
+"""verl's plugin: installing the project registers this module under verl's ``verl.plugins``
+entry points (``pyproject.toml``), and ``import verl`` imports it in every process of a verl job
+(driver, TaskRunner, agent loop workers, rollout servers, trainer workers), on any Ray cluster,
+started by the driver or not. ``VERL_USE_EXTERNAL_PLUGINS`` (verl's own switch) can leave it out.
 
-Everything else keyed on the rollout name ``vllm`` stays as it is.
+It does three things, each keyed on verl's own extension points:
+
+- the ``vllm`` rollout replica is registered again (``RolloutReplicaRegistry``), with
+  ``RouteCacheGenerate`` in front of ``vLLMHttpServer`` on the actor's replicas that have
+  routing replay on (``rollout.converts``);
+- verl's ``LLMServerClient._vllm_request_id`` (its hook for the id sent to the server) keeps
+  verl's fresh per-call id and carries the agent loop's per-sample id inside it
+  (``rollout.tag_request_id``), and ``FullyAsyncLLMServerClient.generate``, which rebuilds the
+  output of a resumed partial rollout, keeps the sample's id in ``extra_fields``;
+- the trainer's engine is registered for verl's Megatron backend (``engine.register_engine``).
+
+verl swallows a plugin's import error (logged at debug level), so a failure here is logged as
+a warning, naming what was not installed.
 """
 
 from __future__ import annotations
 
-from verl.workers.rollout.replica import RolloutReplicaRegistry
+import functools
+import logging
 
-from verl_integration.rollout import route_cache_replica
+from verl_integration.rollout import ID_FIELD, route_cache_replica, tag_request_id
+
+logger = logging.getLogger(__name__)
 
 
 def load_replica():
-    """verl's ``vLLMReplica`` whose servers write each call's turn to the route cache."""
+    """verl's ``vLLMReplica`` whose actor servers write each call's turn to the route cache."""
     from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
     return route_cache_replica(vLLMReplica, vLLMHttpServer)
 
 
-RolloutReplicaRegistry.register("vllm", load_replica)
+def _deterministic(client) -> bool:
+    return bool(getattr(client.config.actor_rollout_ref.rollout, "full_determinism", False))
+
+
+def carry_sample_ids(client_cls, resuming_client_cls) -> None:
+    """Make verl's clients carry the agent loop's sample id to the server (idempotent).
+
+    Under ``full_determinism`` verl names every request ``det-{priority}``, one id for all
+    samples: nothing is carried, and the server refuses the call."""
+    if getattr(client_cls, "_carries_sample_ids", False):
+        return
+    fresh_id = client_cls._vllm_request_id
+
+    def _vllm_request_id(self, request_id: str) -> str:
+        sent = fresh_id(self, request_id)
+        return sent if _deterministic(self) else tag_request_id(request_id, sent)
+
+    generate = resuming_client_cls.generate
+
+    @functools.wraps(generate)
+    async def resuming_generate(self, request_id, **kwargs):
+        output = await generate(self, request_id, **kwargs)
+        rollout = self.config.actor_rollout_ref.rollout
+        if output.token_ids and rollout.enable_rollout_routing_replay and not _deterministic(self):
+            output.extra_fields.setdefault(ID_FIELD, request_id)
+        return output
+
+    client_cls._vllm_request_id = _vllm_request_id
+    resuming_client_cls.generate = resuming_generate
+    client_cls._carries_sample_ids = True
+
+
+def install() -> None:
+    from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient, LLMServerClient
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    RolloutReplicaRegistry.register("vllm", load_replica)
+    carry_sample_ids(LLMServerClient, FullyAsyncLLMServerClient)
+
+
+try:
+    install()
+except Exception:  # verl would hide it: say what is missing
+    logger.warning("router-replay's verl plugin was not installed", exc_info=True)

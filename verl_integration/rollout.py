@@ -10,6 +10,14 @@ generated those tokens; verl keeps the last call's tensor and so replays old tur
 routes (verl #6054). Here only the rows of the tokens new in this call are stored, appended to
 the record (``TurnAppend``): each turn keeps the routes of the policy that generated it.
 
+Which record: verl's ``LLMServerClient`` sends the server a fresh request id on every call, so
+the server alone cannot tell which sample a call continues. The agent loop's own id (one per
+sample, kept across its turns and its partial-rollout resumes) is carried inside that request
+id (``tag_request_id``, installed by ``verl_integration.plugin`` in verl's client), and the
+server keys the record by it (``sample_of``). Before appending, the call's prompt is checked
+against the record's tokens, content and length: a history that does not extend the record is
+refused, naming the sample, never spliced.
+
 Stored rows: a record of T tokens holds T - 1 rows (the last token has no route until it is an
 input); the append of a later call starts with the previous last token's row, computed in this
 call, where that token was first an input.
@@ -17,7 +25,11 @@ call, where that token was first an input.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import inspect
 import os
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +37,7 @@ import numpy as np
 
 from routereplay.domain.model_geometry import MoEGeometry, load_geometry
 from routereplay.domain.record import Record, Turn, TurnAppend
-from routereplay.errors import InvalidArgument, NotFound
+from routereplay.errors import FailedPrecondition, InvalidArgument, NotFound
 
 ID_FIELD = "route_cache_id"
 """``TokenOutput.extra_fields`` key under which the drop-in returns the sample's route cache id;
@@ -137,67 +149,114 @@ def _version(output: Any, policy_version: int | None) -> int:
     return int(output.extra_fields.get("global_steps") or 0)
 
 
-class TurnWriter:
-    """Writes each call's new rows to the route cache (blocking client).
+def _digest(tokens: np.ndarray) -> bytes:
+    return hashlib.blake2b(
+        np.ascontiguousarray(tokens, dtype="<i4").tobytes(), digest_size=16
+    ).digest()
 
-    Stateless: the stored length comes from the route cache (``StatRecord``), so turns of one
-    sample may be served by different processes. The ready feed is not used (verl schedules
-    its own batches): records are written ``more_turns`` and appends are never ``final``.
+
+async def _value(result):
+    """A client call's result: awaited for the asyncio client, as is for the blocking one."""
+    return await result if inspect.isawaitable(result) else result
+
+
+class TurnWriter:
+    """Writes each call's new rows to the route cache as the sample's next turn.
+
+    Works over either client (``routereplay.rpc.client.RouteCacheClient`` or
+    ``AsyncRouteCacheClient``): ``store`` is a coroutine, ``write`` its blocking form.
+    The stored history comes from the route cache (``StatRecord``), so turns of one sample may
+    be served by different processes; its content is checked against the call's prompt, from a
+    digest remembered here when this process wrote the sample's last turn, else by reading the
+    record's tokens back. The ready feed is not used (verl schedules its own batches): records
+    are written ``more_turns`` and appends are never ``final``.
 
     Args:
-        client: A ``routereplay.rpc.client.RouteCacheClient``.
+        client: The route cache client.
         geometry: The served model's (``served_geometry``).
+        remembered: Samples whose last written history this process keeps a digest of.
     """
 
-    def __init__(self, client, geometry: MoEGeometry):
+    def __init__(self, client, geometry: MoEGeometry, remembered: int = 4096):
         self.client = client
         self.geometry = geometry
+        self.remembered = remembered
+        self._written: OrderedDict[str, tuple[int, bytes]] = OrderedDict()
 
-    def stored_tokens(self, sample_id: str) -> int:
+    async def stored_tokens(self, sample_id: str, prompt_ids: Sequence[int]) -> int:
+        """Tokens the route cache holds for the sample (0: none), checked to be the start of
+        ``prompt_ids``.
+
+        Raises:
+            InvalidArgument: naming the sample and the first position where the prompt differs
+                from the record (or that the record is longer than the prompt).
+        """
         try:
-            return self.client.stat(sample_id).num_tokens
+            stored = (await _value(self.client.stat(sample_id))).num_tokens
         except NotFound:
             return 0
+        prompt = np.asarray(prompt_ids, dtype=np.int32)
+        if stored > prompt.size:
+            raise InvalidArgument(
+                f"sample {sample_id!r}: the route cache holds {stored} tokens but this call's "
+                f"prompt has {prompt.size}: a turn must extend the stored history"
+            )
+        if self._written.get(sample_id) == (stored, _digest(prompt[:stored])):
+            return stored
+        record = await _value(self.client.read(sample_id, layers=[0]))
+        differ = np.flatnonzero(record.token_ids != prompt[: record.num_tokens])
+        if differ.size:
+            at = int(differ[0])
+            raise InvalidArgument(
+                f"sample {sample_id!r}: this call's prompt differs from the stored history at "
+                f"token {at} of {record.num_tokens} (stored {int(record.token_ids[at])}, prompt "
+                f"{int(prompt[at])}): a turn must extend the stored history, not rewrite it "
+                "(a chat template that edits earlier tokens, or two samples under one id)"
+            )
+        return record.num_tokens
 
-    def write(self, sample_id: str, prompt_ids: Sequence[int], output: Any, policy_version=None):
+    async def store(
+        self, sample_id: str, prompt_ids: Sequence[int], output: Any, policy_version=None
+    ):
         """Store ``output``'s new tokens and rows as the sample's next turn.
 
         Returns:
-            The route cache's ``WriteResult``, or None when the call added no token.
+            The route cache's ``WriteResult``, or None when the call added nothing to store
+            (an aborted or empty output).
         """
-        stored = self.stored_tokens(sample_id)
+        if not _stores_anything(output):
+            return None
+        stored = await self.stored_tokens(sample_id, prompt_ids)
         update = next_turn(
             sample_id, prompt_ids, output, self.geometry, stored, _version(output, policy_version)
         )
         if update is None:
             return None
         if isinstance(update, Record):
-            return self.client.write(update, more_turns=True)
-        return self.client.append(update)
+            result = await _value(self.client.write(update, more_turns=True))
+        else:
+            result = await _value(self.client.append(update))
+        self._remember(sample_id, np.asarray([*prompt_ids, *output.token_ids], dtype=np.int32))
+        return result
+
+    def write(self, sample_id: str, prompt_ids: Sequence[int], output: Any, policy_version=None):
+        """``store`` over the blocking client, from code that runs no event loop."""
+        return asyncio.run(self.store(sample_id, prompt_ids, output, policy_version))
+
+    def _remember(self, sample_id: str, tokens: np.ndarray) -> None:
+        self._written[sample_id] = (tokens.size, _digest(tokens))
+        self._written.move_to_end(sample_id)
+        while len(self._written) > self.remembered:
+            self._written.popitem(last=False)
 
 
-class AsyncTurnWriter(TurnWriter):
-    """``TurnWriter`` over a ``routereplay.rpc.client.AsyncRouteCacheClient`` (for verl's
-    asyncio rollout servers)."""
-
-    async def stored_tokens(self, sample_id: str) -> int:
-        try:
-            return (await self.client.stat(sample_id)).num_tokens
-        except NotFound:
-            return 0
-
-    async def write(
-        self, sample_id: str, prompt_ids: Sequence[int], output: Any, policy_version=None
-    ):
-        stored = await self.stored_tokens(sample_id)
-        update = next_turn(
-            sample_id, prompt_ids, output, self.geometry, stored, _version(output, policy_version)
-        )
-        if update is None:
-            return None
-        if isinstance(update, Record):
-            return await self.client.write(update, more_turns=True)
-        return await self.client.append(update)
+def _stores_anything(output: Any) -> bool:
+    """False for what verl returns when a request is aborted before it generated (no tokens,
+    ``routed_experts=None``, ``stop_reason="aborted"``) or aborted without routes: passed
+    through untouched; a resume or the next turn computes those rows."""
+    if not output.token_ids:
+        return False
+    return not (output.routed_experts is None and output.stop_reason == "aborted")
 
 
 def without_routes(output: Any, sample_id: str) -> Any:
@@ -207,43 +266,99 @@ def without_routes(output: Any, sample_id: str) -> Any:
     return output.model_copy(update={"routed_experts": None, "extra_fields": extra})
 
 
+REQUEST_TAG = "rr:"
+"""Prefix of a request id that carries its sample's id (``tag_request_id``)."""
+
+
+def tag_request_id(sample_id: str, request_id: str) -> str:
+    """The request id verl sends the server (``request_id``: fresh per call, as vLLM needs),
+    carrying the agent loop's per-sample id, which verl's client would otherwise drop."""
+    return f"{REQUEST_TAG}{sample_id}:{request_id}"
+
+
+def sample_of(request_id: str) -> str | None:
+    """The sample id carried by a ``tag_request_id`` request id, else None."""
+    if not request_id.startswith(REQUEST_TAG) or ":" not in request_id[len(REQUEST_TAG) :]:
+        return None
+    return request_id[len(REQUEST_TAG) :].rsplit(":", 1)[0]
+
+
+def route_cache_target(rollout_config: Any) -> str:
+    """The route cache's ``host:port`` for a rollout server: verl's rollout config
+    (``actor_rollout_ref.rollout.custom.route_cache``), else ``$ROUTER_REPLAY_CACHE``.
+
+    Raises:
+        FailedPrecondition: neither is set.
+    """
+    custom = getattr(rollout_config, "custom", None) or {}
+    target = custom.get("route_cache") or os.environ.get("ROUTER_REPLAY_CACHE")
+    if not target:
+        raise FailedPrecondition(
+            "no route cache: set actor_rollout_ref.rollout.custom.route_cache=host:port in "
+            "verl's config (or ROUTER_REPLAY_CACHE in the rollout servers' environment)"
+        )
+    return target
+
+
 class RouteCacheGenerate:
     """Drop-in for verl's rollout server class: ``generate()`` writes the call's turn to the
-    route cache and returns the output without routes, its id in ``extra_fields``.
+    route cache and returns the output without routes, its sample id in ``extra_fields``.
 
     Mix it in front of verl's server (``class Server(RouteCacheGenerate, vLLMHttpServer)``; see
-    ``route_cache_replica``). The sample id is verl's ``request_id``, which its agent loops keep
-    for every turn of a sample (and its partial-rollout resumes reuse). The route cache target
-    is ``$ROUTER_REPLAY_CACHE`` (``host:port``); the geometry is read from the served model's
-    ``config.json`` (``self.model_config.local_path``), unless ``route_writer`` is set first.
+    ``route_cache_replica``). The sample id comes from the request id (``sample_of``); a request
+    that carries none is refused (the plugin is not loaded in the agent loop's process, or
+    ``full_determinism`` gives every sample one id). Aborted and empty outputs pass through
+    untouched. The route cache is ``route_cache_target(self.config)``; the geometry is read from
+    the served model's ``config.json`` (``self.model_config.local_path``), unless
+    ``route_writer`` is set first.
     """
 
-    route_writer: AsyncTurnWriter | None = None
+    route_writer: TurnWriter | None = None
 
-    def _route_writer(self) -> AsyncTurnWriter:
+    def _route_writer(self) -> TurnWriter:
         if self.route_writer is None:
             from routereplay.rpc.client import AsyncRouteCacheClient
 
-            target = os.environ.get("ROUTER_REPLAY_CACHE")
-            if not target:
-                raise InvalidArgument(
-                    "ROUTER_REPLAY_CACHE is not set: give the route cache's host:port to the "
-                    "rollout servers' environment"
-                )
-            self.route_writer = AsyncTurnWriter(
-                AsyncRouteCacheClient(target), served_geometry(self.model_config.local_path)
+            self.route_writer = TurnWriter(
+                AsyncRouteCacheClient(route_cache_target(self.config)),
+                served_geometry(self.model_config.local_path),
             )
         return self.route_writer
 
+    def sample_id_of(self, request_id: str) -> str | None:
+        """The record this call continues: the agent loop's sample id (``sample_of``)."""
+        return sample_of(request_id)
+
     async def generate(self, prompt_ids, sampling_params, request_id, **kwargs):
+        sample_id = self.sample_id_of(request_id)
+        if sample_id is None:
+            raise FailedPrecondition(
+                f"request {request_id!r} carries no sample id, so its routes cannot be stored: "
+                "load verl_integration in the agent loop workers (installing router-replay "
+                "registers its verl.plugins entry point) and keep "
+                "actor_rollout_ref.rollout.full_determinism=False"
+            )
         output = await super().generate(prompt_ids, sampling_params, request_id, **kwargs)
-        await self._route_writer().write(request_id, prompt_ids, output)
-        return without_routes(output, request_id)
+        if not _stores_anything(output):
+            return output
+        await self._route_writer().store(sample_id, prompt_ids, output)
+        return without_routes(output, sample_id)
+
+
+def converts(replica) -> bool:
+    """Whether a replica's servers store routes: the actor's rollout (not a reward model's or
+    an on-policy-distillation teacher's), with routing replay on (not the generation server)."""
+    return (
+        not replica.is_reward_model
+        and not replica.is_teacher_model
+        and bool(replica.config.enable_rollout_routing_replay)
+    )
 
 
 def route_cache_replica(replica_cls, server_cls):
     """A subclass of verl's rollout replica (e.g. ``vLLMReplica``) whose servers are
-    ``server_cls`` (e.g. ``vLLMHttpServer``) with ``RouteCacheGenerate`` in front."""
+    ``server_cls`` (e.g. ``vLLMHttpServer``) with ``RouteCacheGenerate`` in front, where
+    ``converts`` says so; every other replica keeps verl's server."""
     import ray
 
     server = type(f"RouteCache{server_cls.__name__}", (RouteCacheGenerate, server_cls), {})
@@ -251,7 +366,8 @@ def route_cache_replica(replica_cls, server_cls):
     class RouteCacheReplica(replica_cls):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.server_class = ray.remote(server)
+            if converts(self):
+                self.server_class = ray.remote(server)
 
     RouteCacheReplica.__name__ = f"RouteCache{replica_cls.__name__}"
     return RouteCacheReplica
