@@ -296,3 +296,59 @@ def test_tokens_past_the_record_route_natively_with_the_mask_hook(
         )
         assert not bad, bad[:10]
         assert (replayed, natural) == (3 * record.num_rows, 3 * 4)
+
+
+def test_tokens_differing_after_the_first_turn_route_natively_from_there(
+    rollout, route_cache, tiny_model_dir
+):
+    """A two-turn record; the batch's history lacks the first turn's last token (verl's GLM
+    token builder drops a stop token at the assistant/tool junction). The rows before the first
+    difference saw the recorded prefix and are replayed; the rest route natively, counted in
+    ``Routes.diverged``. A difference inside the first turn is another sample's record."""
+    from verl.workers.rollout.replica import TokenOutput
+
+    geometry = geometry_of(tiny_model_dir)
+    first, sample = rollout[0], "verl-diverged"
+    start = first.turns[0].generated_start
+    history = first.token_ids.tolist() + [301, 302]
+    generated = [55, 66, 77]
+    rng = np.random.default_rng(0)
+    rows = len(history) + len(generated) - 1
+    capture = np.stack(
+        [
+            np.stack([rng.permutation(8)[:2] for _ in range(geometry.num_hidden_layers)])
+            for _ in range(rows)
+        ]
+    ).astype(np.int32)
+    second = TokenOutput(token_ids=generated, routed_experts=capture, extra_fields={})
+    with RouteCacheClient(route_cache) as client:
+        writer = TurnWriter(client, geometry)
+        writer.write(sample, first.token_ids[:start].tolist(), token_output(first, start))
+        writer.write(sample, history, second)
+        stored = client.read(sample)
+    assert [(t.token_start, t.token_end) for t in stored.turns] == [
+        (0, first.num_tokens),
+        (first.num_tokens, stored.num_tokens),
+    ]
+    fetcher = RouteFetcher(CacheSource(route_cache), geometry)
+    moe = list(geometry.record.moe_layers)
+    junction = first.num_tokens - 1  # the first turn's last token, dropped by the batch
+    tokens = torch.tensor(
+        first.token_ids[:junction].tolist() + [301, 302] + generated, dtype=torch.int64
+    )
+    routes = fetcher.routes([sample], nested([tokens]))
+    assert routes.routed.values().tolist() == [True] * junction + [False] * (len(tokens) - junction)
+    assert routes.diverged.tolist() == [min(stored.num_rows, len(tokens)) - junction]
+    field = routes.routed_experts.values()
+    assert np.array_equal(field[:junction, moe].numpy(), stored.routes[:junction])
+    assert not field[junction:].any()
+    # A difference inside the second turn: replayed up to it.
+    later = torch.from_numpy(stored.token_ids.astype(np.int64)).clone()
+    later[first.num_tokens + 1] = 9
+    routes = fetcher.routes([sample], nested([later]))
+    assert routes.routed.values().sum() == first.num_tokens + 1
+    # Inside the first turn: refused, naming the sample.
+    other = torch.from_numpy(stored.token_ids.astype(np.int64)).clone()
+    other[2] += 1
+    with pytest.raises(InvalidArgument, match=f"{sample}.*position 2, inside its first turn"):
+        fetcher.routes([sample], nested([other]))
