@@ -272,10 +272,15 @@ class ReadyConsumer:
             acknowledged = self.client.ack_ready(
                 self.consumer_group, group.entry_ids, self.consumer
             )
-            self._forget(group)
             if acknowledged == len(group.entry_ids):
+                self._forget(group)
                 won.append(group)
             else:
+                # Not remembered as settled: the entry may have vanished in a failover of the
+                # stream's master (nobody trained it), and a repeat of it must then be trained,
+                # not acknowledged as stale (which would claim the sample for no training).
+                # If another consumer did settle it, a repeat trained here is taken again.
+                self._groups.pop(group.key, None)
                 self.taken += 1
                 log.warning(
                     "group %r was settled by another consumer: not committed here", group.key
