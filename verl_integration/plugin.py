@@ -14,6 +14,9 @@ It does three things, each keyed on verl's own extension points:
   output of a resumed partial rollout, keeps the sample's id in ``extra_fields``;
 - the trainer's engine is registered for verl's Megatron backend (``engine.register_engine``).
 
+Each change is made right after verl imports the module it changes (``when_imported``), so
+``import verl`` itself imports nothing more (measured: ``import verl`` took 9.2-9.6 s with the
+changes made at once, importing verl's rollout client and Megatron engine, against 4.8 s without).
 verl swallows a plugin's import error (logged at debug level), so a failure here is logged as
 a warning, naming what was not installed.
 """
@@ -21,7 +24,11 @@ a warning, naming what was not installed.
 from __future__ import annotations
 
 import functools
+import importlib.abc
 import logging
+import sys
+from collections.abc import Callable
+from types import ModuleType
 
 from verl_integration.rollout import ID_FIELD, route_cache_replica, tag_request_id
 
@@ -67,15 +74,67 @@ def carry_sample_ids(client_cls, resuming_client_cls) -> None:
     client_cls._carries_sample_ids = True
 
 
-def install() -> None:
-    from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient, LLMServerClient
-    from verl.workers.rollout.replica import RolloutReplicaRegistry
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a hook right after a module's own code, so the plugin changes verl's classes
+    without importing them (and megatron) in every process at ``import verl``."""
 
-    RolloutReplicaRegistry.register("vllm", load_replica)
-    carry_sample_ids(LLMServerClient, FullyAsyncLLMServerClient)
+    def __init__(self):
+        self.hooks: dict[str, Callable[[ModuleType], None]] = {}
+
+    def find_spec(self, name, path, target=None):
+        hook = self.hooks.pop(name, None)
+        if hook is None:
+            return None
+        for finder in sys.meta_path:
+            spec = None if finder is self else finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_then_hook(module):
+            exec_module(module)
+            _run(hook, module)
+
+        spec.loader.exec_module = exec_then_hook
+        return spec
 
 
-try:
-    install()
-except Exception:  # verl would hide it: say what is missing
-    logger.warning("router-replay's verl plugin was not installed", exc_info=True)
+_AFTER_IMPORT = _AfterImport()
+
+
+def _run(hook, module) -> None:
+    try:
+        hook(module)
+    except Exception:  # verl would hide it: say what is missing
+        logger.warning("router-replay's verl plugin: %s failed", hook.__name__, exc_info=True)
+
+
+def when_imported(name: str, hook: Callable[[ModuleType], None]) -> None:
+    """``hook(module)`` once module ``name`` is imported (now, if it already is)."""
+    if name in sys.modules:
+        _run(hook, sys.modules[name])
+        return
+    if _AFTER_IMPORT not in sys.meta_path:
+        sys.meta_path.insert(0, _AFTER_IMPORT)
+    _AFTER_IMPORT.hooks[name] = hook
+
+
+def register_replica(replica) -> None:
+    replica.RolloutReplicaRegistry.register("vllm", load_replica)
+
+
+def patch_clients(llm_server) -> None:
+    carry_sample_ids(llm_server.LLMServerClient, llm_server.FullyAsyncLLMServerClient)
+
+
+def register_engine(transformer_impl) -> None:
+    from verl_integration import engine
+
+    engine.register_engine()
+
+
+when_imported("verl.workers.rollout.replica", register_replica)
+when_imported("verl.workers.rollout.llm_server", patch_clients)
+when_imported("verl.workers.engine.megatron.transformer_impl", register_engine)

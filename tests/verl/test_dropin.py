@@ -10,14 +10,25 @@ client, the route cache over a real redis-server.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 
 import numpy as np
+import pytest
 
 from routereplay.dev.hf_rollout import rollout_records
+from routereplay.errors import InvalidArgument
 from routereplay.rpc.client import AsyncRouteCacheClient, RouteCacheClient
 from tests.verl.cpu import needs_verl
 from tests.verl.helpers import geometry_of, token_output
-from verl_integration.rollout import ID_FIELD, AsyncTurnWriter, RouteCacheGenerate
+from verl_integration.rollout import (
+    ID_FIELD,
+    RouteCacheGenerate,
+    TurnWriter,
+    route_cache_replica,
+    tag_request_id,
+)
 
 needs_verl()
 
@@ -51,9 +62,10 @@ def test_generate_writes_each_call_as_a_turn_and_ships_ids(tiny_model_dir, route
     )
 
     async def run():
-        server.route_writer = AsyncTurnWriter(AsyncRouteCacheClient(route_cache), geometry)
-        one = await server.generate([9, 8, 7, 6], {}, "req-dropin")
-        two = await server.generate(history, {}, "req-dropin")
+        server.route_writer = TurnWriter(AsyncRouteCacheClient(route_cache), geometry)
+        # verl's client: a fresh request id per call, the sample's id carried inside.
+        one = await server.generate([9, 8, 7, 6], {}, tag_request_id("req-dropin", "call-1"))
+        two = await server.generate(history, {}, tag_request_id("req-dropin", "call-2"))
         await server.route_writer.client.close()
         return one, two
 
@@ -73,21 +85,101 @@ def test_generate_writes_each_call_as_a_turn_and_ships_ids(tiny_model_dir, route
     assert np.array_equal(stored.routes[first.num_rows :], second.routes[first.num_rows :])
 
 
-def test_plugin_registers_the_route_cache_replica():
-    import ray
-    from verl.workers.rollout.replica import RolloutReplicaRegistry
+def test_a_request_without_a_sample_id_is_refused(tiny_model_dir, route_cache):
+    """verl's own request ids (a fresh uuid, or ``det-0`` under full_determinism) name no
+    sample: storing under them would split a sample across records."""
+    from routereplay.errors import FailedPrecondition
 
-    from verl_integration import plugin
-    from verl_integration.rollout import route_cache_replica
+    record = rollout_records(tiny_model_dir, [[9, 8, 7, 6]], group_size=1, new_tokens=3)[0]
+    server = Server([token_output(record, 4)])
+    server.route_writer = "unused"
+    with pytest.raises(FailedPrecondition, match="carries no sample id"):
+        asyncio.run(server.generate([9, 8, 7, 6], {}, "0f1e2d3c4b5a69788796a5b4c3d2e1f0"))
+    assert server.calls == []  # refused before the engine ran
 
-    assert RolloutReplicaRegistry._registry["vllm"] is plugin.load_replica
 
-    class Replica:
-        def __init__(self, rank):
-            self.server_class = ray.remote(StandInServer)
+def test_a_prompt_that_rewrites_the_history_is_refused_not_spliced(tiny_model_dir, route_cache):
+    """Fault 8: the length of the stored history is not enough. A prompt whose tokens differ
+    from the record's inside it (verl's GLM token builder drops a stop token at the
+    assistant/tool junction; two samples under one id) is refused naming the sample and the
+    position, and the record stays as it was."""
+    geometry = geometry_of(tiny_model_dir)
+    first = rollout_records(tiny_model_dir, [[9, 8, 7, 6]], group_size=1, new_tokens=3)[0]
+    edited = first.token_ids.tolist()
+    edited[5] = (edited[5] + 1) % 500 + 2  # the same length, one token rewritten
+    second = rollout_records(tiny_model_dir, [edited + [33]], group_size=1, new_tokens=2)[0]
+    with RouteCacheClient(route_cache) as client:
+        for remembered in (4096, 0):  # the digest this process kept, and the read-back
+            sample = f"verl-rewritten-{remembered}"
+            writer = TurnWriter(client, geometry, remembered=remembered)
+            writer.write(sample, [9, 8, 7, 6], token_output(first, 4))
+            with pytest.raises(InvalidArgument, match=f"{sample}.*differs .* at token 5"):
+                writer.write(sample, edited + [33], token_output(second, len(edited) + 1))
+            stored = client.read(sample)
+            assert np.array_equal(stored.token_ids, first.token_ids)
+            assert np.array_equal(stored.routes, first.routes)
 
-    replica = route_cache_replica(Replica, StandInServer)(0)
+
+def test_plugin_loads_from_its_entry_point_in_a_fresh_process():
+    """Faults 6 and 7: nothing in the environment (no VERL_USE_EXTERNAL_MODULES): ``import verl``
+    loads the plugin through its ``verl.plugins`` entry point, as in every process of a Ray
+    cluster that was started without the driver; verl's clients carry sample ids, its replica
+    registry holds the route cache replica, and its engine registry returns the route cache
+    engine for the Megatron backend."""
+    script = (
+        "import sys\n"
+        "import verl\n"
+        "assert 'megatron' not in sys.modules  # each change waits for its verl module\n"
+        "from verl.workers.rollout.llm_server import LLMServerClient\n"
+        "from verl.workers.rollout.replica import RolloutReplicaRegistry\n"
+        "from verl.workers.engine.base import EngineRegistry\n"
+        "import verl.workers.engine.megatron.transformer_impl\n"
+        "from verl_integration import engine, plugin\n"
+        "assert LLMServerClient._carries_sample_ids\n"
+        "assert RolloutReplicaRegistry._registry['vllm'] is plugin.load_replica\n"
+        "found = EngineRegistry.get_engine_cls('language_model', 'megatron')\n"
+        "assert found is engine.engine_class(), found\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+class _Replica:
+    """verl's ``RolloutReplica.__init__`` as far as the conversion reads it."""
+
+    def __init__(self, rank, config, is_reward_model=False, is_teacher_model=False):
+        import ray
+
+        self.config = config
+        self.is_reward_model = is_reward_model
+        self.is_teacher_model = is_teacher_model
+        self.server_class = ray.remote(StandInServer)
+
+
+@pytest.mark.parametrize(
+    "kind, replay, converted",
+    [
+        ("actor", True, True),
+        ("actor", False, False),  # the generation server, or R3 off
+        ("teacher", True, False),  # on-policy distillation's teacher servers
+        ("reward", True, False),
+    ],
+)
+def test_only_the_actors_replicas_with_replay_are_converted(kind, replay, converted):
+    """Fault 5: verl builds teacher, reward and generation servers from the same registered
+    replica class; only the actor's rollout with routing replay stores routes."""
+    from types import SimpleNamespace
+
+    replica = route_cache_replica(_Replica, StandInServer)(
+        0,
+        SimpleNamespace(enable_rollout_routing_replay=replay),
+        is_reward_model=kind == "reward",
+        is_teacher_model=kind == "teacher",
+    )
     mro = replica.server_class.__ray_metadata__.modified_class.__mro__
-    # The mix-in's generate() runs first and calls the server's.
-    assert RouteCacheGenerate in mro
-    assert mro.index(RouteCacheGenerate) < mro.index(StandInServer)
+    assert (RouteCacheGenerate in mro) == converted
+    if converted:  # the mix-in's generate() runs first and calls the server's
+        assert mro.index(RouteCacheGenerate) < mro.index(StandInServer)

@@ -56,11 +56,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def registry(monkeypatch):
-    """verl's registry as its modules left it, restored afterwards."""
+    """verl's registry as its own modules left it (without the plugin's registration, made when
+    verl's Megatron engine was imported), restored afterwards."""
     import verl.workers.engine.megatron.transformer_impl  # noqa: F401  (verl's registrations)
     from verl.workers.engine.base import EngineRegistry
 
-    engines = {m: {b: dict(k) for b, k in v.items()} for m, v in EngineRegistry._engines.items()}
+    from verl_integration.engine import engine_class
+
+    engines = {
+        m: {b: {key: c for key, c in k.items() if c is not engine_class()} for b, k in v.items()}
+        for m, v in EngineRegistry._engines.items()
+    }
     monkeypatch.setattr(EngineRegistry, "_engines", engines)
     return EngineRegistry
 
