@@ -11,28 +11,37 @@ On loopback, bounded in time and operations:
 - two route cache processes (``python -m route_cache``, ``--wait-replicas 1`` by default) that
   clients reach through one target naming both (``ipv4:A,B``, what a headless Service gives),
   with client-side round-robin balancing and failover;
-- writers at a fixed rate, each sample a write and two appends (the last one ``final``, which
+- open-loop writers: one per shard, drawing its sample ids from that shard's slots, and one
+  that sends to route cache 0 only; each starts a sample every ``1 / sample_rate`` seconds
+  whatever became of the earlier ones (a write and two appends, the last ``final``, which
   announces it on the ready feed), through the blocking client and its default retries;
+- one reader per shard, reading back samples of that shard already acknowledged;
 - two ready-feed consumer processes (``fault_consumer.py``) that train a stand-in step,
-  commit, then acknowledge.
+  settle, then commit.
 
-Faults on a schedule, each logged with its start and end: a route cache replica SIGKILLed
-then restarted; a Redis master SIGKILLed so that its replica is promoted (then restarted as a
-replica); a Redis master SIGKILLed and restarted from its append-only file; a consumer
-SIGSTOPped past the feed's claim time-out, then resumed; the proxies delaying all traffic;
-one master's proxy dropping its connections.
+Faults on a schedule (``SCHEDULES``), each on a component (a shard, route cache 0, consumer
+c0, or everything) and injected only while an operation on that component is in flight; each
+is checked to have happened (a promotion, the role after a restart, a proxy that really
+delays, refuses or cuts, a stopped process), else the run fails. The history records per
+fault the operations started, in flight at the injection and acknowledged on its component
+(its traffic floor); a zero fails the run.
 
-Then the checker (``fault_history.check``) reads the history and the stored records and
-prints its verdict with the figures: write availability, p50/p99 latency outside and during
-each fault, recovery time per fault, and a PNG timeline.
+Then the final read (turns held and digest per sample) and the ready feed's final state go
+into the history, and the checker (``fault_history.check``) gives its verdict from the
+history alone, as ``fault_check.py`` does from the file; the figures: write availability,
+the longest write gap per shard, p50/p99 latency outside and during each fault, recovery
+time per fault, and a PNG timeline.
 
 Usage: python benchmarks/bench_faults.py [--short] [--wait-replicas N] [--drop-ack]
+                                         [--mutate early-ack|commit-before-settle|no-aof]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import random
 import shutil
 import signal
 import subprocess
@@ -41,22 +50,33 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import redis
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+from redis.retry import Retry
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)] if str(ROOT) not in sys.path else []
 
 from benchmarks.fault_history import (  # noqa: E402
+    WRITES,
     History,
     check,
+    digest,
+    final_entries,
     first_turn,
+    is_consumer,
     later_turn,
     load_history,
+    on_component,
+    write_gaps,
 )
+from route_cache.store import record_key  # noqa: E402
 from routereplay.dev.fault_proxy import FaultProxy  # noqa: E402
 from routereplay.dev.launch import free_ports, stop_process, wait_serving  # noqa: E402
 from routereplay.dev.redis_nodes import RedisProcess, start_cluster_with_replicas  # noqa: E402
@@ -69,31 +89,40 @@ from routereplay.rpc.client import RetryPolicy, RouteCacheClient  # noqa: E402
 RETRY = RetryPolicy()
 OP_TIMEOUT_S = 5.0
 IN_FLIGHT_S = 0.5
+RECOVERY_WINDOW_S = 5.0  # an operation counts towards a fault's recovery up to this after heal
+READY_STREAM = "rr:ready"  # the route cache's default ready feed
+MUTATIONS = ("early-ack", "commit-before-settle", "no-aof")
 
 
 @dataclass
 class FaultConfig:
-    """duration_s: how long writers write; writers x rate: operations per second (each a
-    write or an append); turns: per sample; wait_replicas: the route cache's flag;
-    claim_idle_ms: when a consumer takes over another's unacknowledged entries; short: the
-    compressed schedule of the test suite; drop_ack: consumer c1 skips one acknowledgement
-    (the checker must then fail); max_ops: a bound besides the time."""
+    """duration_s: how long writers write at least (they go on until the last fault is healed
+    and ``tail_s`` more); sample_rate: samples started per second by each writer (open loop);
+    turn_gap_s: between a sample's turns; turns: per sample; wait_replicas: the route cache's
+    flag; claim_idle_ms: when a consumer takes over another's unacknowledged entries; short:
+    the compressed schedule of the test suite; drop_ack: consumer c1 skips one acknowledgement
+    (the checker must then fail); mutate: a guarantee removed (``MUTATIONS``; the checker must
+    then fail); max_ops: a bound besides the time."""
 
     duration_s: float = 90.0
-    writers: int = 3
-    rate: float = 4.0
+    sample_rate: float = 1.5
+    turn_gap_s: float = 0.2
     turns: int = 3
     wait_replicas: int = 1
     claim_idle_ms: int = 3000
     node_timeout_ms: int = 1000
     short: bool = False
     drop_ack: bool = False
-    max_ops: int = 5000
+    mutate: str = ""
+    max_ops: int = 8000
+    tail_s: float = 3.0
     seed: int = 0
     sync_delay_s: int = 0  # repl-diskless-sync-delay (Redis's default, 5, stalls WAIT)
+    schedule: str = ""  # "": SCHEDULES[short]; "soak": a seeded random one (see ``soak``)
 
 
 # (start s, fault, its parameter): the full schedule and the test suite's compressed one.
+# Start times are the earliest: each fault waits for the one before it to heal.
 SCHEDULES = {
     False: [
         (8, "cache_kill", 3.0),
@@ -102,16 +131,41 @@ SCHEDULES = {
         (48, "consumer_stop", 2.0),
         (62, "proxy_delay", 6.0),
         (74, "proxy_drop", 2.0),
+        (82, "wait_only", 1),
     ],
     True: [
-        (3, "cache_kill", 1.5),
-        (7, "master_failover", 0),
-        (13, "master_aof_restart", 1),
-        (16, "consumer_stop", 1.5),
-        (21, "proxy_delay", 2.0),
-        (24, "proxy_drop", 1.5),
+        (2, "cache_kill", 1.5),
+        (5, "master_failover", 0),
+        (10, "master_aof_restart", 1),
+        (13, "consumer_stop", 1.5),
+        (18, "proxy_delay", 2.0),
+        (21, "proxy_drop", 1.5),
+        (24, "wait_only", 1),
     ],
 }
+# The component each fault hits (its traffic floor is counted there).
+COMPONENT = {
+    "cache_kill": "cache0",
+    "consumer_stop": "c0",
+    "proxy_delay": "all",
+}
+
+
+def soak(seconds: float, seed: int, repeats: int = 2) -> list[tuple[float, str, float]]:
+    """A seeded random schedule of every fault kind, each at least ``repeats`` times, spread
+    over ``seconds`` (each fault still waits for the one before it to heal)."""
+    rng = random.Random(seed)
+    kinds = [name for _, name, _ in SCHEDULES[False]]
+    plan = kinds * repeats
+    rng.shuffle(plan)
+    params = {name: value for _, name, value in SCHEDULES[False]}
+    shards = {"master_failover": 3, "master_aof_restart": 3, "proxy_drop": 3, "wait_only": 3}
+    step = seconds / (len(plan) + 1)
+    out = []
+    for i, name in enumerate(plan):
+        value = rng.randrange(shards[name]) if name in shards else params[name]
+        out.append((round(step * (i + 0.5) + rng.uniform(0, step / 2), 1), name, value))
+    return out
 
 
 class Environment:
@@ -122,6 +176,7 @@ class Environment:
         self.proxies: dict[int, FaultProxy] = {}  # node port -> its proxy
         self.masters: list[RedisProcess] = []
         self.replicas: list[RedisProcess] = []
+        self.slots: list[set[int]] = []  # shard -> its slots (a failover keeps them)
         self.cache_ports = free_ports(2)
         self.caches: list[subprocess.Popen | None] = [None, None]
         self.consumers: list[subprocess.Popen] = []
@@ -132,10 +187,12 @@ class Environment:
         return "ipv4:" + ",".join(f"127.0.0.1:{p}" for p in self.cache_ports)
 
     def _node(self) -> RedisProcess:
-        """A cluster node with an append-only file, announcing its proxy's port."""
+        """A cluster node with an append-only file (unless ``no-aof``), announcing its
+        proxy's port."""
+        aof = "no" if self.config.mutate == "no-aof" else "yes"
         node = RedisProcess(
             "--appendonly",
-            "yes",
+            aof,
             "--appendfsync",
             "everysec",
             "--repl-diskless-sync-delay",
@@ -162,13 +219,30 @@ class Environment:
         for node in self.masters + self.replicas:
             if self.proxies.get(node.port) is None:  # a start retried on other ports
                 raise RuntimeError("a cluster node moved port while starting; run again")
+        for master in self.masters:
+            client = redis.Redis(port=master.port)
+            myid = client.execute_command("CLUSTER MYID").decode()
+            self.slots.append(
+                {
+                    slot
+                    for a, b, owner, *_ in client.execute_command("CLUSTER SLOTS")
+                    if owner[2].decode() == myid
+                    for slot in range(a, b + 1)
+                }
+            )
+
+    def shard_of(self, sample_id: str) -> int:
+        slot = key_slot(record_key(sample_id).encode())
+        return next(i for i, slots in enumerate(self.slots) if slot in slots)
 
     def start_cache(self, i: int) -> None:
         seed = self.proxies[self.masters[1].port].port
+        module = ["-m", "route_cache"]
+        if self.config.mutate == "early-ack":
+            module = [str(ROOT / "benchmarks" / "fault_mutants.py"), "early-ack"]
         args = [
             sys.executable,
-            "-m",
-            "route_cache",
+            *module,
             "--host",
             "127.0.0.1",
             "--port",
@@ -208,23 +282,55 @@ class Environment:
             ]
             if self.config.drop_ack and i == 1:
                 args += ["--drop-ack-step", "3"]
+            if self.config.mutate == "commit-before-settle":
+                args += ["--commit-before-settle"]
             with open(self.workdir / f"c{i}.log", "ab") as log:
                 self.consumers.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT))
 
+    def pair(self, shard: int) -> tuple[RedisProcess, RedisProcess]:
+        return self.masters[shard], self.replicas[shard]
+
     def master_of(self, shard: int) -> RedisProcess:
         """The node that is master of ``shard`` now (a failover swaps the pair)."""
-        pair = (self.masters[shard], self.replicas[shard])
-        for node in pair:
-            try:
-                if redis.Redis(port=node.port).info("replication")["role"] == "master":
-                    return node
-            except redis.ConnectionError:
-                continue
+        for node in self.pair(shard):
+            if _role(node).get("role") == "master":
+                return node
         raise RuntimeError(f"shard {shard} has no master")
+
+    def replica_of(self, shard: int, master: RedisProcess) -> RedisProcess:
+        return next(n for n in self.pair(shard) if n is not master)
 
     def restart_node(self, node: RedisProcess) -> None:
         node.start()  # same port and directory: it reloads its append-only file
         redis.Redis(port=node.port).config_set("cluster-node-timeout", self.config.node_timeout_ms)
+
+    def feed_state(self) -> dict:
+        """The ready feed's consumer groups (pending, lag, consumers), its length."""
+        node = self.proxies[self.master_of(0).port].port
+        client = redis.cluster.RedisCluster(host="127.0.0.1", port=node, socket_timeout=10)
+        try:
+            groups = client.xinfo_groups(READY_STREAM)
+            return {
+                "length": client.xlen(READY_STREAM),
+                "groups": [
+                    {
+                        "name": _text(g["name"]),
+                        "pending": g["pending"],
+                        "lag": g.get("lag"),
+                        "consumers": g["consumers"],
+                        "last_delivered": _text(g["last-delivered-id"]),
+                        "pending_ids": [
+                            _text(p["message_id"])
+                            for p in client.xpending_range(
+                                READY_STREAM, g["name"], min="-", max="+", count=100
+                            )
+                        ],
+                    }
+                    for g in groups
+                ],
+            }
+        finally:
+            client.close()
 
     def stop(self) -> None:
         self.stop_file.touch()
@@ -240,6 +346,67 @@ class Environment:
             node.kill()
         for proxy in self.proxies.values():
             proxy.close()
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+# --- traffic ----------------------------------------------------------------------------------
+
+
+class Traffic:
+    """What the load has in flight, per component (``shardN``, ``cache0``), and which samples
+    each shard has acknowledged (for the readers); the nemesis injects a fault only while an
+    operation on its component is in flight."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self.busy: Counter[str] = Counter()
+        self.started: Counter[str] = Counter()
+        self.acked: dict[int, dict[str, int]] = {}  # shard -> sample -> turns acknowledged
+
+    @contextlib.contextmanager
+    def op(self, components: list[str]):
+        with self._cond:
+            for c in components:
+                self.busy[c] += 1
+                self.started[c] += 1
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                for c in components:
+                    self.busy[c] -= 1
+
+    def wait_busy(self, component: str, timeout_s: float) -> bool:
+        """Until an operation on ``component`` is in flight (``all``: any)."""
+
+        def busy() -> bool:
+            if component == "all":
+                return any(n > 0 for n in self.busy.values())
+            return self.busy[component] > 0
+
+        with self._cond:
+            return self._cond.wait_for(busy, timeout_s)
+
+    def wait_started(self, component: str, count: int, timeout_s: float) -> int:
+        """Until ``count`` more operations on ``component`` have started; returns how many."""
+        with self._cond:
+            base = self.started[component]
+            self._cond.wait_for(lambda: self.started[component] - base >= count, timeout_s)
+            return self.started[component] - base
+
+    def acknowledge(self, shard: int, sample_id: str, turns: int) -> None:
+        with self._cond:
+            self.acked.setdefault(shard, {})[sample_id] = turns
+
+    def sample(self, shard: int, count: int, rng: random.Random) -> dict[str, int]:
+        with self._cond:
+            got = self.acked.get(shard, {})
+            ids = rng.sample(sorted(got), min(count, len(got)))
+            return {s: got[s] for s in ids}
 
 
 # --- faults -----------------------------------------------------------------------------------
@@ -260,18 +427,71 @@ def _role(node: RedisProcess) -> dict:
         return {}
 
 
-def inject(env: Environment, name: str, value: float) -> dict:
-    """Run fault ``name`` (inject, wait, heal); returns details to log with it."""
+def _process_state(proc: subprocess.Popen) -> str:
+    """The kernel's state letter of ``proc`` (T: stopped)."""
+    return Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def _ping_s(port: int, timeout_s: float = 2.0) -> float:
+    """Seconds a PING through ``port`` takes on a connection opened first; raises when it
+    cannot be opened or answered."""
+    client = redis.Redis(
+        port=port,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),  # redis-py retries by default: one try, as probed
+    )
+    try:
+        client.ping()
+        started = time.monotonic()
+        client.ping()
+        return time.monotonic() - started
+    finally:
+        client.close()
+
+
+def component_of(name: str, value: float) -> str:
+    """The component fault ``name`` hits: its traffic floor is counted there."""
+    if name in COMPONENT:
+        return COMPONENT[name]
+    if name == "proxy_drop":
+        return "shard2"
+    return f"shard{int(value)}"
+
+
+def cut_off_replica(master: RedisProcess, replica: RedisProcess) -> None:
+    """Cut ``replica`` off its master, as in a network partition between the two (as
+    ``tests/route_cache/test_faults_redis.py`` does): the master asks for a password the
+    replica lacks and drops its replication link, so it cannot resync. Open connections (the
+    route caches') stay signed in; the cluster bus is untouched, so a failover still happens.
+    Raises when the replica is still linked 10 s later."""
+    client = redis.Redis(port=master.port)
+    client.config_set("requirepass", "cut-off")
+    client.client_kill_filter(_type="replica")
+    wait_until(
+        lambda: _role(replica).get("master_link_status") == "down", 10, "the replica's cut-off"
+    )
+
+
+def inject(env: Environment, name: str, value: float, mark) -> dict:
+    """Run fault ``name`` (inject, check its effect, wait, heal); returns details to log with
+    it. ``mark()`` is called right before the injection: it waits until an operation on the
+    fault's component is in flight and notes the moment. Raises when the fault or its effect
+    did not happen."""
     if name == "cache_kill":
-        env.caches[0].kill()  # SIGKILL
-        env.caches[0].wait()
+        proc = env.caches[0]
+        mark()
+        proc.kill()  # SIGKILL
+        if proc.wait() != -signal.SIGKILL:
+            raise RuntimeError(f"route cache 0 ended with {proc.returncode}, not by SIGKILL")
         time.sleep(value)
         env.start_cache(0)
         return {"down_s": value}
     if name == "master_failover":
         victim = env.master_of(int(value))
-        heir = env.replicas[0] if victim is env.masters[0] else env.masters[0]
+        heir = env.replica_of(int(value), victim)
         started = time.monotonic()
+        mark()
         victim.kill()
         wait_until(lambda: _role(heir).get("role") == "master", 30, "the replica's promotion")
         failover_s = time.monotonic() - started
@@ -284,12 +504,18 @@ def inject(env: Environment, name: str, value: float) -> dict:
         }
     if name == "master_aof_restart":
         victim = env.master_of(int(value))
-        replica = env.replicas[1] if victim is env.masters[1] else env.masters[1]
+        replica = env.replica_of(int(value), victim)
         started = time.monotonic()
+        mark()
         victim.kill()
         time.sleep(0.3)
         env.restart_node(victim)
-        role = _role(victim).get("role")
+        role, replica_role = _role(victim).get("role"), _role(replica).get("role")
+        if role != "master" or replica_role != "slave":
+            raise RuntimeError(
+                f"after the restart the node is {role!r} and its replica {replica_role!r}: "
+                "the cluster failed over, so the append-only file was not what restored it"
+            )
         wait_until(lambda: _role(replica).get("master_link_status") == "up", 30, "resync")
         return {
             "node": victim.port,
@@ -297,25 +523,102 @@ def inject(env: Environment, name: str, value: float) -> dict:
             "replica_linked_s": round(time.monotonic() - started, 2),
         }
     if name == "consumer_stop":
+        consumer = env.consumers[0]
         stopped_s = env.config.claim_idle_ms / 1000 + value
-        env.consumers[0].send_signal(signal.SIGSTOP)
+        log = env.workdir / "c0.jsonl"
+        deadline = time.monotonic() + 15
+        tries = 0
+        while True:  # stop it while it holds a batch (delivered, not settled)
+            last = _last_op(log)
+            if last == "deliver":
+                mark()
+                consumer.send_signal(signal.SIGSTOP)
+                time.sleep(0.05)
+                if _last_op(log) == "deliver":
+                    break
+                consumer.send_signal(signal.SIGCONT)  # it settled first: try again
+                tries += 1
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"consumer c0 never held a batch when stopped ({tries} tries)")
+            time.sleep(0.002)
+        state = _process_state(consumer)
+        if state != "T":
+            consumer.send_signal(signal.SIGCONT)
+            raise RuntimeError(f"consumer c0 is in state {state!r} after SIGSTOP, not stopped")
         time.sleep(stopped_s)
-        env.consumers[0].send_signal(signal.SIGCONT)
-        return {"consumer": "c0", "stopped_s": stopped_s}
+        consumer.send_signal(signal.SIGCONT)
+        return {"consumer": "c0", "stopped_s": stopped_s, "retries": tries}
     if name == "proxy_delay":
+        probe = env.proxies[env.master_of(0).port].port
+        mark()
         for proxy in env.proxies.values():
             proxy.delay_s = 0.1
-        time.sleep(value)
-        for proxy in env.proxies.values():
-            proxy.delay_s = 0.0
-        return {"delay_ms": 100, "s": value}
+        try:
+            probed = _ping_s(probe)
+        finally:
+            time.sleep(value)
+            for proxy in env.proxies.values():
+                proxy.delay_s = 0.0
+        if probed < 0.15:
+            raise RuntimeError(f"a PING through a delaying proxy took {probed:.3f} s, not 0.2")
+        return {"delay_ms": 100, "s": value, "probe_ping_s": round(probed, 3)}
     if name == "proxy_drop":
         victim = env.master_of(2)
         proxy = env.proxies[victim.port]
+        before = proxy.dropped
+        mark()
         proxy.drop(value)
+        try:
+            _ping_s(proxy.port, 0.5)
+            refused = False
+        except redis.RedisError:
+            refused = True
         time.sleep(value)
-        return {"node": victim.port, "refused_s": value, "reset": proxy.dropped}
+        reset = proxy.dropped - before
+        if not refused or not reset:
+            raise RuntimeError(
+                f"the proxy did not cut: {reset} connections reset, new ones "
+                f"{'refused' if refused else 'answered'}"
+            )
+        return {"node": victim.port, "refused_s": value, "reset": reset}
+    if name == "wait_only":
+        shard = int(value)
+        victim = env.master_of(shard)
+        heir = env.replica_of(shard, victim)
+        started = time.monotonic()
+        mark()
+        cut_off_replica(victim, heir)
+        # Writes to the shard go on meanwhile: acknowledged here only without WAIT.
+        during_cut = env.traffic.wait_started(f"shard{shard}", 4, 3.0)
+        cut_s = time.monotonic() - started
+        victim.kill()
+        wait_until(lambda: _role(heir).get("role") == "master", 30, "the replica's promotion")
+        failover_s = time.monotonic() - started
+        env.restart_node(victim)  # without the password: CONFIG SET is not kept
+        wait_until(lambda: _role(victim).get("master_link_status") == "up", 30, "resync")
+        return {
+            "node": victim.port,
+            "cut_s": round(cut_s, 2),
+            "started_during_cut": during_cut,
+            "failover_s": round(failover_s, 2),
+            "replica_linked_s": round(time.monotonic() - started, 2),
+        }
     raise ValueError(name)
+
+
+def _last_op(path: Path) -> str | None:
+    """The ``op`` of the last complete line of a consumer's history."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 4096))
+            lines = [x for x in f.read().split(b"\n") if x.strip()]
+    except OSError:
+        return None
+    for line in reversed(lines):
+        with contextlib.suppress(ValueError):
+            return json.loads(line)["op"]
+    return None
 
 
 def nemesis(env: Environment, history: History, schedule, stop: threading.Event) -> None:
@@ -323,66 +626,144 @@ def nemesis(env: Environment, history: History, schedule, stop: threading.Event)
         while history.now() < at:
             if stop.wait(0.05):
                 return
-        start = history.now()
+        component = component_of(name, value)
+        began = history.now()
+        injected: list[float] = []
+
+        def mark(component=component, injected=injected) -> None:
+            if not is_consumer(component):  # a consumer fault waits for a held batch itself
+                env.traffic.wait_busy(component, 10)
+            injected.append(history.now())
+
         try:
-            detail = inject(env, name, value)
-        except Exception as exc:  # noqa: BLE001 - logged; the checker still runs
+            detail = inject(env, name, value, mark)
+        except Exception as exc:  # noqa: BLE001 - logged; the checker fails the run on it
             detail = {"error": repr(exc)}
         history.log(
-            "fault", t=round(start, 3), name=name, end=round(history.now(), 3), detail=detail
+            "fault",
+            t=round(injected[-1] if injected else began, 4),
+            name=name,
+            component=component,
+            began=round(began, 3),
+            end=round(history.now(), 3),
+            detail=detail,
         )
 
 
 # --- load -------------------------------------------------------------------------------------
 
 
-def writer(
-    w: int,
-    env: Environment,
-    history: History,
-    config: FaultConfig,
-    prefix: str,
-    ops: list[int],
-    deadline: float,
-) -> None:
-    """Samples one after the other, one operation every 1 / rate seconds (no catching up)."""
-    period = 1.0 / config.rate
-    next_at = time.monotonic()
-    with RouteCacheClient(env.target, timeout_s=OP_TIMEOUT_S, retry=RETRY) as client:
-        for i in range(config.max_ops):
-            sample_id = f"{prefix}-w{w}-{i}"
-            for turn in range(config.turns):
-                time.sleep(max(0.0, next_at - time.monotonic()))
-                next_at = max(next_at + period, time.monotonic())
-                if history.now() >= deadline or ops[0] >= config.max_ops:
-                    return
-                ops[0] += 1
-                final = turn == config.turns - 1
-                start = history.now()
+def sample_ids(env: Environment, prefix: str, shard: int | None):
+    """Sample ids ``prefix-i``, only those of ``shard`` (None: any)."""
+    i = 0
+    while True:
+        sample_id = f"{prefix}-{i}"
+        i += 1
+        if shard is None or env.shard_of(sample_id) == shard:
+            yield sample_id
+
+
+def run_sample(client, env, history, config, sample_id, via, started_at) -> None:
+    """One sample's turns in order, turn k not before ``started_at + k * turn_gap_s``; a
+    turn that fails ends the sample (its later turns are never attempted)."""
+    shard = env.shard_of(sample_id)
+    components = [f"shard{shard}"] + ([via] if via != "any" else [])
+    for turn in range(config.turns):
+        time.sleep(max(0.0, started_at + turn * config.turn_gap_s - time.monotonic()))
+        final = turn == config.turns - 1
+        start = history.now()
+        with env.traffic.op(components):
+            try:
+                if turn == 0:
+                    client.write(first_turn(config.seed, sample_id), more_turns=True)
+                else:
+                    client.append(later_turn(config.seed, sample_id, turn), final=final)
+                ok, status = True, None
+            except RouteReplayError as exc:
+                ok, status = False, exc.status
+        history.log(
+            "append" if turn else "write",
+            t=round(start, 4),
+            sample=sample_id,
+            turn=turn,
+            final=final,
+            ok=ok,
+            status=status,
+            ms=round((history.now() - start) * 1000, 2),
+            shard=shard,
+            via=via,
+        )
+        if not ok:
+            return
+        env.traffic.acknowledge(shard, sample_id, turn + 1)
+
+
+def writer(name, env, history, config, ids, target, via, ops, deadline) -> None:
+    """Open loop: a new sample every ``1 / sample_rate`` seconds on a fixed clock, each in its
+    own thread, whatever became of the earlier ones (a fault does not slow the offered load)."""
+    period = 1.0 / config.sample_rate
+    threads = []
+    with RouteCacheClient(target, timeout_s=OP_TIMEOUT_S, retry=RETRY) as client:
+        next_at = time.monotonic() + random.Random(name).uniform(0, period)
+        while True:
+            time.sleep(max(0.0, next_at - time.monotonic()))
+            next_at += period
+            if deadline() or ops[0] >= config.max_ops:
+                break
+            ops[0] += config.turns
+            thread = threading.Thread(
+                target=run_sample,
+                args=(client, env, history, config, next(ids), via, time.monotonic()),
+                daemon=True,
+            )
+            thread.start()
+            threads.append(thread)
+        for thread in threads:
+            thread.join(60)
+
+
+def reader(shard, env, history, config, target, deadline, period_s=0.5) -> None:
+    """Every ``period_s``, read back up to 4 samples of ``shard`` already acknowledged and log
+    what came back (turns held and digest) against the turns acknowledged before."""
+    rng = random.Random(shard)
+    with RouteCacheClient(target, timeout_s=OP_TIMEOUT_S, retry=RETRY) as client:
+        next_at = time.monotonic()
+        while not deadline():
+            time.sleep(max(0.0, next_at - time.monotonic()))
+            next_at = max(next_at + period_s, time.monotonic())
+            want = env.traffic.sample(shard, 4, rng)
+            if not want:
+                continue
+            start = history.now()
+            with env.traffic.op([f"shard{shard}"]):
                 try:
-                    if turn == 0:
-                        client.write(first_turn(config.seed, sample_id), more_turns=True)
-                    else:
-                        client.append(later_turn(config.seed, sample_id, turn), final=final)
+                    items = client.read_batch(sorted(want), skip_missing=True)
+                    got = [
+                        [
+                            item.sample_id,
+                            len(item.turns) if isinstance(item, Record) else 0,
+                            digest(item) if isinstance(item, Record) else None,
+                            want[item.sample_id],
+                        ]
+                        for item in items
+                    ]
                     ok, status = True, None
                 except RouteReplayError as exc:
-                    ok, status = False, exc.status
-                history.log(
-                    "append" if turn else "write",
-                    t=round(start, 4),
-                    sample=sample_id,
-                    turn=turn,
-                    final=final,
-                    ok=ok,
-                    status=status,
-                    ms=round((history.now() - start) * 1000, 2),
-                )
-                if not ok:
-                    break  # the sample is abandoned: its later turns are never attempted
+                    got, ok, status = [], False, exc.status
+            history.log(
+                "read",
+                t=round(start, 4),
+                shard=shard,
+                via="any",
+                ok=ok,
+                status=status,
+                ms=round((history.now() - start) * 1000, 2),
+                got=got,
+            )
 
 
 def read_stored(target: str):
-    """``stored(ids)`` for the checker: the records the route cache holds now."""
+    """``stored(ids)``: the records the route cache holds now."""
 
     def stored(sample_ids: list[str]) -> dict[str, Record | None]:
         out: dict[str, Record | None] = {}
@@ -410,29 +791,45 @@ def _pcts(ms: list[float]) -> dict:
 
 
 def figures(history: list[dict], config: FaultConfig, after_s: float = 3.0) -> dict:
-    """Availability, latency outside and during each fault (its span plus ``after_s``),
-    recovery per fault, and the feed's publish-to-train delay."""
-    ops = [e for e in history if e["op"] in ("write", "append")]
+    """Availability (by operations, and by time: the longest write gap per shard), latency
+    outside and during each fault (its span plus ``after_s``), recovery per fault, and the
+    feed's publish-to-train delay."""
+    ops = [e for e in history if e["op"] in WRITES]
     faults = [e for e in history if e["op"] == "fault"]
     spans = [(f["t"], f["end"] + after_s) for f in faults]
     outside = [e["ms"] for e in ops if e["ok"] and not any(a <= e["t"] < b for a, b in spans)]
     base_p99 = float(np.percentile(outside, 99)) if outside else 100.0
-    slow_ms = max(3 * base_p99, 250.0)
-    # An operation that failed or was slow counts against the last fault that began before it
-    # did (or within ``IN_FLIGHT_S`` after: it was in flight when the fault hit); a fault's
-    # recovery ends when the last such operation does.
+    # Slow: 3 x the fault-free p99, between 250 ms and 1 s (a short run has few operations
+    # outside its faults, and their p99 can be a fault's tail).
+    slow_ms = min(max(3 * base_p99, 250.0), 1000.0)
+    # An operation on a fault's component that failed or was slow counts against the last
+    # fault that began before it did (or within ``IN_FLIGHT_S`` after: it was in flight when
+    # the fault hit), if it began before that fault's heal plus ``RECOVERY_WINDOW_S``; a
+    # fault's recovery ends when the last such operation does.
     recovered = [0.0] * len(faults)
     for e in ops:
         hit = [i for i, f in enumerate(faults) if f["t"] <= e["t"] + IN_FLIGHT_S]
-        if (not e["ok"] or e["ms"] > slow_ms) and hit:
+        if not hit or not (not e["ok"] or e["ms"] > slow_ms):
+            continue
+        f = faults[hit[-1]]
+        component = f.get("component", "all")
+        if e["t"] <= f["end"] + RECOVERY_WINDOW_S and (
+            is_consumer(component) or on_component(component, e)
+        ):
             end = e["t"] + e["ms"] / 1000
-            recovered[hit[-1]] = max(recovered[hit[-1]], end - faults[hit[-1]]["t"])
+            recovered[hit[-1]] = max(recovered[hit[-1]], end - f["t"])
     per_fault = []
     for f, recovery in zip(faults, recovered, strict=True):
         during = [e for e in ops if f["t"] <= e["t"] < f["end"] + after_s]
+        component = f.get("component", "all")
+        gap = None
+        if component.startswith("shard"):
+            window = (f["t"], f["end"] + RECOVERY_WINDOW_S)
+            gap = write_gaps(history, window).get(int(component[5:]), (None,))[0]
         per_fault.append(
             {
                 "fault": f["name"],
+                "component": component,
                 "start_s": f["t"],
                 "healed_s": round(f["end"] - f["t"], 2),
                 "detail": f["detail"],
@@ -441,6 +838,7 @@ def figures(history: list[dict], config: FaultConfig, after_s: float = 3.0) -> d
                 **_pcts([e["ms"] for e in during if e["ok"]]),
                 "recovery_s": round(recovery, 2),
                 "after_heal_s": round(max(0.0, recovery - (f["end"] - f["t"])), 2),
+                "write_gap_s": gap,
             }
         )
     published = {e["sample"]: e["t"] + e["ms"] / 1000 for e in ops if e["ok"] and e["final"]}
@@ -462,6 +860,7 @@ def figures(history: list[dict], config: FaultConfig, after_s: float = 3.0) -> d
                 }.items()
             )
         ),
+        "write_gap_per_shard_s": {str(k): v for k, v in write_gaps(history).items()},
         "latency_outside_faults": _pcts(outside),
         "slow_threshold_ms": round(slow_ms, 1),
         "faults": per_fault,
@@ -480,7 +879,7 @@ def timeline(history: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ops = [e for e in history if e["op"] in ("write", "append")]
+    ops = [e for e in history if e["op"] in WRITES]
     end = int(max(e["t"] for e in ops)) + 1
     ok = np.zeros(end)
     bad = np.zeros(end)
@@ -533,40 +932,83 @@ def timeline(history: list[dict], path: Path, title: str) -> None:
 
 
 def run(config: FaultConfig, out: Path, png: Path | None = None) -> dict:
-    """One fault run; the merged history goes to ``out/faults-history.jsonl``. Returns the
-    verdict, its lines and the figures."""
+    """One fault run; the merged history, final read and feed state included, goes to
+    ``out/faults-history.jsonl``. Returns the verdict, its lines and the figures."""
     out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="rr-faultrun-"))
     start = time.time()
     history = History(workdir / "driver.jsonl", "driver", start)
+    history.log("config", **asdict(config))
     env = Environment(config, workdir, start)
+    env.traffic = Traffic()
     stop = threading.Event()
     prefix = f"fr-{uuid.uuid4().hex[:6]}"
+    consumer_logs = [workdir / "c0.jsonl", workdir / "c1.jsonl"]
     try:
         env.start_redis()
         env.start_cache(0)
         env.start_cache(1)
         env.start_consumers()
         t0 = history.now()
-        schedule = [(t0 + at, name, value) for at, name, value in SCHEDULES[config.short]]
+        plan = soak(config.duration_s, config.seed) if config.schedule == "soak" else None
+        schedule = [(t0 + at, name, value) for at, name, value in plan or SCHEDULES[config.short]]
         chaos = threading.Thread(target=nemesis, args=(env, history, schedule, stop))
         chaos.start()
+        healed: list[float] = []
+
+        def deadline() -> bool:  # the writers stop: time is up and every fault is healed
+            if chaos.is_alive() or history.now() < t0 + config.duration_s:
+                return False
+            healed[:] = healed or [history.now()]
+            return history.now() >= healed[0] + config.tail_s
+
         ops = [0]
-        writers = [
+        local = f"ipv4:127.0.0.1:{env.cache_ports[0]}"
+        load = [
             threading.Thread(
-                target=writer, args=(w, env, history, config, prefix, ops, t0 + config.duration_s)
+                target=writer,
+                args=(
+                    f"w{s}",
+                    env,
+                    history,
+                    config,
+                    sample_ids(env, f"{prefix}-s{s}", s),
+                    env.target,
+                    "any",
+                    ops,
+                    deadline,
+                ),
             )
-            for w in range(config.writers)
+            for s in range(3)
         ]
-        for thread in writers:
+        load.append(
+            threading.Thread(
+                target=writer,
+                args=(
+                    "wc",
+                    env,
+                    history,
+                    config,
+                    sample_ids(env, f"{prefix}-c0", None),
+                    local,
+                    "cache0",
+                    ops,
+                    deadline,
+                ),
+            )
+        )
+        load += [
+            threading.Thread(target=reader, args=(s, env, history, config, env.target, deadline))
+            for s in range(3)
+        ]
+        for thread in load:
             thread.start()
-        for thread in writers:
+        for thread in load:
             thread.join()
         chaos.join()
         published = {
             e["sample"] for e in history.entries if e["op"] == "append" and e["ok"] and e["final"]
         }
-        consumer_logs = [workdir / "c0.jsonl", workdir / "c1.jsonl"]
         drain_deadline = time.monotonic() + 30
         while time.monotonic() < drain_deadline:  # every published sample trained, or give up
             trained = {e["sample"] for e in load_history(consumer_logs) if e["op"] == "train"}
@@ -577,19 +1019,25 @@ def run(config: FaultConfig, out: Path, png: Path | None = None) -> dict:
         env.stop_file.touch()
         for proc in env.consumers:
             proc.wait(30)
-        entries = load_history([workdir / "driver.jsonl", *consumer_logs])
-        verdict = check(entries, config.seed, read_stored(env.target), config.turns)
+        attempted = sorted({e["sample"] for e in history.entries if e["op"] in WRITES})
+        final = final_entries(read_stored(env.target)(attempted))
+        feed = env.feed_state()
     finally:
         stop.set()
         history.close()
         env.stop()
+    entries = load_history([workdir / "driver.jsonl", *consumer_logs])
+    entries += [{**e, "t": round(history.now(), 3)} for e in final]
+    entries.append({"t": round(history.now(), 3), "proc": "final", "op": "feed_state", **feed})
     (out / "faults-history.jsonl").write_text("".join(json.dumps(e) + "\n" for e in entries))
+    verdict = check(entries, config.seed, config.turns)
     results = {
         "config": asdict(config),
         "verdict": verdict.ok,
         "verdict_lines": verdict.lines(),
         "checker": {k: v for k, v in asdict(verdict).items() if k != "counts"},
         "counts": verdict.counts,
+        "floors": verdict.floors,
         **figures(entries, config),
     }
     if png is not None:
@@ -610,19 +1058,25 @@ def report(results: dict) -> str:
         f"({100 * (f['availability'] or 0):.2f}%); failed by status: "
         f"{f['failed_by_status'] or 'none'}"
     )
+    gaps = ", ".join(
+        f"shard {k}: {v[0]:.2f} s (from {v[1]:.1f} s)"
+        for k, v in f["write_gap_per_shard_s"].items()
+    )
+    out.append(f"longest write gap per shard: {gaps}")
     o = f["latency_outside_faults"]
     out.append(
         f"latency outside faults: p50 {o['p50_ms']} ms, p99 {o['p99_ms']} ms ({o['count']} ops)"
     )
     out.append(
-        f"{'fault':20} {'start s':>7} {'healed s':>8} {'ops':>4} {'failed':>6} "
-        f"{'p50 ms':>7} {'p99 ms':>8} {'recovery s':>10} {'after heal s':>12}"
+        f"{'fault':18} {'on':>6} {'start s':>7} {'healed s':>8} {'ops':>4} {'failed':>6} "
+        f"{'p50 ms':>7} {'p99 ms':>8} {'recovery s':>10} {'after heal':>10} {'gap s':>5}"
     )
     for x in f["faults"]:
+        gap = "-" if x["write_gap_s"] is None else f"{x['write_gap_s']:.2f}"
         out.append(
-            f"{x['fault']:20} {x['start_s']:7.1f} {x['healed_s']:8.1f} {x['ops']:4} "
-            f"{x['failed']:6} {x['p50_ms'] or '-':>7} {x['p99_ms'] or '-':>8} "
-            f"{x['recovery_s']:10.2f} {x['after_heal_s']:12.2f}  {x['detail']}"
+            f"{x['fault']:18} {x['component']:>6} {x['start_s']:7.1f} {x['healed_s']:8.1f} "
+            f"{x['ops']:4} {x['failed']:6} {x['p50_ms'] or '-':>7} {x['p99_ms'] or '-':>8} "
+            f"{x['recovery_s']:10.2f} {x['after_heal_s']:10.2f} {gap:>5}  {x['detail']}"
         )
     out.append(
         f"recovery target: {f['recovery_target_s']} s; publish -> trained: "
@@ -634,42 +1088,58 @@ def report(results: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--short", action="store_true", help="the test suite's ~30 s schedule")
+    parser.add_argument("--soak", action="store_true", help="a seeded random schedule")
     parser.add_argument("--duration", type=float, default=None, help="seconds of writes")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--wait-replicas", type=int, default=1)
     parser.add_argument(
         "--drop-ack",
         action="store_true",
         help="consumer c1 skips one acknowledgement: the checker must fail",
     )
+    parser.add_argument(
+        "--mutate", choices=MUTATIONS, default="", help="remove a guarantee: the run must fail"
+    )
     parser.add_argument("--quick", action="store_true", help="run_all's smoke run: --short")
     args = parser.parse_args(argv)
     short = args.short or args.quick
     config = FaultConfig(
-        duration_s=args.duration or (28.0 if short else 90.0),
+        duration_s=args.duration or (24.0 if short else 600.0 if args.soak else 90.0),
         short=short,
         wait_replicas=args.wait_replicas,
         drop_ack=args.drop_ack,
+        mutate=args.mutate,
+        seed=args.seed,
+        schedule="soak" if args.soak else "",
     )
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from common import RESULTS, machine, write_section
 
     name = (
-        "faults"
+        ("faults_soak" if args.soak else "faults")
         + ("_no_wait" if not args.wait_replicas else "")
         + ("_drop_ack" if args.drop_ack else "")
+        + (f"_{args.mutate.replace('-', '_')}" if args.mutate else "")
     )
     png = None
-    if not short and name == "faults":
-        png = ROOT / "docs" / "reliability-faults.png"
+    if not short and name in ("faults", "faults_soak"):
+        png = ROOT / "docs" / f"reliability-{name.replace('_', '-')}.png"
     results = run(config, RESULTS / name, png or RESULTS / f"{name}.png")
     text = report(results)
     print(text)
+    print(
+        f"history: {RESULTS / name / 'faults-history.jsonl'} (check it again: "
+        f"python benchmarks/fault_check.py {RESULTS / name / 'faults-history.jsonl'})"
+    )
     results["machine"] = machine()
     command = (
         "python benchmarks/bench_faults.py"
         + " --short" * short
+        + " --soak" * args.soak
+        + (f" --seed {args.seed}" if args.seed else "")
         + (f" --wait-replicas {args.wait_replicas}" if args.wait_replicas != 1 else "")
         + (" --drop-ack" * args.drop_ack)
+        + (f" --mutate {args.mutate}" if args.mutate else "")
     )
     write_section(
         name,

@@ -7,6 +7,10 @@ history, flushed); a sample another consumer settled first is dropped as a dupli
 step is logged (see ``fault_history``). It stops when the stop file appears and the feed has
 nothing more for it.
 
+``--commit-before-settle``, a mutation the fault run must catch: commit a step's samples
+before settling them, so a consumer stopped while it holds a batch commits samples another
+consumer claimed and trained meanwhile.
+
 ``--drop-ack-step N``, the deliberate failure: step N commits without acknowledging, so its
 samples stay pending, another consumer claims them once idle, and trains them again.
 
@@ -83,7 +87,7 @@ def run(args) -> int:
             continue
         idle_since = None
         sample_ids = [s for g in groups for s in g.sample_ids]
-        history.log("deliver", samples=sample_ids)
+        history.log("deliver", samples=sample_ids, entries=[e for g in groups for e in g.entry_ids])
         while True:  # a failed fetch is retried: the step has not happened yet
             try:
                 trained = train(client, history, sample_ids, args.step_s)
@@ -96,18 +100,22 @@ def run(args) -> int:
             commit(history, trained, sample_ids)
             history.log("dropped_ack", samples=sample_ids)
             continue
+        if args.commit_before_settle:  # the mutation: commit first, then settle
+            commit(history, trained, sample_ids)
         won = []
         for group in groups:  # one at a time: a failed call is retried for its group only
             while True:
                 try:
                     won += consumer.settle([group])
+                    history.log("settle", samples=group.sample_ids, entries=group.entry_ids)
                     break
                 except RouteReplayError as exc:
                     history.log("ack", samples=group.sample_ids, ok=False, status=exc.status)
                     time.sleep(0.2)
         settled = [s for g in won for s in g.sample_ids]
         history.log("ack", samples=settled, ok=True)
-        commit(history, trained, settled)
+        if not args.commit_before_settle:
+            commit(history, trained, settled)
         taken = [s for s in sample_ids if s not in settled]
         if taken:
             history.log("duplicate", samples=taken, taken=True)
@@ -131,6 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attempts", type=int, default=12)
     parser.add_argument("--drain-idle-s", type=float, default=2.0)
     parser.add_argument("--drop-ack-step", type=int, default=0, help="skip this step's ack")
+    parser.add_argument(
+        "--commit-before-settle",
+        action="store_true",
+        help="a mutation: commit each step before settling it (a stalled consumer then "
+        "commits samples another one claimed and trained)",
+    )
     return run(parser.parse_args(argv))
 
 

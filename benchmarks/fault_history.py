@@ -9,11 +9,21 @@ What the writers send is a pure function of (seed, sample id, turn), so the chec
 the exact bytes of every turn instead of keeping them.
 
 Ops (``op``), with their fields besides ``t`` (seconds since the run's start), ``proc``:
-    write, append: ``sample``, ``turn``, ``final``, ``ok``, ``status`` (on failure), ``ms``
-    fault: ``name``, ``end`` (when it was healed), ``detail``
-    train: ``sample``, ``digest`` (of the record the consumer trained on), ``turns``
+    config: ``seed``, ``turns`` and the run's other settings (what the checker needs)
+    write, append: ``sample``, ``turn``, ``final``, ``ok``, ``status`` (on failure), ``ms``,
+        ``shard`` (of the sample's record), ``via`` (``any``, or ``cache0``: that replica only)
+    read: ``shard``, ``via``, ``ok``, ``ms``, ``got`` ([sample, turns held, digest, turns
+        acknowledged before the read began] per sample read)
+    fault: ``name``, ``component`` (``shardN``, ``cache0``, ``c0``, ``all``), ``t`` (its
+        injection), ``end`` (when it was healed), ``detail`` (``error``: it did not happen)
+    deliver: ``samples`` (handed to a consumer); train: ``sample``, ``digest`` (of the record
+        the consumer trained on), ``turns``
     ack: ``samples``, ``ok``; dropped_ack: ``samples`` (the deliberate failure)
     duplicate: ``samples`` (dropped as repeats; ``taken``: claimed by another consumer)
+    final_read: ``sample``, ``turns``, ``digest`` (None: no record), read after the run
+    feed_state: ``groups`` (per consumer group: ``name``, ``pending``, ``lag``, ...), after it
+
+``python benchmarks/fault_check.py HISTORY`` prints the verdict from the file alone.
 """
 
 from __future__ import annotations
@@ -143,12 +153,124 @@ def digest(record: Record) -> str:
     return h.hexdigest()[:16]
 
 
+# --- the end state, saved in the history --------------------------------------------------------
+
+
+def final_entries(records: dict[str, Record | None]) -> list[dict]:
+    """The final read as history entries: turns held and digest per sample (None: no record)."""
+    return [
+        {
+            "t": 0.0,
+            "proc": "final",
+            "op": "final_read",
+            "sample": s,
+            "turns": len(r.turns) if r is not None else 0,
+            "digest": digest(r) if r is not None else None,
+        }
+        for s, r in sorted(records.items())
+    ]
+
+
+def _final_read(history: list[dict]) -> dict[str, tuple[int, str | None]]:
+    found = {e["sample"]: (e["turns"], e["digest"]) for e in history if e["op"] == "final_read"}
+    if not found and any(e["op"] in WRITES for e in history):
+        raise ValueError("the history holds no final read (op final_read): nothing to check")
+    return found
+
+
+# --- what each fault met ----------------------------------------------------------------------
+
+WRITES = ("write", "append")
+STORE_OPS = ("write", "append", "read")
+
+
+def on_component(component: str, e: dict) -> bool:
+    """Whether operation ``e`` (a write, append or read) ran on ``component``: ``shardN`` (its
+    sample's record lies in shard N's slots), ``cache0`` (sent to route cache 0 only) or
+    ``all``."""
+    if e["op"] not in STORE_OPS:
+        return False
+    if component == "all":
+        return True
+    if component.startswith("shard"):
+        return e.get("shard") == int(component[5:])
+    return e.get("via") == component
+
+
+def is_consumer(component: str) -> bool:
+    """``c0``, ``c1``: a consumer process."""
+    return component[:1] == "c" and component[1:].isdigit()
+
+
+def floor(history: list[dict], fault: dict) -> dict:
+    """The traffic fault ``fault`` met on its component: operations started between its
+    injection (``t``) and its heal (``end``), in flight at the injection, and of those two,
+    acknowledged. A stopped consumer (component ``c0``): the samples it held (delivered, not
+    settled) when it was stopped, the feed's deliveries while it was stopped, and how many of
+    the held samples were then settled (by any consumer)."""
+    at, end, component = fault["t"], fault["end"], fault.get("component", "all")
+    if is_consumer(component):
+        held: dict[str, float] = {}
+        for e in history:
+            if e["t"] >= at or e["proc"] != component:
+                continue
+            if e["op"] == "deliver":
+                held.update(dict.fromkeys(e["samples"], e["t"]))
+            elif e["op"] in ("ack", "duplicate", "dropped_ack") and e.get("ok", True):
+                for s in e["samples"]:
+                    held.pop(s, None)
+        settled = {
+            s
+            for e in history
+            if e["op"] == "ack" and e.get("ok", True) and e["t"] >= at
+            for s in e["samples"]
+        }
+        started = [e for e in history if e["op"] == "deliver" and at <= e["t"] <= end]
+        return {
+            "fault": fault["name"],
+            "component": component,
+            "started": len(started),
+            "in_flight": len(held),
+            "acknowledged": len(set(held) & settled),
+        }
+    ops = [e for e in history if on_component(component, e)]
+    started = [e for e in ops if at <= e["t"] <= end]
+    in_flight = [e for e in ops if e["t"] < at < e["t"] + e["ms"] / 1000]
+    return {
+        "fault": fault["name"],
+        "component": component,
+        "started": len(started),
+        "in_flight": len(in_flight),
+        "acknowledged": sum(e["ok"] for e in started + in_flight),
+    }
+
+
+def write_gaps(history: list[dict], window: tuple[float, float] | None = None) -> dict:
+    """Per shard, the longest time with no write or append completed on it (within
+    ``window``, default the writers' whole span): ``{shard: (gap_s, from_s)}``."""
+    writes = [e for e in history if e["op"] in WRITES and "shard" in e]
+    if not writes:
+        return {}
+    lo, hi = window or (min(e["t"] for e in writes), max(e["t"] for e in writes))
+    out = {}
+    for shard in sorted({e["shard"] for e in writes}):
+        done = sorted(
+            e["t"] + e["ms"] / 1000
+            for e in writes
+            if e["shard"] == shard and e["ok"] and lo <= e["t"] + e["ms"] / 1000 <= hi
+        )
+        marks = [lo, *done, hi]
+        gap, since = max((b - a, a) for a, b in zip(marks, marks[1:], strict=False))
+        out[shard] = (round(gap, 2), round(since, 2))
+    return out
+
+
 # --- the checker ------------------------------------------------------------------------------
 
 
 @dataclass
 class Verdict:
-    """What the checker found. ``ok`` when every list is empty and nothing is counted."""
+    """What the checker found. ``ok`` when every list is empty."""
 
     lost: list[str] = field(default_factory=list)  # acknowledged turns not stored as sent
     half_written: list[str] = field(default_factory=list)  # stored, but not whole turns
@@ -156,67 +278,96 @@ class Verdict:
     never_trained: list[str] = field(default_factory=list)  # published, not trained
     trained_wrong: list[str] = field(default_factory=list)  # trained on other bytes
     trained_unacked: list[str] = field(default_factory=list)  # trained, never acknowledged
+    read_wrong: list[str] = field(default_factory=list)  # a read: other bytes, or stale
+    faults_not_injected: list[str] = field(default_factory=list)  # injection/effect failed
+    faults_without_traffic: list[str] = field(default_factory=list)  # a zero in its floor
+    feed_left_pending: list[str] = field(default_factory=list)  # entries pending at the end
+    floors: list[dict] = field(default_factory=list)
     counts: dict = field(default_factory=dict)
+
+    CHECKS = (
+        "lost",
+        "half_written",
+        "trained_twice",
+        "never_trained",
+        "trained_wrong",
+        "trained_unacked",
+        "read_wrong",
+        "faults_not_injected",
+        "faults_without_traffic",
+        "feed_left_pending",
+    )
 
     @property
     def ok(self) -> bool:
-        return not (
-            self.lost
-            or self.half_written
-            or self.trained_twice
-            or self.never_trained
-            or self.trained_wrong
-            or self.trained_unacked
-        )
+        return not any(getattr(self, name) for name in self.CHECKS)
 
     def lines(self) -> list[str]:
         out = [f"verdict: {'PASS' if self.ok else 'FAIL'}"]
-        for name in (
-            "lost",
-            "half_written",
-            "trained_twice",
-            "never_trained",
-            "trained_wrong",
-            "trained_unacked",
-        ):
+        for name in self.CHECKS:
             found = getattr(self, name)
             out.append(f"  {name}: {len(found)}" + (f"  e.g. {found[:3]}" if found else ""))
         out += [f"  {k}: {v}" for k, v in self.counts.items()]
+        if self.floors:
+            out.append(
+                f"  {'traffic floor per fault':24} {'component':>9} {'started':>7} "
+                f"{'in flight':>9} {'acked':>5}"
+            )
+            for f in self.floors:
+                out.append(
+                    f"  {f['fault']:24} {f['component']:>9} {f['started']:7} "
+                    f"{f['in_flight']:9} {f['acknowledged']:5}"
+                )
         return out
 
 
 def check(
     history: list[dict],
     seed: int,
-    stored: Callable[[list[str]], dict[str, Record | None]],
     turns_per_sample: int,
+    stored: Callable[[list[str]], dict[str, Record | None]] | None = None,
 ) -> Verdict:
-    """Check ``history`` against the records ``stored(sample_ids)`` returns (None: none).
+    """Check ``history`` against its final read (``final_read`` entries; or the records
+    ``stored(sample_ids)`` returns, None: none).
 
     - every acknowledged turn is stored with its exact bytes, in order (not lost);
     - a record holds whole turns only, each as sent, never one twice, never a turn past the
       last one attempted: a refused or unacknowledged turn is there whole or not at all;
+    - every read returned the bytes sent, and at least the turns acknowledged before it began;
     - every published sample (its final turn acknowledged) was trained by exactly one
-      consumer, on the whole record's exact bytes, and acknowledged on the feed.
+      consumer, on the whole record's exact bytes, and acknowledged on the feed; nothing is
+      left pending on the feed at the end (``feed_state``);
+    - every fault was injected and had its effect (no ``error`` in its detail), and met
+      traffic on its component: a nonzero floor (``floor``).
     """
     acked: dict[str, int] = defaultdict(int)  # sample -> acknowledged turns (a prefix)
     attempted: dict[str, int] = defaultdict(int)  # sample -> turns attempted
     for e in history:
-        if e["op"] in ("write", "append"):
+        if e["op"] in WRITES:
             attempted[e["sample"]] = max(attempted[e["sample"]], e["turn"] + 1)
             if e["ok"]:
                 acked[e["sample"]] = max(acked[e["sample"]], e["turn"] + 1)
     verdict = Verdict()
-    records = stored(sorted(attempted))
+    if stored is not None:
+        final = {
+            e["sample"]: (e["turns"], e["digest"]) for e in final_entries(stored(sorted(attempted)))
+        }
+    else:
+        final = _final_read(history)
     for sample_id, tried in sorted(attempted.items()):
-        record = records.get(sample_id)
-        held = len(record.turns) if record is not None else 0
-        if held > tried or (
-            record is not None and digest(record) != digest(expected(seed, sample_id, held))
-        ):
+        held, found = final.get(sample_id, (0, None))
+        if held > tried or (found is not None and found != _sent(seed, sample_id, held)):
             verdict.half_written.append(sample_id)
         elif held < acked[sample_id]:
             verdict.lost.append(sample_id)
+
+    for e in history:
+        if e["op"] != "read" or not e["ok"]:
+            continue
+        for sample_id, held, found, acked_before in e["got"]:
+            if held < acked_before or found != _sent(seed, sample_id, held):
+                verdict.read_wrong.append(sample_id)
+    verdict.read_wrong = sorted(set(verdict.read_wrong))
 
     trained: dict[str, list[dict]] = defaultdict(list)
     ack_samples: Counter[str] = Counter()
@@ -226,24 +377,61 @@ def check(
         elif e["op"] == "ack" and e.get("ok", True):
             ack_samples.update(e["samples"])
     published = {s for s, n in acked.items() if n == turns_per_sample}
-    whole = {s: digest(expected(seed, s, turns_per_sample)) for s in set(trained) | published}
     for sample_id, events in sorted(trained.items()):
         if len(events) > 1:
             verdict.trained_twice.append(sample_id)
-        if any(e["digest"] != whole[sample_id] for e in events):
+        if any(e["digest"] != _sent(seed, sample_id, turns_per_sample) for e in events):
             verdict.trained_wrong.append(sample_id)
         if not ack_samples[sample_id]:
             verdict.trained_unacked.append(sample_id)
     verdict.never_trained = sorted(published - set(trained))
+
+    faults = [e for e in history if e["op"] == "fault"]
+    for f in faults:
+        if "error" in f["detail"]:
+            verdict.faults_not_injected.append(f"{f['name']}: {f['detail']['error']}")
+        verdict.floors.append(floor(history, f))
+    verdict.faults_without_traffic = [
+        f"{x['fault']} ({x['component']})"
+        for x in verdict.floors
+        if not (x["started"] and x["in_flight"] and x["acknowledged"])
+    ]
+    for e in history:
+        if e["op"] == "feed_state":
+            verdict.feed_left_pending += [
+                f"{g['name']}: {g['pending']} pending" for g in e["groups"] if g["pending"]
+            ]
     ops = Counter(e["op"] for e in history)
     verdict.counts = {
         "samples attempted": len(attempted),
         "samples published (final turn acknowledged)": len(published),
         "turns acknowledged": sum(acked.values()),
         "samples trained": len(trained),
+        "reads checked": sum(len(e["got"]) for e in history if e["op"] == "read" and e["ok"]),
         "repeats dropped by consumers": sum(
             len(e["samples"]) for e in history if e["op"] == "duplicate"
         ),
         "faults": ops["fault"],
     }
     return verdict
+
+
+_SENT: dict[tuple[int, str, int], str] = {}
+
+
+def _sent(seed: int, sample_id: str, turns: int) -> str:
+    """The digest of the record holding turns ``[0, turns)`` as sent (cached)."""
+    key = (seed, sample_id, turns)
+    if key not in _SENT:
+        _SENT[key] = digest(expected(seed, sample_id, turns))
+    return _SENT[key]
+
+
+def check_file(path: Path) -> tuple[Verdict, dict]:
+    """The verdict from a history file alone (its ``config`` entry names the seed and the
+    turns per sample). Returns (verdict, that config)."""
+    history = load_history([path])
+    config = next((e for e in history if e["op"] == "config"), None)
+    if config is None:
+        raise ValueError(f"{path}: no config entry (op config)")
+    return check(history, config["seed"], config["turns"]), config

@@ -1,33 +1,43 @@
 """The fault run (benchmarks/bench_faults.py), and its checker.
 
 The checker is tested on histories with one violation each, against records built from what
-the writers send: it must name each. The short run (about 30 s of writes under six faults,
-plus start-up and drain) must pass it; the deliberate failure (a consumer that commits without
+the writers send: it must name each, including a fault that did not happen or met no traffic,
+a stale read and entries left pending. The injection checks are tested on a proxy that does
+not cut or delay. The short run (about 30 s of writes under seven faults, plus start-up and
+drain) must pass it with a nonzero traffic floor per fault, and fail without WAIT (acknowledged
+writes lost in the WAIT-only fault); the deliberate failure (a consumer that commits without
 acknowledging) must fail it, as trained twice.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
 import uuid
 
 import pytest
+import redis
 
-from benchmarks.bench_faults import ROOT, FaultConfig, report, run
+from benchmarks.bench_faults import ROOT, FaultConfig, inject, report, run
 from benchmarks.fault_history import (
     History,
     check,
+    check_file,
     digest,
     expected,
+    final_entries,
     first_turn,
+    floor,
     later_turn,
     load_history,
 )
 from route_cache.config import Config
 from route_cache.server import RouteCacheServer
 from route_cache.store import RouteStore, connect
+from routereplay.dev.fault_proxy import FaultProxy
+from routereplay.dev.redis_nodes import RedisProcess
 from routereplay.rpc.client import RouteCacheClient
 
 SEED = 3
@@ -65,7 +75,7 @@ def trained(sample, proc="c0", turns=3):
 
 
 def verdict(history, stored):
-    return check(history, SEED, lambda ids: {s: stored.get(s) for s in ids}, turns_per_sample=3)
+    return check(history, SEED, 3, stored=lambda ids: {s: stored.get(s) for s in ids})
 
 
 def test_a_clean_history_passes():
@@ -106,15 +116,152 @@ def test_half_written_and_unacknowledged_turns():
     assert found.half_written == ["y", "z"] and not found.lost
 
 
+def fault(name, t, end, component, detail=None):
+    return {
+        "t": t,
+        "proc": "driver",
+        "op": "fault",
+        "name": name,
+        "component": component,
+        "end": end,
+        "detail": detail or {},
+    }
+
+
+def on(shard, t, ms, ok=True, sample="a", turn=0, via="any"):
+    return {**op(t, sample, turn, ok=ok), "ms": ms, "shard": shard, "via": via}
+
+
+def test_a_fault_that_did_not_happen_or_met_no_traffic_fails_the_run():
+    whole = {"a": expected(SEED, "a", 3)}
+    history = published("a") + trained("a")
+    history += [on(0, 4.9, 300.0), on(0, 5.5, 10.0, turn=1), on(1, 6.0, 5.0, turn=2)]
+    # shard 0: one op in flight at 5.0 (4.9 + 0.3 s), one started during it, both acknowledged
+    history.append(fault("master_failover", 5.0, 7.0, "shard0"))
+    assert verdict(history, whole).floors[-1] == {
+        "fault": "master_failover",
+        "component": "shard0",
+        "started": 1,
+        "in_flight": 1,
+        "acknowledged": 2,
+    }
+    assert not verdict(history, whole).faults_without_traffic
+    # shard 2 saw nothing: a zero floor fails the run
+    quiet = history + [fault("proxy_drop", 5.0, 7.0, "shard2")]
+    found = verdict(quiet, whole)
+    assert not found.ok and found.faults_without_traffic == ["proxy_drop (shard2)"]
+    # a fault whose injection raised fails the run even with traffic
+    broken = history + [fault("master_aof_restart", 5.0, 7.0, "shard0", {"error": "no"})]
+    found = verdict(broken, whole)
+    assert not found.ok and found.faults_not_injected == ["master_aof_restart: no"]
+
+
+def test_a_stopped_consumers_floor_is_the_batch_it_held():
+    history = [
+        {"t": 1.0, "proc": "c0", "op": "deliver", "samples": ["a", "b"]},
+        {"t": 1.2, "proc": "c0", "op": "deliver", "samples": []},
+        {"t": 5.0, "proc": "c1", "op": "deliver", "samples": ["a", "b"]},
+        {"t": 5.1, "proc": "c1", "op": "ack", "samples": ["a", "b"], "ok": True},
+    ]
+    held = floor(history, fault("consumer_stop", 2.0, 7.0, "c0"))
+    assert (held["started"], held["in_flight"], held["acknowledged"]) == (1, 2, 2)
+    settled_first = [*history[:1], {**history[3], "t": 1.5, "proc": "c0"}]
+    held = floor(settled_first, fault("consumer_stop", 2.0, 7.0, "c0"))
+    assert held["in_flight"] == 0  # it had settled its batch before the stop
+
+
+def test_reads_and_the_feed_left_pending_are_checked():
+    whole = {"a": expected(SEED, "a", 3)}
+    history = published("a") + trained("a")
+    stale = {"t": 3.5, "proc": "driver", "op": "read", "ok": True, "ms": 1.0, "shard": 0}
+    stale["got"] = [["a", 1, digest(expected(SEED, "a", 1)), 2]]  # 1 turn after 2 were acked
+    assert verdict(history + [stale], whole).read_wrong == ["a"]
+    fine = {**stale, "got": [["a", 2, digest(expected(SEED, "a", 2)), 2]]}
+    assert verdict(history + [fine], whole).ok
+    feed = {"t": 9, "proc": "final", "op": "feed_state", "groups": [{"name": "g", "pending": 2}]}
+    assert verdict(history + [feed], whole).feed_left_pending == ["g: 2 pending"]
+
+
+def test_the_checker_command_reads_the_verdict_from_the_file_alone(tmp_path):
+    history = [{"t": 0, "proc": "driver", "op": "config", "seed": SEED, "turns": 3}]
+    history += published("a") + published("b") + trained("a")
+    history += final_entries({"a": expected(SEED, "a", 3), "b": expected(SEED, "b", 1)})
+    path = tmp_path / "h.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in history))
+    found, _ = check_file(path)
+    assert found.lost == ["b"] and found.never_trained == ["b"]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "fault_check.py"), str(path)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1 and "verdict: FAIL" in done.stdout, done.stdout + done.stderr
+    assert "lost: 1" in done.stdout
+
+
+class OneShard:
+    """What ``inject`` needs of the run's environment for the proxy faults: one node behind
+    its proxy, as shard 0's and shard 2's master."""
+
+    def __init__(self, node, proxy):
+        self.node, self.proxies = node, {node.port: proxy}
+
+    def master_of(self, shard):
+        return self.node
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_proxy_that_does_not_cut_or_delay_fails_its_injection(broken, monkeypatch):
+    """The injection checks: a proxy that resets nothing and answers new connections, or
+    that does not delay, raises (the run then logs an ``error`` and fails)."""
+    node = RedisProcess().start()
+    proxy = FaultProxy(node.port).start()
+    held = redis.Redis(port=proxy.port)
+    try:
+        held.ping()  # an open connection through the proxy, for drop to reset
+        if broken:
+            monkeypatch.setattr(proxy, "drop", lambda seconds: None)
+            never_delays = property(lambda p: 0.0, lambda p, v: None)
+            monkeypatch.setattr(FaultProxy, "delay_s", never_delays, raising=False)
+            with pytest.raises(RuntimeError, match="did not cut"):
+                inject(OneShard(node, proxy), "proxy_drop", 0.5, lambda: None)
+            with pytest.raises(RuntimeError, match="delaying proxy"):
+                inject(OneShard(node, proxy), "proxy_delay", 0.3, lambda: None)
+        else:
+            assert inject(OneShard(node, proxy), "proxy_drop", 0.5, lambda: None)["reset"] >= 1
+            assert (
+                inject(OneShard(node, proxy), "proxy_delay", 0.3, lambda: None)["probe_ping_s"]
+                >= 0.15
+            )
+    finally:
+        held.close()
+        proxy.close()
+        node.stop()
+
+
 @pytest.mark.slow
-def test_short_fault_run_passes_the_checker(tmp_path):
+def test_short_fault_run_passes_the_checker_with_a_traffic_floor_per_fault(tmp_path):
     results = run(FaultConfig(duration_s=24.0, short=True), tmp_path)
     print(report(results))
     assert results["verdict"], "\n".join(results["verdict_lines"])
-    assert results["counts"]["faults"] == 6
-    assert results["counts"]["samples published (final turn acknowledged)"] > 20
-    assert all("error" not in f["detail"] for f in results["faults"]), results["faults"]
-    assert results["availability"] >= 0.97, results["failed_by_status"]
+    names = [f["fault"] for f in results["faults"]]
+    assert "wait_only" in names and len(names) == 7
+    assert all(f["started"] and f["in_flight"] and f["acknowledged"] for f in results["floors"])
+    assert results["counts"]["samples published (final turn acknowledged)"] > 60
+    # the checker command, from the history file alone, gives the same verdict
+    found, _ = check_file(tmp_path / "faults-history.jsonl")
+    assert found.ok and found.lines() == results["verdict_lines"]
+
+
+@pytest.mark.slow
+def test_short_fault_run_without_wait_loses_acknowledged_writes(tmp_path):
+    """The WAIT-only fault (shard 1's replica cut off, then its master killed): without WAIT
+    the writes that shard acknowledged during the cut are lost, and the run fails."""
+    results = run(FaultConfig(duration_s=24.0, short=True, wait_replicas=0), tmp_path)
+    print(report(results))
+    assert not results["verdict"]
+    assert results["checker"]["lost"], "\n".join(results["verdict_lines"])
+    assert not results["checker"]["faults_not_injected"]
 
 
 @pytest.mark.parametrize("drop_ack", [False, True])
@@ -190,7 +337,7 @@ def test_the_checker_catches_a_dropped_acknowledgement(redis_node, tmp_path, dro
         for proc in consumers:
             proc.kill()
         server.stop(0)
-    found = check(entries, SEED, lambda ids: {s: stored.get(s) for s in ids}, 3)
+    found = check(entries, SEED, 3, stored=lambda ids: {s: stored.get(s) for s in ids})
     if not drop_ack:
         assert found.ok, found.lines()
         return
