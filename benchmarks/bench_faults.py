@@ -381,15 +381,17 @@ class Traffic:
                     self.busy[c] -= 1
 
     def wait_busy(self, component: str, timeout_s: float) -> bool:
-        """Until an operation on ``component`` is in flight (``all``: any)."""
+        """Until an operation on ``component`` (``all``: any) starts: injected then, the fault
+        meets it in flight (one found already running may be about to end)."""
 
-        def busy() -> bool:
+        def count() -> int:
             if component == "all":
-                return any(n > 0 for n in self.busy.values())
-            return self.busy[component] > 0
+                return sum(self.started.values())
+            return self.started[component]
 
         with self._cond:
-            return self._cond.wait_for(busy, timeout_s)
+            base = count()
+            return self._cond.wait_for(lambda: count() > base, timeout_s)
 
     def wait_started(self, component: str, count: int, timeout_s: float) -> int:
         """Until ``count`` more operations on ``component`` have started; returns how many."""
