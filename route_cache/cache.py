@@ -21,12 +21,22 @@ from prometheus_client.core import GaugeMetricFamily
 from route_cache.config import Config
 from route_cache.feed import ReadyFeed, check_entry_id
 from route_cache.store import RecordStat, RouteStore, StoredBlock, StoredRecord
-from routereplay.domain.codec import BlockHeader, EncodedRoutes, LayerParts, decode_routes
+from routereplay.domain import idcheck
+from routereplay.domain.codec import (
+    BlockHeader,
+    EncodedRoutes,
+    Encoding,
+    LayerParts,
+    checksum,
+    decode_layer_parts,
+    decode_routes,
+)
 from routereplay.domain.feed import ReadyEntry, ReadyPage, ReadyRead
 from routereplay.domain.record import (
     Geometry,
     Missing,
     Turn,
+    check_layer_major_ids,
     check_layer_selection,
     check_routes,
     check_sample_id,
@@ -172,6 +182,7 @@ class RouteCache:
         self.config = config
         self.feed = feed
         self.metrics = CacheMetrics(registry or CollectorRegistry(), feed)
+        idcheck.warm_up()  # the id check's kernels compiled (or loaded) before the first write
 
     # Writes ------------------------------------------------------------------------------
 
@@ -233,6 +244,11 @@ class RouteCache:
             )
         self.metrics.route_bytes_received.inc(len(joined))
         header = write.block
+        if header.parts is not None:
+            parts = _received_parts(header, joined, write.geometry)
+            return StoredBlock(
+                header.row_start, write.token_start, write.token_ids, write.turns, parts, joined
+            )
         encoded = EncodedRoutes(header.encoding, joined, header.checksum, header.num_rows)
         try:
             routes = decode_routes(encoded, write.geometry)
@@ -362,6 +378,41 @@ class RouteCache:
                 "the ready feed is disabled on this route cache (--ready-stream is empty)"
             )
         return self.feed
+
+
+def _received_parts(header: BlockHeader, joined: bytes, geometry: Geometry) -> LayerParts:
+    """A layer-major block's parts (views of ``joined``), each checksum verified and every
+    expert id checked in one pass (RAW) or after inflating each layer (ZSTD)."""
+    rows, view, offset = header.num_rows, memoryview(joined), 0
+    layer_bytes = rows * geometry.topk * geometry.dtype.itemsize
+    parts = []
+    for layer, (size, expected) in enumerate(header.parts):
+        part = view[offset : offset + size]
+        offset += size
+        if header.encoding is Encoding.RAW and size != layer_bytes:
+            raise InvalidArgument(
+                f"block.layer_parts[{layer}] holds {size} bytes; {rows} rows x "
+                f"top-{geometry.topk} as {geometry.dtype} need {layer_bytes}"
+            )
+        if checksum(part) != expected:
+            raise InvalidArgument(
+                f"route checksum mismatch in MoE layer index {layer} ({size} bytes, {rows} "
+                "rows): the routes changed in transit"
+            )
+        parts.append(part)
+    layers = tuple(range(geometry.num_moe_layers))
+    received = LayerParts(
+        header.encoding, rows, layers, tuple(parts), tuple(c for _, c in header.parts)
+    )
+    if header.encoding is Encoding.RAW:
+        shape = (geometry.num_moe_layers, rows, geometry.topk)
+        check_layer_major_ids(
+            np.frombuffer(joined, geometry.dtype).reshape(shape), geometry, header.row_start
+        )
+    else:
+        routes = decode_layer_parts(received, geometry)  # inflates each frame, size-checked
+        check_routes(routes, geometry, rows, header.row_start)
+    return received
 
 
 def _selection(layers: Sequence[int] | None) -> tuple[int, ...] | None:

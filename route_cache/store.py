@@ -1,33 +1,52 @@
 """Records in Redis or Redis Cluster, through one code path.
 
-Layout: a record is ONE hash key, ``rr:{<sample_id>}`` (the braces are a Cluster hash tag), so
-it lives in one slot, commits atomically, expires as a unit and reads whole in one round trip:
+Layout (storage format 3): a record is TWO keys in one slot (``{<sample_id>}`` is the Cluster
+hash tag of both), committed together, expiring together:
+
+``rr:{<sample_id>}``, a hash of the small fields:
 
     geometry        JSON of the geometry (and the storage format version)
     group           the group id
     rows, tokens    row and token counts (rows == tokens - 1)
-    b@<row_start>   JSON descriptor of the block written at that row (turns, checksums)
+    bytes           the length of the routes value (every block's route bytes)
+    gen             a random id given at commit: a read checks that both keys were this
+                    record's when it read them
+    b@<row_start>   JSON descriptor of the block written at that row (turns, each layer
+                    part's size and checksum, the tokens' checksum)
     t@<row_start>   its token ids (int32 LE) then its turns' log-probs (float32 LE)
-    r@<row_start>:<j>  its routes of MoE layer index j (``codec.LayerParts``: raw
-                    ``[rows, k]`` or one zstd frame), each with its checksum in b@<row_start>
 
-Per-layer fields let a read of a layer selection fetch and send only those layers' bytes:
-HKEYS, then one HMGET of the fields it needs (a Lua script that picks the fields inside Redis
-copies the values twice more: 5.1 against 0.8 ms for a quarter of a 12 MB record). Committed
-fields never change, so the two steps see a consistent record: an append in between adds
-blocks the read leaves out, a delete in between reads as no record.
+``rr:{<sample_id>}:routes``, a string: every block's routes in row order, each block
+layer-major (its MoE layers' parts back to back: raw ``[rows, k]`` ids, or one zstd frame per
+layer; ``codec.LayerParts``). A block's place is the sum of the blocks before it; a layer
+range of a block is one byte range.
 
-Storage format 1 (before per-layer fields) kept one field ``r@<row_start>`` of the whole
-block: such records are still read whole, and refused for a layer selection or an append
-(FailedPrecondition: they expire after their TTL, or are deleted and written again).
+So a write is one SET of the routes (into a staging key) and a small commit script, in one
+round trip; a whole read one GET of the routes and one HGETALL of the small fields; a read of
+a layer range (a pipeline stage) one GETRANGE per block, after the small fields (two round
+trips per window of records, the second overlapping the sending of the previous window).
+Each layer part keeps its own xxh3-64 checksum, verified by the reader.
 
-A new record is first written whole into a staging hash ``rr:{<sample_id>}:stage:<random>``
-(created with a short expiry by one MULTI, then given the payload), then committed by a small Lua
-script that RENAMEs it into place when the id is free: a reader sees a record whole or not at
-all, and a staging hash left by a crashed writer expires on its own. (Passing the routes as
-script arguments instead costs three copies of them inside Redis: measured 4.4 ms against 1.5
-ms for a plain HSET of a 1.5 MB block.) An append runs as one Lua script that checks the row
-count it expects in the same step that applies it.
+Consistency: committed bytes never change (appends add blocks at the end of the routes value
+and a descriptor in the hash). A whole read runs ``HGET gen``, ``GET routes``, ``HGETALL``;
+a stage read ``HGETALL``, then the ``GETRANGE``s and ``HGET gen``. The same ``gen`` at both
+ends means no other record was committed under the id in between (``gen`` is random), so the
+bytes read are this record's; blocks appended meanwhile are left out (their bytes lie past
+what the read holds, or their descriptor is newer than it); a record deleted or expired
+meanwhile reads as absent.
+
+Storage formats 1 (one route field ``r@<row_start>`` per block) and 2 (one hash field
+``r@<row_start>:<j>`` per MoE layer) were one hash per record. Records in them are still
+read, whole (formats 1 and 2) and by layer selection (format 2: the hash is fetched whole and
+the selected parts sent). A layer selection of a format-1 record and an append to a record
+in either format are refused (FailedPrecondition, saying what to do: they expire after their
+TTL, or read them whole, delete and write them again).
+
+A new record's routes are first SET into a staging key ``rr:{<sample_id>}:stage:<random>``,
+born with a 10-minute expiry; the commit script (pipelined right behind it) then sets the
+small fields and RENAMEs the staging key into place, only when the id is free (or reports a
+duplicate or a conflict): a reader sees a record whole or not at all, and a staging key left
+by a writer that died expires on its own. An append is one Lua script that checks the row
+count it expects and APPENDs the block in the same atomic step.
 
 With ``wait_replicas`` set, a write or append is acknowledged only once Redis ``WAIT`` reports
 that many replicas hold it (sent on the connection that made the write, to the key's master);
@@ -40,11 +59,12 @@ the window in which a master is killed between its reply and asynchronous replic
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import redis
@@ -53,7 +73,13 @@ import xxhash
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
-from routereplay.domain.codec import EncodedRoutes, Encoding, LayerParts, split_layers
+from routereplay.domain.codec import (
+    EncodedRoutes,
+    Encoding,
+    LayerParts,
+    contiguous,
+    split_layers,
+)
 from routereplay.domain.record import Geometry, Turn, check_layer_selection
 from routereplay.errors import (
     AlreadyExists,
@@ -65,15 +91,20 @@ from routereplay.errors import (
     Unavailable,
 )
 
-FORMAT_VERSION = 2
-# Whole-block route fields: still read whole, not selectable or appendable.
+FORMAT_VERSION = 3
+# One hash per record, a field per MoE layer per block: read whole or by layer selection.
+HASH_FORMAT_VERSION = 2
+# One hash per record, one route field per block: read whole only.
 OLD_FORMAT_VERSION = 1
+LEGACY_FORMATS = (OLD_FORMAT_VERSION, HASH_FORMAT_VERSION)
 
-# KEYS: record, staging hash. ARGV: geometry JSON, group, block field, block descriptor, ttl.
+# KEYS: record, routes, staging. ARGV: geometry JSON, group, block field, block descriptor,
+# tokens field, tokens, rows, ttl, gen. The small fields go first: HSET is the only command
+# Redis may refuse at its memory limit, and then nothing has changed.
 _COMMIT = """
-if redis.call('EXISTS', KEYS[2]) == 0 then return -2 end
+if redis.call('EXISTS', KEYS[3]) == 0 then return -2 end
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  redis.call('DEL', KEYS[2])
+  redis.call('DEL', KEYS[3])
   if redis.call('HGET', KEYS[1], 'geometry') == ARGV[1]
       and redis.call('HGET', KEYS[1], 'group') == ARGV[2]
       and redis.call('HGET', KEYS[1], ARGV[3]) == ARGV[4] then
@@ -81,11 +112,16 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   end
   return -1
 end
-redis.call('RENAME', KEYS[2], KEYS[1])
-if tonumber(ARGV[5]) > 0 then
-  redis.call('PEXPIRE', KEYS[1], ARGV[5])
+local rows = tonumber(ARGV[7])
+redis.call('HSET', KEYS[1], 'geometry', ARGV[1], 'group', ARGV[2], 'rows', rows,
+           'tokens', rows + 1, 'bytes', redis.call('STRLEN', KEYS[3]), 'gen', ARGV[9],
+           ARGV[3], ARGV[4], ARGV[5], ARGV[6])
+redis.call('RENAME', KEYS[3], KEYS[2])
+if tonumber(ARGV[8]) > 0 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[8])
+  redis.call('PEXPIRE', KEYS[2], ARGV[8])
 else
-  redis.call('PERSIST', KEYS[1])
+  redis.call('PERSIST', KEYS[2])
 end
 return 0
 """
@@ -93,8 +129,8 @@ return 0
 STAGING_TTL_MS = 600_000
 WAIT_TIMEOUT_MS = 2_000
 
-# KEYS: record. ARGV: geometry JSON, row offset, rows added, ttl, descriptor field, descriptor,
-# then the block's other fields as name, value pairs (tokens, one per MoE layer).
+# KEYS: record, routes. ARGV: geometry JSON, row offset, rows added, ttl, descriptor field,
+# descriptor, tokens field, tokens, route bytes.
 _APPEND = """
 local rows = redis.call('HGET', KEYS[1], 'rows')
 if not rows then return {-2, 0} end
@@ -102,10 +138,16 @@ if redis.call('HGET', KEYS[1], 'geometry') ~= ARGV[1] then return {-3, 0} end
 rows = tonumber(rows)
 local offset = tonumber(ARGV[2])
 if offset == rows then
+  local stored = tonumber(redis.call('HGET', KEYS[1], 'bytes'))
+  if redis.call('STRLEN', KEYS[2]) ~= stored then return {-4, rows} end
   local added = tonumber(ARGV[3])
   redis.call('HSET', KEYS[1], 'rows', rows + added, 'tokens', rows + added + 1,
-             ARGV[5], ARGV[6], unpack(ARGV, 7))
-  if tonumber(ARGV[4]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[4]) end
+             'bytes', stored + string.len(ARGV[9]), ARGV[5], ARGV[6], ARGV[7], ARGV[8])
+  redis.call('APPEND', KEYS[2], ARGV[9])
+  if tonumber(ARGV[4]) > 0 then
+    redis.call('PEXPIRE', KEYS[1], ARGV[4])
+    redis.call('PEXPIRE', KEYS[2], ARGV[4])
+  end
   return {0, rows + added}
 end
 if offset < rows and redis.call('HGET', KEYS[1], ARGV[5]) == ARGV[6] then
@@ -113,6 +155,10 @@ if offset < rows and redis.call('HGET', KEYS[1], ARGV[5]) == ARGV[6] then
 end
 return {-1, rows}
 """
+
+# Times a read starts again when another record was committed under its id while it read
+# (a delete and a new write between its two ends: gen changed).
+_READ_ATTEMPTS = 3
 
 # What redis-py raises when the server cannot be reached or a cluster is failing over
 # (MOVED and READONLY reach us only on a single node's connection, used for WAIT).
@@ -148,8 +194,11 @@ class StoredBlock:
     token_ids: np.ndarray
     turns: list[Turn]
     # Written: either form (the store splits a whole block into layers). Read: LayerParts of
-    # the selected layers, or EncodedRoutes for a record in the old storage format.
+    # the selected layers, or EncodedRoutes for a record in storage format 1.
     routes: EncodedRoutes | LayerParts
+    # Written LayerParts: their bytes back to back when the caller holds them so (a received
+    # layer-major block), which the store then sends to Redis without joining them again.
+    data: bytes | memoryview | None = None
 
 
 @dataclass
@@ -186,9 +235,9 @@ class RecordStat:
         stored_bytes: Redis's own count for the whole key (``MEMORY USAGE``): route, token and
             log-prob bytes, descriptors, field names and the hash's overhead.
         ttl_ms: Until it expires; -1 when it never does.
-        block_sizes: Per block (``record.blocks`` order), the bytes of each stored route field
-            as encoded: one per MoE layer (storage format 2), or one for the whole block
-            (format 1).
+        block_sizes: Per block (``record.blocks`` order), the bytes of each stored route part
+            as encoded: one per MoE layer (storage formats 3 and 2), or one for the whole
+            block (format 1).
     """
 
     record: StoredRecord
@@ -205,6 +254,11 @@ class RecordStat:
 
 def record_key(sample_id: str) -> str:
     return f"rr:{{{sample_id}}}"
+
+
+def routes_key(sample_id: str) -> str:
+    """The string of the record's route bytes (storage format 3), in its record's slot."""
+    return f"rr:{{{sample_id}}}:routes"
 
 
 def settled_key(sample_id: str) -> str:
@@ -269,8 +323,11 @@ def replicated(client, key: str, queue, replicas: int, timeout_ms: int) -> tuple
 
 
 def _run_and_wait(node: redis.Redis, queue, replicas: int, timeout_ms: int) -> tuple[list, int]:
+    """The commands, then WAIT (none when ``replicas`` is 0: nothing to confirm)."""
     with node.pipeline(transaction=False) as pipe:
         queue(pipe)
+        if not replicas:
+            return pipe.execute(), 0
         pipe.execute_command("WAIT", replicas, timeout_ms)
         *results, confirmed = pipe.execute()
     return results, int(confirmed)
@@ -324,34 +381,34 @@ class RouteStore:
         Raises:
             AlreadyExists: a different record has this id.
         """
-        desc, payload = _block_fields(block, geometry)
-        rows = block.routes.num_rows
+        desc, tokens, value = _block_fields(block, geometry)
         key, geometry_json = record_key(sample_id), _geometry_json(geometry)
         staging = f"{key}:stage:{secrets.token_hex(8)}"
-        header = {
-            "geometry": geometry_json,
-            "group": group_id,
-            "rows": rows,
-            "tokens": rows + 1,
-            f"b@{block.row_start}": desc,
-        }
-        with domain_errors_from_redis():
-            # The staging hash is born with its expiry (one MULTI of its small fields); the
-            # payload follows outside the MULTI, where Redis takes megabyte arguments without
-            # queueing them (12 MB: 4.9 ms against 9.4 inside a MULTI).
-            with self.client.pipeline(transaction=True) as pipe:
-                pipe.hset(staging, mapping=header)
-                pipe.pexpire(staging, STAGING_TTL_MS)
-                pipe.execute()
-            self.client.hset(staging, mapping=payload)
-            result = self._replicated(
-                self._commit,
-                keys=[key, staging],
-                args=[geometry_json, group_id, f"b@{block.row_start}", desc, self.ttl_ms],
-            )
+        keys = [key, routes_key(sample_id), staging]
+        args = [
+            geometry_json,
+            group_id,
+            f"b@{block.row_start}",
+            desc,
+            f"t@{block.row_start}",
+            tokens,
+            block.routes.num_rows,
+            self.ttl_ms,
+            secrets.token_hex(8),
+        ]
+
+        def queue(pipe):
+            # The routes go as the value of a plain SET, born with the staging expiry: Redis
+            # takes a megabyte argument there without copying it again (a script argument
+            # is copied three times; one inside a MULTI is queued first).
+            pipe.set(staging, value, px=STAGING_TTL_MS)
+            _evalsha(pipe, _COMMIT, keys, args)
+
+        result = self._run(key, queue)[-1]
         if result == -2:
             raise Unavailable(f"the staged record of {sample_id!r} vanished before its commit")
         if result == -1:
+            self._refuse_old_format(sample_id, "written again")
             raise AlreadyExists(f"sample_id {sample_id!r} already holds a different record")
         return result == 1
 
@@ -362,25 +419,25 @@ class RouteStore:
             (duplicate, rows): duplicate is True when this very block was already appended.
 
         Raises:
-            NotFound, InvalidArgument (geometry differs), FailedPrecondition (stale offset).
+            NotFound, InvalidArgument (geometry differs), FailedPrecondition (stale offset, or
+            a record in an older storage format).
         """
-        desc, payload = _block_fields(block, geometry)
+        desc, tokens, value = _block_fields(block, geometry)
         offset = block.row_start
-        pairs = [item for name_value in payload.items() for item in name_value]
-        with domain_errors_from_redis():
-            status, rows = self._replicated(
-                self._append,
-                keys=[record_key(sample_id)],
-                args=[
-                    _geometry_json(geometry),
-                    offset,
-                    block.routes.num_rows,
-                    self.ttl_ms,
-                    f"b@{offset}",
-                    desc,
-                    *pairs,
-                ],
-            )
+        key = record_key(sample_id)
+        keys = [key, routes_key(sample_id)]
+        args = [
+            _geometry_json(geometry),
+            offset,
+            block.routes.num_rows,
+            self.ttl_ms,
+            f"b@{offset}",
+            desc,
+            f"t@{offset}",
+            tokens,
+            value,
+        ]
+        status, rows = self._run(key, lambda pipe: _evalsha(pipe, _APPEND, keys, args))[-1]
         if status == -2:
             raise NotFound(f"no record for sample_id {sample_id!r}")
         if status == -3:
@@ -388,6 +445,8 @@ class RouteStore:
             raise InvalidArgument(
                 f"geometry differs from the stored record of {sample_id!r}: appends must keep it"
             )
+        if status == -4:  # the routes expired a moment before the rest of the record
+            raise NotFound(f"no record for sample_id {sample_id!r} (it is expiring)")
         if status == -1:
             raise FailedPrecondition(
                 f"append at row_offset {offset} refused: the record of {sample_id!r} has {rows} "
@@ -395,34 +454,46 @@ class RouteStore:
             )
         return status == 1, int(rows)
 
-    def _replicated(self, script, keys: list[str], args: list):
-        """Run ``script``; with ``wait_replicas``, confirmed by that many replicas.
+    def _run(self, key: str, queue) -> list:
+        """The commands ``queue(pipe)`` puts on a pipeline, in one round trip to ``key``'s
+        master; with ``wait_replicas``, confirmed by that many replicas (WAIT, same trip).
+        Scripts go by their hash; Redis not knowing them (a restart, a failover) loads them
+        and runs the commands again (each is safe to run twice).
 
         Raises:
             Unavailable: fewer replicas than ``wait_replicas`` confirmed in time.
         """
-        if not self.wait_replicas:
-            return script(keys=keys, args=args)
-        (result,), replicas = replicated(
-            self.client,
-            keys[0],
-            lambda pipe: script(keys=keys, args=args, client=pipe),
-            self.wait_replicas,
-            self.wait_timeout_ms,
-        )
+        with domain_errors_from_redis():
+            try:
+                results, replicas = replicated(
+                    self.client, key, queue, self.wait_replicas, self.wait_timeout_ms
+                )
+            except redis.exceptions.NoScriptError:
+                self._load_scripts(key)
+                results, replicas = replicated(
+                    self.client, key, queue, self.wait_replicas, self.wait_timeout_ms
+                )
         if replicas < self.wait_replicas:
             raise Unavailable(
-                f"{replicas} of {self.wait_replicas} replicas confirmed the write of {keys[0]} "
+                f"{replicas} of {self.wait_replicas} replicas confirmed the write of {key} "
                 f"within {self.wait_timeout_ms} ms"
             )
-        return result
+        return results
+
+    def _load_scripts(self, key: str) -> None:
+        node = self.client
+        if isinstance(node, redis.cluster.RedisCluster):
+            node = node.get_redis_connection(node.get_node_from_key(key))
+        for source in (_COMMIT, _APPEND):
+            node.script_load(source)
 
     def _refuse_old_format(self, sample_id: str, what: str) -> None:
-        """Raise FailedPrecondition when the record is in the old storage format."""
+        """Raise FailedPrecondition when the record is in an older storage format."""
         with domain_errors_from_redis():
             stored = self.client.hget(record_key(sample_id), "geometry")
-        if stored is not None and json.loads(stored).get("format") == OLD_FORMAT_VERSION:
-            raise FailedPrecondition(old_format_message(sample_id, what))
+        version = json.loads(stored).get("format") if stored is not None else None
+        if version in LEGACY_FORMATS:
+            raise FailedPrecondition(old_format_message(sample_id, what, version))
 
     def read(self, sample_id: str, layers: tuple[int, ...] | None = None) -> StoredRecord:
         record = next(self.read_many([sample_id], layers))
@@ -439,11 +510,12 @@ class RouteStore:
 
         Args:
             layers: MoE layer indices (checked ascending by the caller): only their route
-                parts are fetched from Redis. None: every layer.
+                bytes are fetched from Redis (one range per run of consecutive layers per
+                block). None: every layer.
 
         Raises:
             InvalidArgument: ``layers`` reaches beyond a record's geometry.
-            FailedPrecondition: ``layers`` given for a record in the old storage format.
+            FailedPrecondition: ``layers`` given for a record in storage format 1.
         """
         windows = [
             sample_ids[start : start + self.batch_window]
@@ -451,75 +523,96 @@ class RouteStore:
         ]
         with ThreadPoolExecutor(max_workers=1) as prefetch:
             pending = prefetch.submit(self._fetch, windows[0], layers) if windows else None
-            for i, window in enumerate(windows):
-                results = pending.result()
+            for i in range(len(windows)):
+                records = pending.result()
                 if i + 1 < len(windows):
                     pending = prefetch.submit(self._fetch, windows[i + 1], layers)
-                for sample_id, fields in zip(window, results, strict=True):
-                    yield _parse_record(sample_id, fields, layers=layers) if fields else None
+                yield from records
 
-    def _fetch(self, window: Sequence[str], layers: tuple[int, ...] | None) -> list[dict]:
-        """The fields of each record in ``window`` (``{}``: no record); with ``layers``, all
-        but the route parts of other layers."""
-        keys = [record_key(sample_id) for sample_id in window]
+    def _fetch(
+        self, window: Sequence[str], layers: tuple[int, ...] | None
+    ) -> list[StoredRecord | None]:
+        """The records of ``window`` (None: no record), read again where another record was
+        committed under the id while they were read."""
+        records: list[StoredRecord | None] = [None] * len(window)
+        todo = list(range(len(window)))
+        for _ in range(_READ_ATTEMPTS):
+            read = self._fetch_once([window[i] for i in todo], layers)
+            again = []
+            for i, record in zip(todo, read, strict=True):
+                if record is _CHANGED:
+                    again.append(i)
+                else:
+                    records[i] = record
+            if not again:
+                return records
+            todo = again
+        raise Unavailable(
+            f"records {[window[i] for i in todo]} were rewritten under their ids on every "
+            f"one of {_READ_ATTEMPTS} reads"
+        )
+
+    def _fetch_once(self, window: Sequence[str], layers: tuple[int, ...] | None) -> list:
         with domain_errors_from_redis():
             pipe = self.client.pipeline(transaction=False)
-            for key in keys:
+            for sample_id in window:
+                key = record_key(sample_id)
                 if layers is None:
-                    pipe.hgetall(key)
-                else:
-                    pipe.hkeys(key)
-            results = pipe.execute()
-            if layers is None:
-                return results
-            wanted = [_selected_fields(names, layers) for names in results]
+                    pipe.hget(key, "gen")
+                    pipe.get(routes_key(sample_id))
+                pipe.hgetall(key)
+            replies = pipe.execute()
+        if layers is None:
+            return [
+                _whole_record(sample_id, *replies[3 * i : 3 * i + 3])
+                for i, sample_id in enumerate(window)
+            ]
+        # A stage: the small fields first, then one range per run of layers per block.
+        heads = [
+            _head(sample_id, fields, layers)
+            for sample_id, fields in zip(window, replies, strict=True)
+        ]
+        with domain_errors_from_redis():
             pipe = self.client.pipeline(transaction=False)
-            for key, names in zip(keys, wanted, strict=True):
-                if names:
-                    pipe.hmget(key, names)
-            values = iter(pipe.execute())
+            for sample_id, head in zip(window, heads, strict=True):
+                if isinstance(head, _Head):
+                    for start, end in _stage_ranges(head, layers):
+                        pipe.getrange(routes_key(sample_id), start, end - 1)
+                    pipe.hget(record_key(sample_id), "gen")
+            replies = iter(pipe.execute())
         records = []
-        for names in wanted:
-            fields = {}
-            if names:
-                fields = {n: v for n, v in zip(names, next(values), strict=True) if v is not None}
-            # Deleted between the two steps: HMGET answers nil for every field.
-            records.append(fields if fields.get(b"geometry") is not None else {})
+        for head in heads:
+            if not isinstance(head, _Head):
+                records.append(head)  # None, or a record in an older format, read whole
+                continue
+            ranges = [next(replies) for _ in _stage_ranges(head, layers)]
+            gen = next(replies)
+            records.append(_stage_record(head, layers, ranges, gen))
         return records
 
     def stat(self, sample_id: str) -> RecordStat:
         """Everything but the payload: geometry, counts, turns, size and time to live."""
         key = record_key(sample_id)
         with domain_errors_from_redis():
-            names = self.client.hkeys(key)
-            if not names:
-                raise NotFound(f"no record for sample_id {sample_id!r}")
-            wanted = [n for n in names if not n.startswith((b"t@", b"r@"))]
-            routes = [n for n in names if n.startswith(b"r@")]
             pipe = self.client.pipeline(transaction=False)
-            pipe.hmget(key, wanted)
+            pipe.hgetall(key)
             pipe.memory_usage(key, samples=0)
+            pipe.memory_usage(routes_key(sample_id), samples=0)
             pipe.pttl(key)
-            for name in routes:  # the route fields' lengths, not their bytes
-                pipe.hstrlen(key, name)
-            values, usage, ttl, *lengths = pipe.execute()
-        fields = dict(zip(wanted, values, strict=True))
-        if fields.get(b"geometry") is None:  # deleted between the two calls
+            fields, usage, routes_usage, ttl = pipe.execute()
+        if fields.get(b"geometry") is None:
             raise NotFound(f"no record for sample_id {sample_id!r}")
-        record = _parse_record(sample_id, fields, payload=False)
-        size = dict(zip(routes, lengths, strict=True))
-        block_sizes = []
-        for block in record.blocks:
-            if record.format == OLD_FORMAT_VERSION:
-                block_sizes.append((int(size.get(b"r@%d" % block.row_start, 0)),))
-            else:
-                names = [b"r@%d:%d" % (block.row_start, j) for j in block.routes.layers]
-                block_sizes.append(tuple(int(size.get(name, 0)) for name in names))
-        return RecordStat(record, int(fields[b"tokens"]), int(usage or 0), int(ttl), block_sizes)
+        version = json.loads(fields[b"geometry"]).get("format")
+        if version in LEGACY_FORMATS:
+            return _legacy_stat(sample_id, fields, int(usage or 0), int(ttl))
+        head = _parse_head(sample_id, fields, payload=False)
+        record, block_sizes = head.record, head.sizes
+        stored = int(usage or 0) + int(routes_usage or 0)
+        return RecordStat(record, int(fields[b"tokens"]), stored, int(ttl), block_sizes)
 
     def delete(self, sample_id: str) -> None:
         with domain_errors_from_redis():
-            if not self.client.delete(record_key(sample_id)):
+            if not self.client.delete(record_key(sample_id), routes_key(sample_id)):
                 raise NotFound(f"no record for sample_id {sample_id!r}")
             # A record written again under this id is announced again, and trained anew.
             self.client.delete(settled_key(sample_id))
@@ -543,16 +636,6 @@ class domain_errors_from_redis:
         return False
 
 
-def _selected_fields(names: list[bytes], layers: tuple[int, ...]) -> list[bytes]:
-    """The fields a layer-selected read fetches: all but route fields, and the route parts
-    (``r@<row>:<j>``) of ``layers``. An old-format record's whole-block route fields are left
-    out: it is refused for a selection."""
-    wanted = {b"%d" % j for j in layers}
-    return [
-        name for name in names if not name.startswith(b"r@") or name.partition(b":")[2] in wanted
-    ]
-
-
 def _geometry_json(geometry: Geometry) -> str:
     return json.dumps(
         {
@@ -567,26 +650,44 @@ def _geometry_json(geometry: Geometry) -> str:
     )
 
 
-def old_format_message(sample_id: str, what: str) -> str:
+def old_format_message(sample_id: str, what: str, version: int = OLD_FORMAT_VERSION) -> str:
+    layout = {
+        OLD_FORMAT_VERSION: "one hash, one route field per block",
+        HASH_FORMAT_VERSION: "one hash, one route field per MoE layer per block",
+    }[version]
     return (
-        f"record {sample_id!r} is in storage format {OLD_FORMAT_VERSION} (one route field per "
-        f"block, written before per-layer storage): it can be read whole but not {what}; "
-        "it expires after the route cache's --ttl-s, or delete it and write it again"
+        f"record {sample_id!r} is in storage format {version} ({layout}, written by an "
+        f"earlier release): it can be read but not {what}; it expires after the route "
+        "cache's --ttl-s, or read it whole, delete it and write it again"
     )
 
 
-def _block_fields(block: StoredBlock, geometry: Geometry) -> tuple[str, dict]:
-    """The block's descriptor (JSON) and its other fields: token/log-prob bytes, and one
-    field of route bytes per MoE layer."""
+_SHAS = {source: hashlib.sha1(source.encode()).hexdigest() for source in (_COMMIT, _APPEND)}
+
+
+def _evalsha(pipe, source: str, keys: list[str], args: list) -> None:
+    """Queue the script by its hash (a script registered on a pipeline asks Redis whether it
+    knows it on every execute: one more round trip)."""
+    pipe.evalsha(_SHAS[source], len(keys), *keys, *args)
+
+
+class _Changed:
+    """A read that found another record committed under its id while it read."""
+
+
+_CHANGED = _Changed()
+
+
+def _block_fields(block: StoredBlock, geometry: Geometry) -> tuple[str, bytes, bytes | memoryview]:
+    """The block's descriptor (JSON), its token/log-prob bytes and its route bytes as stored
+    (layer-major: every MoE layer's part back to back)."""
     tokens = np.asarray(block.token_ids, "<i4").tobytes() + b"".join(
         np.asarray(t.logprobs, "<f4").tobytes() for t in block.turns
     )
     parts = block.routes
     if isinstance(parts, EncodedRoutes):
         parts = split_layers(parts, geometry)
-    fields = {f"t@{block.row_start}": tokens}
-    for layer, data in zip(parts.layers, parts.parts, strict=True):
-        fields[f"r@{block.row_start}:{layer}"] = data
+    value = block.data if block.data is not None else contiguous(parts)
     desc = {
         "row_start": block.row_start,
         "num_rows": parts.num_rows,
@@ -600,17 +701,203 @@ def _block_fields(block: StoredBlock, geometry: Geometry) -> tuple[str, dict]:
             for t in block.turns
         ],
     }
-    return json.dumps(desc, separators=(",", ":")), fields
+    return json.dumps(desc, separators=(",", ":")), tokens, value
 
 
-def _parse_record(
+@dataclass
+class _Head:
+    """A format-3 record's small fields: the record with its blocks' part sizes and
+    checksums (no route bytes yet), where each block starts in the routes value, and the
+    record's ``gen``."""
+
+    record: StoredRecord
+    offsets: list[int]
+    sizes: list[tuple[int, ...]]
+    gen: bytes | None
+    ranges: dict = field(default_factory=dict)
+
+
+def _geometry_of(fields: dict) -> tuple[Geometry, int]:
+    geometry = json.loads(fields[b"geometry"])
+    return (
+        Geometry(
+            tuple(geometry["moe_layers"]),
+            geometry["topk"],
+            geometry["num_experts"],
+            geometry["model_id"],
+        ),
+        geometry.get("format"),
+    )
+
+
+def _parse_head(sample_id: str, fields: dict, payload: bool = True) -> _Head:
+    """The record in a format-3 hash, its routes as LayerParts of every layer whose parts
+    are empty (the sizes and checksums are the descriptor's)."""
+    geometry, _ = _geometry_of(fields)
+    record = StoredRecord(sample_id, fields[b"group"].decode(), geometry)
+    layers = tuple(range(geometry.num_moe_layers))
+    offsets, all_sizes, offset = [], [], 0
+    for row_start in sorted(int(name[2:]) for name in fields if name.startswith(b"b@")):
+        desc = json.loads(fields[b"b@%d" % row_start])
+        token_ids, turns = _tokens_and_turns(sample_id, fields, row_start, desc, payload)
+        sizes = tuple(size for size, _ in desc["parts"])
+        routes = LayerParts(
+            Encoding(desc["encoding"]),
+            desc["num_rows"],
+            layers,
+            tuple(b"" for _ in sizes),
+            tuple(c for _, c in desc["parts"]),
+        )
+        record.blocks.append(StoredBlock(row_start, desc["token_start"], token_ids, turns, routes))
+        offsets.append(offset)
+        all_sizes.append(sizes)
+        offset += sum(sizes)
+    return _Head(record, offsets, all_sizes, fields.get(b"gen"))
+
+
+def _tokens_and_turns(
+    sample_id: str, fields: dict, row_start: int, desc: dict, payload: bool
+) -> tuple[np.ndarray, list[Turn]]:
+    turns = [Turn(ts, te, gs, pv) for ts, te, gs, pv, _ in desc["turns"]]
+    if not payload:
+        return np.zeros(0, np.int32), turns
+    tokens = fields[b"t@%d" % row_start]
+    if xxhash.xxh3_64_intdigest(tokens) != desc["tokens_checksum"]:
+        raise DataLoss(f"record {sample_id!r}: token bytes of block {row_start} corrupt")
+    n_tokens = desc["num_tokens"]
+    token_ids = np.frombuffer(tokens, "<i4", count=n_tokens)
+    offset = 4 * n_tokens
+    for turn, (*_, n_logprobs) in zip(turns, desc["turns"], strict=True):
+        turn.logprobs = np.frombuffer(tokens, "<f4", count=n_logprobs, offset=offset)
+        offset += 4 * n_logprobs
+    return token_ids, turns
+
+
+def _part_views(sizes: tuple[int, ...], data: memoryview) -> tuple[memoryview, ...]:
+    """Parts of ``sizes`` cut from ``data``, their bytes back to back."""
+    views, offset = [], 0
+    for size in sizes:
+        views.append(data[offset : offset + size])
+        offset += size
+    return tuple(views)
+
+
+def _whole_record(sample_id: str, gen, value, fields: dict):
+    """The record a whole read found: ``gen`` before, the routes value, the small fields
+    after. None when there is none (or it expired meanwhile); ``_CHANGED`` when another
+    record was committed under the id while it was read."""
+    if not fields or fields.get(b"geometry") is None:
+        return None
+    _, version = _geometry_of(fields)
+    if version in LEGACY_FORMATS:
+        return _parse_legacy(sample_id, fields)
+    if gen != fields.get(b"gen"):
+        return _CHANGED
+    if value is None:  # expired a moment before the small fields
+        return None
+    head = _parse_head(sample_id, fields)
+    view, blocks = memoryview(value), []
+    for block, offset, sizes in zip(head.record.blocks, head.offsets, head.sizes, strict=True):
+        end = offset + sum(sizes)
+        if end > len(view):  # appended after the routes were read: not in this read
+            break
+        block.routes = replace(block.routes, parts=_part_views(sizes, view[offset:end]))
+        blocks.append(block)
+    held = sum(sum(b.routes.sizes) for b in blocks)
+    if held != len(view):
+        raise DataLoss(
+            f"record {sample_id!r}: its routes hold {len(view)} bytes; its blocks describe {held}"
+        )
+    head.record.blocks = blocks
+    return head.record
+
+
+def _head(sample_id: str, fields: dict, layers: tuple[int, ...]):
+    """A stage read's first step: the record's small fields (None: no record). A record in
+    an older format comes back whole from this step, its selection taken from it."""
+    if not fields or fields.get(b"geometry") is None:
+        return None
+    geometry, version = _geometry_of(fields)
+    if version in LEGACY_FORMATS:
+        return _parse_legacy(sample_id, fields, layers=layers)
+    check_layer_selection(layers, geometry.num_moe_layers, "layers.indices")
+    return _parse_head(sample_id, fields)
+
+
+def _runs(layers: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Runs of consecutive layer indices, as ``[first, last + 1)``."""
+    runs = []
+    for layer in layers:
+        if runs and runs[-1][1] == layer:
+            runs[-1][1] = layer + 1
+        else:
+            runs.append([layer, layer + 1])
+    return [tuple(run) for run in runs]
+
+
+def _stage_ranges(head: _Head, layers: tuple[int, ...]) -> list[tuple[int, int]]:
+    """The byte ranges ``[start, end)`` of the routes value a selection reads: one per run of
+    consecutive layers per block (empty ones left out: GETRANGE cannot ask for nothing)."""
+    if layers not in head.ranges:
+        ranges = []
+        for offset, sizes in zip(head.offsets, head.sizes, strict=True):
+            starts = np.cumsum((0, *sizes)).tolist()
+            for first, stop in _runs(layers):
+                start, end = offset + starts[first], offset + starts[stop]
+                if end > start:
+                    ranges.append((start, end))
+        head.ranges[layers] = ranges
+    return head.ranges[layers]
+
+
+def _stage_record(head: _Head, layers: tuple[int, ...], ranges: list[bytes], gen):
+    """A stage read's record from its ranges; None when it went away meanwhile,
+    ``_CHANGED`` when another record was committed under its id."""
+    if gen != head.gen:
+        return None if gen is None else _CHANGED
+    expected = _stage_ranges(head, layers)
+    if any(len(got) != end - start for got, (start, end) in zip(ranges, expected, strict=True)):
+        return None  # the routes expired a moment before the small fields
+    got = iter(ranges)
+    record = head.record
+    record.layers = layers
+    for block, sizes in zip(record.blocks, head.sizes, strict=True):
+        parts = []
+        for first, stop in _runs(layers):
+            size = sum(sizes[first:stop])
+            view = memoryview(next(got)) if size else memoryview(b"")
+            offset = 0
+            for j in range(first, stop):
+                parts.append(view[offset : offset + sizes[j]])
+                offset += sizes[j]
+        checksums = tuple(block.routes.checksums[j] for j in layers)
+        block.routes = LayerParts(
+            block.routes.encoding, block.routes.num_rows, layers, tuple(parts), checksums
+        )
+    return record
+
+
+def _legacy_stat(sample_id: str, fields: dict, usage: int, ttl: int) -> RecordStat:
+    """StatRecord of a record in storage format 1 or 2 (one hash, fetched whole)."""
+    record = _parse_legacy(sample_id, fields, payload=False)
+    block_sizes = []
+    for block in record.blocks:
+        if record.format == OLD_FORMAT_VERSION:
+            block_sizes.append((len(fields.get(b"r@%d" % block.row_start, b"")),))
+        else:
+            names = [b"r@%d:%d" % (block.row_start, j) for j in block.routes.layers]
+            block_sizes.append(tuple(len(fields.get(name, b"")) for name in names))
+    return RecordStat(record, int(fields[b"tokens"]), usage, ttl, block_sizes)
+
+
+def _parse_legacy(
     sample_id: str, fields: dict, payload: bool = True, layers: tuple[int, ...] | None = None
 ) -> StoredRecord:
     """The record in ``fields`` (a hash's fields; with ``layers``, only those layers' route
     parts among them)."""
     geometry = json.loads(fields[b"geometry"])
     version = geometry.get("format")
-    if version not in (FORMAT_VERSION, OLD_FORMAT_VERSION):
+    if version not in LEGACY_FORMATS:
         raise DataLoss(f"record {sample_id!r} has storage format {version}")
     if layers is not None and version == OLD_FORMAT_VERSION:
         raise FailedPrecondition(old_format_message(sample_id, "read by layer selection"))

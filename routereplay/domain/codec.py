@@ -46,13 +46,18 @@ class EncodedRoutes:
 @dataclass(frozen=True)
 class BlockHeader:
     """What a writer announces of a block before sending its bytes: the rows it holds
-    (``[row_start, row_start + num_rows)`` of the record), their encoding, size and checksum."""
+    (``[row_start, row_start + num_rows)`` of the record), their encoding, size and checksum.
+
+    ``parts``: set when the block comes layer-major, one ``(size, checksum)`` per MoE layer
+    (``LayerParts`` back to back, as the route cache stores them); ``checksum`` is then 0.
+    """
 
     row_start: int
     num_rows: int
     encoding: Encoding
     encoded_size: int
     checksum: int
+    parts: tuple[tuple[int, int], ...] | None = None
 
 
 def checksum(data: bytes | memoryview) -> int:
@@ -206,6 +211,54 @@ def split_layers(encoded: EncodedRoutes, geometry: Geometry) -> LayerParts:
     return LayerParts(
         encoded.encoding, encoded.num_rows, layers, parts, tuple(checksum(p) for p in parts)
     )
+
+
+def encode_layer_parts(
+    routes: np.ndarray, encoding: Encoding = Encoding.RAW, level: int = 1
+) -> LayerParts:
+    """Encode ``routes`` ``[rows, L, k]`` layer by layer: RAW as views of one layer-major
+    copy, ZSTD as one frame per layer (RAW instead when that is not smaller). What clients
+    send, and what the route cache stores, as it comes."""
+    routes = np.ascontiguousarray(routes)
+    if encoding is Encoding.ZSTD and routes.size:
+        compressor = zstandard.ZstdCompressor(level=level)
+        frames = tuple(
+            compressor.compress(np.ascontiguousarray(routes[:, j])) for j in range(routes.shape[1])
+        )
+        if sum(len(f) for f in frames) < routes.nbytes:
+            return LayerParts(
+                Encoding.ZSTD,
+                int(routes.shape[0]),
+                tuple(range(routes.shape[1])),
+                frames,
+                tuple(checksum(f) for f in frames),
+            )
+    return raw_layer_parts(swap_first_axes(routes))
+
+
+def contiguous(parts: LayerParts) -> bytes | memoryview:
+    """The parts back to back: a view of the buffer they are consecutive slices of, when they
+    are (the received block; one layer-major copy), else a joined copy."""
+    views = parts.parts
+    total = sum(len(p) for p in views)
+    if total and all(isinstance(p, memoryview) for p in views):
+        try:
+            whole = memoryview(views[0].obj).cast("B")
+            addresses = [_address(p) for p in views]
+        except (TypeError, ValueError):
+            return b"".join(views)
+        start = addresses[0] - _address(whole)
+        consecutive = all(
+            b - a == len(p) for a, b, p in zip(addresses, addresses[1:], views, strict=False)
+        )
+        if consecutive and all(p.obj is views[0].obj for p in views) and 0 <= start:
+            if start + total <= len(whole):
+                return whole[start : start + total]
+    return b"".join(views)
+
+
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, np.uint8).__array_interface__["data"][0]
 
 
 def raw_layer_parts(major: np.ndarray) -> LayerParts:

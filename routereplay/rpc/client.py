@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from routereplay.domain.codec import Encoding, encode_routes
+from routereplay.domain.codec import Encoding, encode_layer_parts
 from routereplay.domain.feed import ReadyPage, ReadyRead
 from routereplay.domain.record import (
     Geometry,
@@ -188,17 +188,19 @@ class _RouteCacheCalls:
     def write(self, record: Record, more_turns: bool = False) -> WriteResult:
         """Check, encode once, and store a new record (retried whole on UNAVAILABLE).
 
-        The check here is structural; the server checks every expert id. ``more_turns``:
+        Routes go layer-major, one part per MoE layer with its checksum, as the route cache
+        stores them (route caches of before this layout refuse such writes: upgrade them
+        first). The check here is structural; the server checks every expert id. ``more_turns``:
         announce it on the ready feed with its ``final`` append instead of now."""
         record.validate(check_ids=False)
-        encoded = encode_routes(record.routes, self.encoding)
+        encoded = encode_layer_parts(record.routes, self.encoding)
         requests = partial(write_requests, record, encoded, self.chunk_bytes, more_turns)
         return self.transport.unary(WRITE, requests, self.timeout_s)
 
     def append(self, append: TurnAppend, final: bool = False) -> WriteResult:
         """Append a turn; ``final``: the sample's last, announced on the ready feed."""
         append.validate(check_ids=False)
-        encoded = encode_routes(append.routes, self.encoding)
+        encoded = encode_layer_parts(append.routes, self.encoding)
         requests = partial(append_requests, append, encoded, self.chunk_bytes, final)
         return self.transport.unary(APPEND, requests, self.timeout_s)
 

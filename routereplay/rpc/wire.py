@@ -13,7 +13,7 @@ valid encoding, goes through protobuf.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -159,12 +159,26 @@ def block_header_from_pb(block: record_pb2.RouteBlock, geometry: Geometry) -> Bl
         )
     if block.encoding not in _ENCODINGS_BACK:
         raise InvalidArgument(f"block.encoding {block.encoding} is not a known encoding")
+    parts = None
+    if block.layer_parts:  # sent layer-major: the parts back to back, each with its checksum
+        if len(block.layer_parts) != geometry.num_moe_layers:
+            raise InvalidArgument(
+                f"block has {len(block.layer_parts)} layer parts; the geometry has "
+                f"{geometry.num_moe_layers} MoE layers"
+            )
+        parts = tuple((p.size, p.checksum) for p in block.layer_parts)
+        if sum(size for size, _ in parts) != block.encoded_size:
+            raise InvalidArgument(
+                f"block.layer_parts hold {sum(size for size, _ in parts)} bytes; "
+                f"block.encoded_size is {block.encoded_size}"
+            )
     return BlockHeader(
         block.row_start,
         block.num_rows,
         _ENCODINGS_BACK[block.encoding],
         block.encoded_size,
         block.checksum,
+        parts,
     )
 
 
@@ -361,7 +375,7 @@ class ChunkCollector:
 
 def write_requests(
     record: Record,
-    encoded: EncodedRoutes,
+    encoded: EncodedRoutes | LayerParts,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     more_turns: bool = False,
 ) -> Iterator[route_cache_pb2.WriteRecordRequest | bytes]:
@@ -377,12 +391,12 @@ def write_requests(
         more_turns=more_turns,
     )
     yield route_cache_pb2.WriteRecordRequest(header=header)
-    yield from chunk_messages([encoded.data], 0, chunk_bytes)
+    yield from chunk_messages(_route_pieces(encoded), 0, chunk_bytes)
 
 
 def append_requests(
     append: TurnAppend,
-    encoded: EncodedRoutes,
+    encoded: EncodedRoutes | LayerParts,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     final: bool = False,
 ) -> Iterator[route_cache_pb2.AppendTurnRequest | bytes]:
@@ -397,7 +411,12 @@ def append_requests(
         final=final,
     )
     yield route_cache_pb2.AppendTurnRequest(header=header)
-    yield from chunk_messages([encoded.data], 0, chunk_bytes)
+    yield from chunk_messages(_route_pieces(encoded), 0, chunk_bytes)
+
+
+def _route_pieces(encoded: EncodedRoutes | LayerParts) -> Sequence[bytes | memoryview]:
+    """A written block's bytes: a whole block's, or its layer parts back to back."""
+    return encoded.parts if isinstance(encoded, LayerParts) else [encoded.data]
 
 
 class RecordAssembler:
@@ -431,15 +450,6 @@ class RecordAssembler:
         if self._collector is None:
             return _record_from_info(self._info, self._blocks)
         return None
-
-
-def read_records(responses: Iterable[route_cache_pb2.ReadResponse]) -> Iterator[Record | Missing]:
-    """The records (and missing ids) of a read stream, as they complete."""
-    assembler = RecordAssembler()
-    for response in responses:
-        item = assembler.feed(response)
-        if item is not None:
-            yield item
 
 
 def _selected_layers(info: route_cache_pb2.RecordInfo) -> tuple[int, ...] | None:

@@ -11,17 +11,26 @@ import numpy as np
 import pytest
 import xxhash
 
-from route_cache.store import record_key
+from route_cache.store import record_key, routes_key
 from routereplay.dev.synthetic import synthetic_record
-from routereplay.domain.codec import Encoding, encode_routes
+from routereplay.domain.codec import Encoding, encode_routes, split_layers
 from routereplay.domain.record import Record, Turn, TurnAppend
 from routereplay.errors import DataLoss, FailedPrecondition, InvalidArgument
 from routereplay.rpc.client import AsyncRouteCacheClient
-from routereplay.rpc.wire import read_records
+from routereplay.rpc.wire import RecordAssembler
 from routereplay.v1 import record_pb2, route_cache_pb2, route_cache_pb2_grpc
 from tests.route_cache.conftest import SMALL, WIDE
 
 SELECTIONS = [range(0, 1), range(1, 3), [0, 2], [4], range(5)]
+
+
+def read_records(responses):
+    """The records (and missing ids) of a read stream, as they complete."""
+    assembler = RecordAssembler()
+    for response in responses:
+        item = assembler.feed(response)
+        if item is not None:
+            yield item
 
 
 def three_turns(client, sample_id, geometry, rng) -> Record:
@@ -99,10 +108,9 @@ def test_a_corrupt_layer_fails_only_its_own_reads(cache, redis_client, rng, sid)
     client, _ = cache
     record = synthetic_record(sid(), SMALL, 500, rng)
     client.write(record)
-    key, field = record_key(record.sample_id), "r@0:2"
-    data = bytearray(redis_client.hget(key, field))
-    data[7] ^= 0x01  # one bit flipped in Redis
-    redis_client.hset(key, field, bytes(data))
+    key = routes_key(record.sample_id)  # layer-major: layer 2 starts after 2 layers' rows
+    at = 2 * 499 * SMALL.topk + 7
+    redis_client.setrange(key, at, bytes([redis_client.getrange(key, at, at)[0] ^ 0x01]))
     with pytest.raises(DataLoss, match="MoE layer index 2"):
         client.read(record.sample_id)
     with pytest.raises(DataLoss, match="MoE layer index 2"):
@@ -217,3 +225,56 @@ def test_records_in_the_old_format_read_whole_and_refuse_selection(cache, redis_
     )
     with pytest.raises(FailedPrecondition, match="storage format 1"):
         client.append(more)
+
+
+def test_records_in_format_2_read_whole_and_by_selection_and_refuse_appends(
+    cache, redis_client, rng, sid
+):
+    """The hash with a field per MoE layer per block that the route cache wrote before the
+    layer-major routes value (format 2): still read, whole and by layer selection, with the
+    same checksums; an append or a write under its id is refused, saying what to do."""
+    client, _ = cache
+    record = synthetic_record(sid(), SMALL, 300, rng)
+    parts = split_layers(encode_routes(record.routes), SMALL)
+    turn = record.turns[0]
+    tokens = record.token_ids.tobytes() + turn.logprobs.tobytes()
+    desc = {
+        "row_start": 0,
+        "num_rows": 299,
+        "token_start": 0,
+        "num_tokens": 300,
+        "encoding": "raw",
+        "parts": [[len(p), c] for p, c in zip(parts.parts, parts.checksums, strict=True)],
+        "tokens_checksum": xxhash.xxh3_64_intdigest(tokens),
+        "turns": [[0, 300, turn.generated_start, 0, turn.logprobs.size]],
+    }
+    geometry = {
+        "format": 2,
+        "moe_layers": list(SMALL.moe_layers),
+        "topk": SMALL.topk,
+        "num_experts": SMALL.num_experts,
+        "model_id": SMALL.model_id,
+    }
+    fields = {
+        "geometry": json.dumps(geometry, sort_keys=True, separators=(",", ":")),
+        "group": "",
+        "rows": 299,
+        "tokens": 300,
+        "b@0": json.dumps(desc),
+        "t@0": tokens,
+    }
+    fields.update({f"r@0:{j}": bytes(p) for j, p in enumerate(parts.parts)})
+    redis_client.hset(record_key(record.sample_id), mapping=fields)
+    np.testing.assert_array_equal(client.read(record.sample_id).routes, record.routes)
+    got = client.read(record.sample_id, layers=[1, 3])
+    np.testing.assert_array_equal(got.routes, record.routes[:, [1, 3]])
+    (batch,) = client.read_batch([record.sample_id], layers=range(2, 4))
+    np.testing.assert_array_equal(batch.routes, record.routes[:, 2:4])
+    assert client.stat(record.sample_id).route_bytes == 299 * SMALL.row_bytes
+    more = TurnAppend(
+        record.sample_id, SMALL, 299, record.token_ids[:5], record.routes[:5], [Turn(300, 305, 300)]
+    )
+    with pytest.raises(FailedPrecondition, match="storage format 2.*delete it and write it again"):
+        client.append(more)
+    with pytest.raises(FailedPrecondition, match="storage format 2"):
+        client.write(record)

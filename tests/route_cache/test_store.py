@@ -1,4 +1,6 @@
-"""The Redis layout and its atomicity, on a real single node and a real 3-master cluster."""
+"""The Redis layout (storage format 3: a hash of small fields and a string of layer-major
+route bytes per record) and its atomicity, on a real single node and a real 3-master
+cluster."""
 
 from __future__ import annotations
 
@@ -6,11 +8,17 @@ import numpy as np
 import pytest
 import redis
 
-from route_cache.store import RouteStore, StoredBlock, record_key
+from route_cache.store import RouteStore, StoredBlock, connect, record_key, routes_key
 from routereplay.dev.synthetic import synthetic_routes
 from routereplay.domain.codec import encode_routes, join_layers
 from routereplay.domain.record import Turn
-from routereplay.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from routereplay.errors import (
+    AlreadyExists,
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+)
 from tests.route_cache.conftest import SMALL, raw_keys
 
 
@@ -41,12 +49,113 @@ def test_write_then_read(store, rng, sid):
     np.testing.assert_array_equal(record.turns[0].logprobs, [-0.5, -0.5])
 
 
-def test_a_record_is_one_key_in_one_slot(store, redis_client, rng, sid):
+def test_a_record_is_two_keys_in_one_slot_expiring_together(store, redis_client, rng, sid):
     sample = sid()
     store.write(sample, "", SMALL, block(rng, 0, 10))
     store.append(sample, SMALL, block(rng, 9, 4))
-    assert raw_keys(redis_client, f"*{sample}*") == [record_key(sample).encode()]
-    assert redis_client.ttl(record_key(sample)) > 0  # expiry is configured
+    keys = {record_key(sample).encode(), routes_key(sample).encode()}
+    assert set(raw_keys(redis_client, f"*{sample}*")) == keys  # no staging key left
+    if isinstance(redis_client, redis.cluster.RedisCluster):
+        assert len({redis_client.keyslot(k) for k in keys}) == 1
+    ttls = [redis_client.pttl(k) for k in sorted(keys)]
+    assert all(590_000 < t <= 600_000 for t in ttls) and abs(ttls[0] - ttls[1]) < 5_000
+    # The routes: every block layer-major, back to back (9 rows, then 4).
+    value = redis_client.get(routes_key(sample))
+    record = store.read(sample)
+    assert value == b"".join(b"".join(b.routes.parts) for b in record.blocks)
+    assert len(value) == 13 * SMALL.row_bytes
+    store.delete(sample)
+    assert raw_keys(redis_client, f"*{sample}*") == []
+
+
+def test_records_kept_without_ttl_have_no_expiry_on_either_key(redis_client, rng, sid):
+    store = RouteStore(redis_client, ttl_ms=0)
+    sample = sid()
+    store.write(sample, "", SMALL, block(rng, 0, 10))  # the routes come from an expiring stage
+    store.append(sample, SMALL, block(rng, 9, 4))
+    assert redis_client.pttl(record_key(sample)) == -1
+    assert redis_client.pttl(routes_key(sample)) == -1
+
+
+def _commands(client) -> dict[str, int]:
+    stats = client.info("commandstats")
+    return {name.removeprefix("cmdstat_"): v["calls"] for name, v in stats.items()}
+
+
+def _counted(client, action) -> dict[str, int]:
+    """The Redis commands ``action()`` sent (a single node's command statistics)."""
+    before = _commands(client)
+    action()
+    after = _commands(client)
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    return {k: v for k, v in delta.items() if v and k not in ("info", "ping")}
+
+
+def test_the_commands_of_writes_and_reads(redis_node, rng, sid):
+    """A write is one SET and the commit script; a whole read one GET (and the small
+    fields); a stage read one GETRANGE per block."""
+    client = connect(redis_node.url, cluster=False)
+    store = RouteStore(client, ttl_ms=600_000)
+    sample = sid()
+    assert _counted(client, lambda: store.write(sample, "", SMALL, block(rng, 0, 10))) == {
+        "set": 1,
+        "evalsha": 1,
+        "hset": 1,
+        "exists": 2,
+        "strlen": 1,
+        "rename": 1,
+        "pexpire": 2,
+    }
+    store.append(sample, SMALL, block(rng, 9, 4))
+    assert _counted(client, lambda: store.read(sample)) == {"get": 1, "hget": 1, "hgetall": 1}
+    stage = _counted(client, lambda: store.read(sample, layers=(1, 2)))
+    assert stage == {"hgetall": 1, "getrange": 2, "hget": 1}  # two blocks
+    split = _counted(client, lambda: store.read(sample, layers=(0, 2, 3)))
+    assert split["getrange"] == 4  # two runs of layers in each block
+
+
+def test_a_stage_read_fetches_from_redis_only_the_stages_bytes(redis_node, rng, sid):
+    client = connect(redis_node.url, cluster=False)
+    store = RouteStore(client, ttl_ms=600_000)
+    sample = sid()
+    big = StoredBlock(
+        0,
+        0,
+        np.arange(20_001, dtype=np.int32),
+        [Turn(0, 20_001, 1)],
+        encode_routes(synthetic_routes(SMALL, 20_000, rng)),
+    )
+    store.write(sample, "", SMALL, big)
+
+    def sent(action) -> int:
+        before = client.info("stats")["total_net_output_bytes"]
+        action()
+        return client.info("stats")["total_net_output_bytes"] - before
+
+    whole = sent(lambda: store.read(sample))
+    stage = sent(lambda: store.read(sample, layers=(1,)))
+    layer_bytes = 20_000 * SMALL.topk
+    assert whole > 5 * layer_bytes
+    assert layer_bytes <= stage < layer_bytes + 100_000  # + tokens and small fields (80 KB)
+
+
+def _flush_scripts(client) -> None:
+    if isinstance(client, redis.cluster.RedisCluster):
+        for node in client.get_primaries():
+            client.get_redis_connection(node).script_flush()
+    else:
+        client.script_flush()
+
+
+def test_writes_and_appends_survive_redis_forgetting_the_scripts(store, redis_client, rng, sid):
+    sample = sid()
+    store.write(sample, "", SMALL, block(rng, 0, 10))
+    _flush_scripts(redis_client)  # a restart, or a failover to a replica without them
+    assert store.append(sample, SMALL, block(rng, 9, 4)) == (False, 13)
+    _flush_scripts(redis_client)
+    other = sid()
+    assert store.write(other, "", SMALL, block(rng, 0, 6)) is False
+    assert store.read(other).num_rows == 5
 
 
 def test_identical_write_is_idempotent_and_different_is_refused(store, rng, sid):
@@ -96,17 +205,20 @@ def test_read_many_keeps_the_order_and_marks_missing(store, rng, sid):
 
 
 def _between_the_steps(monkeypatch, action):
-    """Run ``action`` between a layer-selected read's HKEYS and its HMGET: the interleaving
-    of a concurrent writer, injected at the one point where it matters."""
+    """Run ``action`` between a layer-selected read's two steps (the small fields, then the
+    ranges): the interleaving of a concurrent writer, injected at the one point where it
+    matters."""
     from route_cache import store as store_module
 
-    pick = store_module._selected_fields
+    head = store_module._head
+    done = []
 
-    def interleaved(names, layers):
-        action()
-        return pick(names, layers)
+    def interleaved(sample_id, fields, layers):
+        if not done:
+            done.append(action())
+        return head(sample_id, fields, layers)
 
-    monkeypatch.setattr(store_module, "_selected_fields", interleaved)
+    monkeypatch.setattr(store_module, "_head", interleaved)
 
 
 def test_a_layer_read_sees_the_record_as_it_was_when_an_append_lands_midway(
@@ -131,6 +243,50 @@ def test_a_layer_read_finds_no_record_when_a_delete_lands_midway(store, rng, sid
     got = list(store.read_many([gone, kept, sid()], layers=(0, 2)))  # and one never written
     assert got[0] is None and got[1].sample_id == kept and got[1].layers == (0, 2)
     assert got[2] is None
+
+
+def test_a_layer_read_finds_the_new_record_when_the_id_is_rewritten_midway(
+    store, rng, sid, monkeypatch
+):
+    """Deleted and written again between the two steps: the read starts again and returns
+    the new record whole, never the old record's small fields over the new one's routes."""
+    sample = sid()
+    store.write(sample, "", SMALL, block(rng, 0, 10))
+    new = block(rng, 0, 30)
+
+    def rewrite():
+        store.delete(sample)
+        store.write(sample, "", SMALL, new)
+
+    _between_the_steps(monkeypatch, rewrite)
+    got = store.read(sample, layers=(1, 2))
+    assert got.num_rows == 29
+    np.testing.assert_array_equal(got.token_ids, new.token_ids)
+    expected = join_layers(store.read(sample).blocks[0].routes, SMALL)
+    assert expected == new.routes
+    assert got.blocks[0].routes.parts == store.read(sample).blocks[0].routes.select((1, 2)).parts
+
+
+def test_a_whole_read_leaves_out_blocks_appended_after_its_get_and_retries_a_rewrite(
+    store, rng, sid
+):
+    """A whole read's three commands (gen, the routes, the small fields) see the routes
+    before an append's small fields, or the id rewritten in between."""
+    from route_cache import store as store_module
+
+    sample = sid()
+    store.write(sample, "", SMALL, block(rng, 0, 10))
+    client = store.client
+    gen = client.hget(record_key(sample), "gen")
+    value = client.get(routes_key(sample))
+    store.append(sample, SMALL, block(rng, 9, 4))
+    fields = client.hgetall(record_key(sample))
+    record = store_module._whole_record(sample, gen, value, fields)
+    assert record.num_rows == 9 and [b.row_start for b in record.blocks] == [0]
+    assert store_module._whole_record(sample, b"another", value, fields) is store_module._CHANGED
+    assert store_module._whole_record(sample, gen, None, fields) is None  # routes expired
+    with pytest.raises(DataLoss, match="its routes hold"):
+        store_module._whole_record(sample, gen, value[:-1], fields)
 
 
 def test_stat_and_delete(store, rng, sid):
