@@ -138,11 +138,10 @@ def train(
         )
         for last, fetched in enumerate(fetcher, start):
             started = time.perf_counter()
-            report = stepper.run(fetched, last)
-            done = StepDone(
-                last, report, time.perf_counter() - started + fetched.wait_s, stepper.routes_used
-            )
-            reports.append(report)
+            result = stepper.run(fetched, last)
+            seconds = time.perf_counter() - started + fetched.wait_s
+            done = StepDone(last, result.report, seconds, result.routes_used)
+            reports.append(result.report)
             for output in outputs:
                 output.after_step(done)
         for output in outputs:

@@ -234,10 +234,6 @@ class ReadyConsumer:
             self.poll(block_ms=wait_ms)
         return [self._complete.popleft() for _ in range(min(count, len(self._complete)))]
 
-    def incomplete(self) -> list[ReadyGroup]:
-        """Groups still waiting for samples (a rollout that never finished leaves one)."""
-        return [g for g in self._groups.values() if len(g.entries) < self._size(g.key)]
-
     def ack(self, groups: Iterable[ReadyGroup], chunk: int = 512) -> int:
         """Acknowledge ``groups`` (trained, or given up on): their entries are not delivered
         again, and later repeats of their samples are dropped. Returns how many entries the

@@ -241,13 +241,12 @@ def test_partial_rotary_reaches_megatron(glm):
 
 @pytest.mark.parametrize("family", ["mixtral", "glm4_moe"])
 def test_reported_natural_choice_is_the_routers_own(family, family_model_dir, pg_collection):
-    """The consistency report's natural routing (metrics.NaturalTopk) equals what the routers
-    chose without replay: GLM-4.5's biased, group-limited sigmoid choice, not the logits'
-    top-k (the report showed 2-24% agreement for GLM-4.5 before)."""
-    from trainer.rl.metrics import NaturalTopk
-
-    built = build_model(family_model_dir(family), routing_replay=False, pg_collection=pg_collection)
-    natural = NaturalTopk(built.routers, built.geometry.topk)
+    """The consistency report's natural routing (what ``Replay.observe`` keeps as
+    ``"natural"``) equals what the routers chose without replay: GLM-4.5's biased,
+    group-limited sigmoid choice, not the logits' top-k (the report showed 2-24% agreement for
+    GLM-4.5 before)."""
+    built = build_model(family_model_dir(family), routing_replay=True, pg_collection=pg_collection)
+    observed: dict[int, dict[str, torch.Tensor]] = {}
     maps: dict[int, torch.Tensor] = {}
     handles = [
         r.router.register_forward_hook(
@@ -256,13 +255,13 @@ def test_reported_natural_choice_is_the_routers_own(family, family_model_dir, pg
         for r in built.routers
     ]
     try:
-        with torch.no_grad(), natural.capture():
+        with torch.no_grad(), built.replay.observe(observed):
             next_token_loss(built.model, random_batch(6, [16, 16], "right"))
     finally:
         for h in handles:
             h.remove()
-    for j, r in enumerate(built.routers):
-        (ids,) = natural.calls[j]
+    for r in built.routers:
+        ids = observed[r.layer]["natural"]
         assert torch.equal(one_hot(ids, built.geometry.num_experts), maps[r.layer])
 
 

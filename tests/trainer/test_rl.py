@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from routereplay.domain.record_file import load_records
+from routereplay.domain.route_stats import agreement
 from routereplay.errors import InvalidArgument
 from tests.trainer.helpers import capture_routing, one_hot
 from tests.trainer.tolerance import loss_atol
@@ -24,7 +25,7 @@ from trainer import layout
 from trainer.config import load_config
 from trainer.data.source import BatchPlan, CacheSource, FileSource, Prefetcher, Sample
 from trainer.layout.align import align_routes
-from trainer.rl import metrics, objective
+from trainer.rl import measure, objective
 from trainer.rl.step import RLStep
 from trainer.train import build, train
 
@@ -49,7 +50,7 @@ def _fetch(path, records):
 def _step(config, pg_collection, records):
     built, optimizer = build(config, pg_collection)
     stepper = RLStep(built, optimizer, config)
-    return built, stepper, stepper.run(_fetch(config.data.records_file, records))
+    return built, stepper, stepper.run(_fetch(config.data.records_file, records)).report
 
 
 def _weights(built):
@@ -93,8 +94,9 @@ def test_r2_update_passes_replay_the_recorded_routes_after_optimizer_steps(
     stepper = RLStep(built, optimizer, config)
     fetched = _fetch(rollout_file, rollout)
     with capture_routing(built.routers) as (maps, _):
-        report = stepper.run(fetched)
-    recorded = {r.sample_id: r for r in stepper.routes_used}
+        result = stepper.run(fetched)
+    report = result.report
+    recorded = {r.sample_id: r for r in result.routes_used}
     mbs = layout.micro_batches(
         fetched.samples, fetched.records, np.zeros(8, np.float32), 4, "right"
     )
@@ -232,7 +234,7 @@ def test_missing_records_fail_or_train_natively(
         "router_replay.missing_record=native",
     )
     built, optimizer = build(config, pg_collection)
-    report = RLStep(built, optimizer, config).run(fetched)
+    report = RLStep(built, optimizer, config).run(fetched).report
     assert report.missing_records == 1
     routed = sum(r.token_ids.size - 1 for r in rollout[:4])
     assert report.rows.replayed == routed
@@ -246,14 +248,14 @@ def test_missing_records_fail_or_train_natively(
 def test_metrics_match_an_independent_calculation(
     tiny_model_dir, rollout_file, rollout, pg_collection
 ):
-    gap = metrics.logprob_gap(np.array([-1.0, -2.0, -0.5]), np.array([-1.5, -2.0, 0.5]))
+    gap = measure.logprob_gap(np.array([-1.0, -2.0, -0.5]), np.array([-1.5, -2.0, 0.5]))
     d = np.array([0.5, 0.0, -1.0])
     assert gap.mean_abs == pytest.approx(0.5) and gap.max_abs == pytest.approx(1.0)
     assert gap.k3_kl == pytest.approx(np.mean(np.exp(d) - 1 - d))
     assert gap.ratio_gt_2 == pytest.approx(1 / 3)  # only |-1.0| > ln 2
     a = np.array([[[0, 1]], [[2, 3]], [[4, 5]]])
     b = np.array([[[1, 0]], [[2, 4]], [[6, 7]]])
-    assert metrics.routing_agreement([a], [b])["exact"] == [pytest.approx(1 / 3)]
+    assert [float(x) for x in agreement([(a, b)]).exact] == [pytest.approx(1 / 3)]
     adv = objective.group_advantages([1.0, 0.0, 0.5, 0.2], ["g", "g", "h", "x"])
     np.testing.assert_allclose(adv, [1.0, -1.0, 0.0, 0.0], atol=1e-5)
 
@@ -272,7 +274,7 @@ def test_metrics_match_an_independent_calculation(
             start = r.turns[0].generated_start
             diffs.append(picked[start - 1 :] - r.turns[0].logprobs)
     d = np.concatenate(diffs)
-    report = RLStep(built, optimizer, config).run(_fetch(rollout_file, rollout))
+    report = RLStep(built, optimizer, config).run(_fetch(rollout_file, rollout)).report
     assert report.gap["natural"].tokens == d.size == 8 * 10
     assert report.gap["natural"].mean_abs == pytest.approx(np.abs(d).mean(), abs=1e-6)
     assert report.gap["natural"].max_abs == pytest.approx(np.abs(d).max(), abs=1e-6)

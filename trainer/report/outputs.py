@@ -46,7 +46,7 @@ class Run:
 @dataclass
 class StepDone:
     """One finished step: its report, its wall time (the wait for its records included), and
-    the routes its update passes used (``RLStep.routes_used``)."""
+    the routes its update passes used (``trainer.rl.stages.StepResult``)."""
 
     step: int
     report: StepReport

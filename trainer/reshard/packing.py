@@ -48,10 +48,6 @@ class PackPlan:
         """Packed rows, padding included."""
         return int(self.cu_seqlens_padded[-1])
 
-    @property
-    def padded_lengths(self) -> np.ndarray:
-        return np.diff(self.cu_seqlens_padded)
-
 
 # --------------------------------------------------------------------------------------------
 # 5. Context parallel
