@@ -365,6 +365,7 @@ class Traffic:
         self.busy: Counter[str] = Counter()
         self.started: Counter[str] = Counter()
         self.acked: dict[int, dict[str, int]] = {}  # shard -> sample -> turns acknowledged
+        self.acks: Counter[int] = Counter()  # shard -> writes and appends acknowledged
 
     @contextlib.contextmanager
     def op(self, components: list[str]):
@@ -403,6 +404,14 @@ class Traffic:
     def acknowledge(self, shard: int, sample_id: str, turns: int) -> None:
         with self._cond:
             self.acked.setdefault(shard, {})[sample_id] = turns
+            self.acks[shard] += 1
+            self._cond.notify_all()
+
+    def wait_acked(self, shard: int, timeout_s: float) -> bool:
+        """Until a write or append on ``shard`` is acknowledged from now on."""
+        with self._cond:
+            base = self.acks[shard]
+            return self._cond.wait_for(lambda: self.acks[shard] > base, timeout_s)
 
     def sample(self, shard: int, count: int, rng: random.Random) -> dict[str, int]:
         with self._cond:
@@ -519,9 +528,14 @@ def inject(env: Environment, name: str, value: float, mark) -> dict:
                 "the cluster failed over, so the append-only file was not what restored it"
             )
         wait_until(lambda: _role(replica).get("master_link_status") == "up", 30, "resync")
+        # Healed when the shard acknowledges writes again (a restarted master refuses them
+        # for about 2 s while it learns the cluster's configuration).
+        if not env.traffic.wait_acked(int(value), 15):
+            raise RuntimeError("the restarted master's shard acknowledged no write in 15 s")
         return {
             "node": victim.port,
             "role_after": role,
+            "writable_s": round(time.monotonic() - started, 2),
             "replica_linked_s": round(time.monotonic() - started, 2),
         }
     if name == "consumer_stop":
