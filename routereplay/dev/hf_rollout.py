@@ -101,9 +101,9 @@ def rollout_records(
 def hf_routers(model) -> dict[int, torch.nn.Module]:
     """A transformers MoE model's routers by global layer number (``mlp.gate``; gpt-oss
     ``mlp.router``). Every family's returns (logits, weights, expert ids) of its own choice."""
-    from routereplay.families import FAMILIES
+    from routereplay.families import family_named
 
-    name = FAMILIES[model.config.model_type].weights.router
+    name = family_named(model.config.model_type).weights.router
     return {
         n: getattr(layer.mlp, name)
         for n, layer in enumerate(model.model.layers)

@@ -1,8 +1,7 @@
 """The model families, one module each, gathered in one table.
 
-Adding a family: write its module (a ``Family``; see ``base.py``), list it below, and give
-``routereplay.domain.model_geometry`` its geometry rule (which MoE layers route), the one piece
-the torch-free rollout server needs too.
+Adding a family: write its module (a ``Family``, its geometry rule included; see
+``base.py``) and list it below.
 """
 
 from __future__ import annotations
@@ -46,7 +45,15 @@ def family_of(config: dict[str, Any]) -> Family:
     Raises:
         UnsupportedConfig: Its ``model_type`` has no family module.
     """
-    model_type = config.get("model_type")
+    return family_named(config.get("model_type"))
+
+
+def family_named(model_type: str | None) -> Family:
+    """The ``Family`` of a ``model_type``, aliases included.
+
+    Raises:
+        UnsupportedConfig: It has no family module.
+    """
     family = FAMILIES.get(model_type) or ALIASES.get(model_type)  # type: ignore[arg-type]
     if family is None:
         raise UnsupportedConfig(

@@ -1,9 +1,11 @@
 """What a model family is made of: the ``Family`` record and the rules every family shares.
 
 A family is one Hugging Face ``model_type``. Its module (one per family, beside this one) holds
-everything the project knows about it apart from the torch-free geometry rule, which the
-rollout server needs too (``routereplay.domain.model_geometry``):
+everything the project knows about it:
 
+- which decoder layers are MoE layers and how many routed experts they have (``moe_layers``:
+  the geometry rule, which the torch-free rollout server applies too through
+  ``routereplay.domain.model_geometry``);
 - the ``config.json`` keys the megatron mapping understands (any other key is refused, naming
   it, since an unknown key may change the maths) and the settings it refuses;
 - the megatron-core ``TransformerConfig`` fields particular to the family;
@@ -109,12 +111,36 @@ def _no_refusal(config: dict[str, Any]) -> None:
     del config
 
 
+def first_of(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    """First present, non-None value among ``keys`` of a ``config.json`` (``default`` when
+    none is and it is given).
+
+    Raises:
+        ValueError: None of ``keys`` is set and there is no default.
+    """
+    for key in keys:
+        if config.get(key) is not None:
+            return config[key]
+    if default is not None:
+        return default
+    raise ValueError(f"config.json lacks all of {keys}")
+
+
+def every_layer_moe(config: dict[str, Any], *expert_keys: str) -> tuple[list[int], int]:
+    """The rule of families whose every decoder layer is an MoE layer (Mixtral, gpt-oss)."""
+    return list(range(config["num_hidden_layers"])), int(first_of(config, *expert_keys))
+
+
 @dataclass(frozen=True)
 class Family:
     """Everything the trainer and the tiny-model builder know about one ``model_type``.
 
     Attributes:
         model_type: The Hugging Face ``model_type`` of ``config.json``.
+        moe_layers: ``config.json`` -> (the global numbers of its MoE decoder layers, the
+            routed experts per layer), the rules of transformers' and vLLM's model code;
+            multi-token-prediction layers beyond ``num_hidden_layers`` are never among them.
+            Torch-free: the rollout server reads it too.
         config_keys: Every ``config.json`` key the megatron mapping understands.
         megatron_fields: ``config.json`` -> the ``TransformerConfig`` fields particular to
             the family (qk-norm, qkv bias, shared experts, score function, expert bias, group
@@ -141,6 +167,7 @@ class Family:
     """
 
     model_type: str
+    moe_layers: Callable[[dict[str, Any]], tuple[list[int], int]]
     config_keys: frozenset[str]
     megatron_fields: Callable[[dict[str, Any]], dict[str, Any]]
     weights: WeightNames

@@ -13,6 +13,7 @@ from routereplay.families.deepseek_v3 import (
     MLA_ROPE_TYPES,
     mla_fields,
     mla_tiny,
+    moe_layers,
     refuse_mla,
 )
 
@@ -77,6 +78,7 @@ def tiny_config(size: MoESize, token_ids: dict[str, int]):
 
 FAMILY = Family(
     model_type="deepseek_v2",
+    moe_layers=moe_layers,
     config_keys=COMMON_KEYS | MLA_KEYS | {"mlp_bias"},
     megatron_fields=megatron_fields,
     weights=WeightNames("mlp.", shared="mlp.shared_experts."),

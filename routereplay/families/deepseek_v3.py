@@ -9,6 +9,7 @@ DeepSeek-V2's too.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from routereplay.families.base import (
@@ -20,13 +21,13 @@ from routereplay.families.base import (
     rope_parameters,
     tiny_common,
 )
-from routereplay.families.glm4_moe import refuse_sigmoid_group_routing
+from routereplay.families.glm4_moe import ROUTER_KEYS, moe_layers, refuse_sigmoid_group_routing
 
-# Latent attention, the router's knobs, and keys of DeepSeek's own config.json that do not
-# change the maths (``pretraining_tp`` is 1 in every release; ``ep_size`` is an inference
-# setting; ``aux_loss_alpha``/``seq_aux`` are replaced by the trainer's aux-loss setting;
-# ``auto_map`` names remote code the trainer does not run).
-MLA_KEYS = frozenset(
+# Latent attention, the router's knobs (GLM-4.5's ``ROUTER_KEYS`` and ``topk_method``), and keys
+# of DeepSeek's own config.json that do not change the maths (``pretraining_tp`` is 1 in every
+# release; ``ep_size`` is an inference setting; ``aux_loss_alpha``/``seq_aux`` are replaced by
+# the trainer's aux-loss setting; ``auto_map`` names remote code the trainer does not run).
+MLA_KEYS = ROUTER_KEYS | frozenset(
     {
         "kv_lora_rank",
         "q_lora_rank",
@@ -35,15 +36,6 @@ MLA_KEYS = frozenset(
         "qk_head_dim",
         "v_head_dim",
         "attention_bias",
-        "first_k_dense_replace",
-        "moe_intermediate_size",
-        "moe_layer_freq",
-        "n_group",
-        "topk_group",
-        "n_routed_experts",
-        "n_shared_experts",
-        "norm_topk_prob",
-        "routed_scaling_factor",
         "topk_method",
         "scoring_func",
         "pretraining_tp",
@@ -239,6 +231,7 @@ TINY_SIZE = MoESize(num_experts=16, num_experts_per_tok=4)
 
 FAMILY = Family(
     model_type="deepseek_v3",
+    moe_layers=moe_layers,
     config_keys=CONFIG_KEYS,
     megatron_fields=megatron_fields,
     weights=WeightNames("mlp.", shared="mlp.shared_experts."),
@@ -261,15 +254,4 @@ def _no_tiny_kimi(size: MoESize, token_ids: dict[str, int]):
 # Kimi-K2's config.json says model_type "kimi_k2" with DeepseekV3ForCausalLM and DeepSeek-V3's
 # keys (vLLM maps kimi_k2 to its DeepseekV3Config; transformers 5.17 has no kimi_k2 config, its
 # Kimi-K2.5 reads a kimi_k2 text config as deepseek_v3).
-KIMI_K2 = Family(
-    model_type="kimi_k2",
-    config_keys=CONFIG_KEYS,
-    megatron_fields=megatron_fields,
-    weights=FAMILY.weights,
-    tiny_config=_no_tiny_kimi,
-    tiny_size=TINY_SIZE,
-    refuse=_refuse,
-    rope_types=MLA_ROPE_TYPES,
-    rope_keys=MLA_ROPE_KEYS,
-    mtp_layers=True,
-)
+KIMI_K2 = dataclasses.replace(FAMILY, model_type="kimi_k2", tiny_config=_no_tiny_kimi)

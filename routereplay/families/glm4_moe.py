@@ -12,8 +12,36 @@ from routereplay.families.base import (
     MoESize,
     UnsupportedConfig,
     WeightNames,
+    first_of,
     tiny_common,
 )
+
+# DeepSeek-V3's MoE block and router, as GLM-4.5, DeepSeek-V2/V3 and Kimi-K2 configure them.
+ROUTER_KEYS = frozenset(
+    {
+        "first_k_dense_replace",
+        "moe_intermediate_size",
+        "moe_layer_freq",
+        "n_group",
+        "topk_group",
+        "n_routed_experts",
+        "n_shared_experts",
+        "norm_topk_prob",
+        "routed_scaling_factor",
+    }
+)
+
+
+def moe_layers(config: dict[str, Any]) -> tuple[list[int], int]:
+    """DeepSeek-V2/V3 and GLM-4.5: the first ``first_k_dense_replace`` layers are dense, then
+    every ``moe_layer_freq``-th layer is MoE (vLLM's rule; the frequency is 1 in V3 and absent
+    from GLM-4.5). Multi-token-prediction layers (``num_nextn_predict_layers``) come after
+    ``num_hidden_layers``."""
+    num_experts = int(first_of(config, "n_routed_experts", "num_local_experts"))
+    first_dense = int(first_of(config, "first_k_dense_replace", default=0) or 0)
+    freq = int(first_of(config, "moe_layer_freq", default=1))
+    layers = [i for i in range(config["num_hidden_layers"]) if i >= first_dense and i % freq == 0]
+    return layers, num_experts
 
 
 def megatron_fields(config: dict[str, Any]) -> dict[str, Any]:
@@ -89,22 +117,10 @@ def tiny_config(size: MoESize, token_ids: dict[str, int]):
 
 FAMILY = Family(
     model_type="glm4_moe",
+    moe_layers=moe_layers,
     config_keys=COMMON_KEYS
-    | {
-        "attention_bias",
-        "first_k_dense_replace",
-        "moe_intermediate_size",
-        "n_group",
-        "topk_group",
-        "n_routed_experts",
-        "n_shared_experts",
-        "norm_topk_prob",
-        "routed_scaling_factor",
-        "use_qk_norm",
-        "partial_rotary_factor",
-        "num_nextn_predict_layers",
-        "moe_layer_freq",
-    },
+    | ROUTER_KEYS
+    | {"attention_bias", "use_qk_norm", "partial_rotary_factor", "num_nextn_predict_layers"},
     megatron_fields=megatron_fields,
     weights=WeightNames("mlp.", shared="mlp.shared_experts."),
     tiny_config=tiny_config,

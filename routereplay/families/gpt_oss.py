@@ -13,6 +13,7 @@ from routereplay.families.base import (
     MoESize,
     UnsupportedConfig,
     WeightNames,
+    every_layer_moe,
     tiny_common,
 )
 
@@ -124,6 +125,7 @@ def tiny_init(model) -> None:
 
 FAMILY = Family(
     model_type="gpt_oss",
+    moe_layers=lambda config: every_layer_moe(config, "num_local_experts"),
     config_keys=COMMON_KEYS
     | {
         "attention_bias",

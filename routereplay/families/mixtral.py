@@ -10,6 +10,7 @@ from routereplay.families.base import (
     MoESize,
     UnsupportedConfig,
     WeightNames,
+    every_layer_moe,
     tiny_common,
 )
 
@@ -43,6 +44,7 @@ def tiny_config(size: MoESize, token_ids: dict[str, int]):
 
 FAMILY = Family(
     model_type="mixtral",
+    moe_layers=lambda config: every_layer_moe(config, "num_local_experts", "num_experts"),
     config_keys=COMMON_KEYS | {"num_local_experts", "sliding_window", "router_jitter_noise"},
     megatron_fields=megatron_fields,
     weights=WeightNames("block_sparse_moe.", ("w1", "w3", "w2")),

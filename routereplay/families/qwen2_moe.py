@@ -38,6 +38,7 @@ def tiny_config(size: MoESize, token_ids: dict[str, int]):
 
 FAMILY = Family(
     model_type="qwen2_moe",
+    moe_layers=qwen3_moe.moe_layers,
     config_keys=COMMON_KEYS | qwen3_moe.QWEN_KEYS | {"qkv_bias", "shared_expert_intermediate_size"},
     megatron_fields=megatron_fields,
     weights=WeightNames("mlp.", shared="mlp.shared_expert.", shared_gate="mlp.shared_expert_gate."),

@@ -12,6 +12,7 @@ from routereplay.families.base import (
     MoESize,
     UnsupportedConfig,
     WeightNames,
+    first_of,
 )
 
 # The keys Qwen2-MoE shares.
@@ -66,8 +67,23 @@ def tiny_config(size: MoESize, token_ids: dict[str, int]):
     )
 
 
+def moe_layers(config: dict[str, Any]) -> tuple[list[int], int]:
+    """Qwen2-MoE / Qwen3-MoE: a layer is MoE unless listed in ``mlp_only_layers``, and only
+    every ``decoder_sparse_step``-th layer (1-based) is sparse."""
+    num_experts = int(first_of(config, "num_experts", "num_local_experts"))
+    dense = set(config.get("mlp_only_layers") or [])
+    step = int(first_of(config, "decoder_sparse_step", default=1))
+    layers = [
+        i
+        for i in range(config["num_hidden_layers"])
+        if i not in dense and num_experts > 0 and (i + 1) % step == 0
+    ]
+    return layers, num_experts
+
+
 FAMILY = Family(
     model_type="qwen3_moe",
+    moe_layers=moe_layers,
     config_keys=COMMON_KEYS | QWEN_KEYS | {"attention_bias"},
     megatron_fields=megatron_fields,
     weights=WeightNames("mlp."),

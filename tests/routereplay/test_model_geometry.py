@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from routereplay.domain.model_geometry import (
-    SUPPORTED_MODEL_TYPES,
     MoEGeometry,
     geometry_from_config,
     load_geometry,
 )
 from routereplay.domain.record import Geometry
+from routereplay.families import SUPPORTED_MODEL_TYPES
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
