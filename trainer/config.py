@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from routereplay.domain.record_checks import MissingRecord
+
 
 class ConfigError(ValueError):
     """A configuration key or value is invalid."""
@@ -35,13 +37,6 @@ class ReplayMode(enum.Enum):
 
 # The string settings below are enums with string values (StrEnum), so YAML and dotted
 # overrides spell them as before and code may compare them with plain strings.
-class MissingRecord(enum.StrEnum):
-    """What a step does with a sample that has no record."""
-
-    ERROR = "error"  # fail the step, naming the samples
-    NATIVE = "native"  # route that sample naturally, with a warning and a counter
-
-
 class PaddingSide(enum.StrEnum):
     RIGHT = "right"
     LEFT = "left"

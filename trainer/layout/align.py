@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from routereplay.domain.record import MASKED, Geometry, Record, replay_dtype
+from routereplay.domain.record_checks import MissingRecord, check_geometry, check_tokens
 from routereplay.errors import InvalidArgument
-from trainer.config import MissingRecord
 from trainer.layout.batch import PaddedBatch
 
 log = logging.getLogger(__name__)
@@ -44,39 +44,6 @@ class AlignedRoutes:
     replayed: torch.Tensor
     layers: tuple[int, ...]
     missing: list[str] = field(default_factory=list)
-
-
-def check_geometry(record: Geometry, model: Geometry, sample_id: str, model_id: str | None) -> None:
-    """Refuse a record routed by another model shape, naming both sides."""
-    ours = (model.moe_layers, model.topk, model.num_experts)
-    theirs = (record.moe_layers, record.topk, record.num_experts)
-    if ours != theirs:
-        raise InvalidArgument(
-            f"record {sample_id!r}: geometry (moe_layers={list(record.moe_layers)}, "
-            f"topk={record.topk}, num_experts={record.num_experts}) does not match the model's "
-            f"(moe_layers={list(model.moe_layers)}, topk={model.topk}, "
-            f"num_experts={model.num_experts})"
-        )
-    if model_id is not None and record.model_id != model_id:
-        raise InvalidArgument(
-            f"record {sample_id!r} was routed by model {record.model_id!r}; "
-            f"the trainer runs {model_id!r}"
-        )
-
-
-def check_tokens(record: Record, tokens: np.ndarray) -> None:
-    """Refuse a record whose token ids differ from the batch's sample, naming both sides."""
-    if record.token_ids.shape == tokens.shape and np.array_equal(record.token_ids, tokens):
-        return
-    n = min(record.token_ids.size, tokens.size)
-    diff = np.flatnonzero(record.token_ids[:n] != tokens[:n])
-    where = int(diff[0]) if diff.size else n
-    raise InvalidArgument(
-        f"record {record.sample_id!r}: token ids differ from the batch's at position {where} "
-        f"(record has {record.token_ids.size} tokens, "
-        f"{record.token_ids[where : where + 4].tolist()}...; batch has {tokens.size}, "
-        f"{tokens[where : where + 4].tolist()}...)"
-    )
 
 
 def align_routes(
