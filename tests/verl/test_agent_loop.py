@@ -1,20 +1,29 @@
 """Every turn of a sample lands in the one record the trainer fetches, under verl's real flow.
 
-Driven through verl's own classes: ``ToolAgentLoop`` (three assistant turns, a real tool in
-between, verl's hermes tool parser and Continuous Token builder), ``LLMServerClient`` and
-``FullyAsyncLLMServerClient`` (a fresh request id on every call, resumes of aborted partial
-rollouts), verl's ``GlobalRequestLoadBalancer``, all over real Ray actors, with the plugin's
-changes to verl's clients loaded the way verl loads them (its ``verl.plugins`` entry point, on
-``import verl``). The server is ``RouteCacheGenerate`` in front of a stand-in for verl's vLLM
-server (``tests/verl/agent_server.py`` says exactly what it reproduces and what stands in),
-writing to a real route cache over a real redis-server. Each call is served by the next policy
-version (three tiny models, three seeds), so each turn's routes differ from the next policy's.
+Driven through verl's own classes: its agent-loop workers, V0's ``AgentLoopWorker``
+(``generate_sequences``: a ``DataProto`` in, the trainer's ``DataProto`` out) and V1's
+``AgentLoopWorkerTQ`` (fire-and-forget sessions whose outputs go into a real TransferQueue, read
+back with ``kv_batch_get`` as verl's V1 trainer does), each running ``ToolAgentLoop`` (three
+assistant turns, verl's function tool loaded from ``rollout.multi_turn.function_tool_path``,
+its hermes tool parser and Continuous Token builder) over ``LLMServerClient`` (a fresh request
+id on every call) and verl's ``GlobalRequestLoadBalancer``; resumes of aborted partial rollouts
+through ``FullyAsyncLLMServerClient``. All over real Ray actors, with the plugin's changes to
+verl's clients loaded the way verl loads them (its ``verl.plugins`` entry point, on
+``import verl``). The trainer side reads the ids from the batch verl built
+(``engine.sample_ids``) and fetches the routes (``RouteFetcher``), which must equal, row by
+row, the routes each turn's own policy chose. The server is ``RouteCacheGenerate`` in front of
+a stand-in for verl's vLLM server (``tests/verl/agent_server.py`` says exactly what it
+reproduces and what stands in), writing to a real route cache over a real redis-server. Each
+call is served by the next policy version (three tiny models, three seeds), so each turn's
+routes differ from the next policy's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,15 +33,44 @@ from routereplay.dev.tiny_model import build_tiny_model
 from routereplay.rpc.client import RouteCacheClient
 from tests.verl.agent_server import StandInServer
 from tests.verl.cpu import needs_verl
-from verl_integration.rollout import ID_FIELD, RouteCacheGenerate, sample_of
+from verl_integration.rollout import ID_FIELD, RouteCacheGenerate, sample_of, served_geometry
 
 needs_verl()
 
-# ChatML-like, closing each message with the tokenizer's EOS (its only stop token).
+# Qwen's ChatML markers, so verl picks its Qwen Continuous Token builder for the tiny Qwen3-MoE.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+CHAT_MARKERS = ["<|im_start|>", "<|im_end|>"]
+
+
+def chat_tokenizer():
+    """The tiny model's byte-level BPE, trained with ChatML's markers as special tokens (ids
+    below the tiny vocabulary, so the tiny model takes them as they are)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from routereplay.dev import tiny_model
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = [tiny_model.EOS_TOKEN, tiny_model.PAD_TOKEN, *CHAT_MARKERS]
+    trainer = trainers.BpeTrainer(
+        vocab_size=tiny_model.VOCAB_SIZE,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(tiny_model._CORPUS.splitlines(keepends=True), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=tiny_model.EOS_TOKEN,
+        pad_token=tiny_model.PAD_TOKEN,
+        additional_special_tokens=CHAT_MARKERS,
+        chat_template=CHAT_TEMPLATE,
+    )
 
 
 class Server(RouteCacheGenerate, StandInServer):
@@ -52,7 +90,7 @@ def ray_local():
     import ray
 
     ray.init(
-        num_cpus=2,
+        num_cpus=8,  # logical: TransferQueue's controller and storage actors each take one
         include_dashboard=False,
         log_to_driver=False,
         runtime_env={"env_vars": {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "OMP_NUM_THREADS": "1"}},
@@ -66,14 +104,15 @@ def setup(tiny_model_dir, tmp_path_factory):
     """Three policies, a tokenizer with a chat template, verl's trainer config, the completions."""
     import verl
     from omegaconf import OmegaConf
-    from transformers import AutoTokenizer
 
     root = tmp_path_factory.mktemp("agent")
-    policies = [str(tiny_model_dir)] + [
+    policies = [str(root / "policy0")] + [
         str(build_tiny_model(root / f"policy{v}", seed=v)) for v in (1, 2)
     ]
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer = chat_tokenizer()
+    model_dir = root / "policy0"  # the tiny model with the chat tokenizer
+    shutil.copytree(tiny_model_dir, model_dir)
+    tokenizer.save_pretrained(model_dir)
     tokenizer.save_pretrained(root / "tokenizer")
     config = OmegaConf.load(
         f"{verl.__path__[0]}/trainer/config/_generated_ppo_megatron_trainer.yaml"
@@ -85,12 +124,16 @@ def setup(tiny_model_dir, tmp_path_factory):
     rollout.multi_turn.max_assistant_turns = 3
     rollout.prompt_length = 256
     rollout.response_length = 512
+    rollout.calculate_log_probs = True
+    rollout.agent.default_agent_loop = "tool_agent"
+    rollout.multi_turn.function_tool_path = str(Path(__file__).with_name("agent_tools.py"))
+    config.actor_rollout_ref.model.path = str(model_dir)
 
     def call(a, b):
         text = json.dumps({"name": "add", "arguments": {"a": a, "b": b}})
-        return tokenizer.encode(f"<tool_call>{text}</tool_call>") + [tokenizer.eos_token_id]
+        return tokenizer.encode(f"<tool_call>{text}</tool_call><|im_end|>")
 
-    completions = [call(1, 2), call(3, 4), tokenizer.encode("It is 7.") + [tokenizer.eos_token_id]]
+    completions = [call(1, 2), call(3, 4), tokenizer.encode("It is 7.<|im_end|>")]
     return SimpleNamespace(
         policies=policies,
         tokenizer=tokenizer,
@@ -117,57 +160,81 @@ def _client(ray, setup, server, client_cls=None):
     return (client_cls or LLMServerClient)(setup.config, load_balancer_handle=balancer)
 
 
-class AddTool:
-    """A real verl tool (``BaseTool``): adds two integers."""
-
-    @staticmethod
-    def build():
-        from verl.tools.base_tool import BaseTool
-        from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
-
-        class Add(BaseTool):
-            async def execute(self, instance_id, parameters, **kwargs):
-                return ToolResponse(text=str(int(parameters["a"]) + int(parameters["b"]))), 0.0, {}
-
-        schema = OpenAIFunctionToolSchema.model_validate(
-            {
-                "type": "function",
-                "function": {
-                    "name": "add",
-                    "description": "Add two integers.",
-                    "parameters": {
-                        "type": "object",
-                        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                        "required": ["a", "b"],
-                    },
-                },
-            }
-        )
-        return Add({}, schema)
+MESSAGES = [{"role": "user", "content": "1+2, then 3+4?"}]
 
 
-def _run_tool_agent(setup, client):
-    """verl's ToolAgentLoop over ``client``: one sample, until it stops calling tools."""
-    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
-    from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
-    from verl.utils.dataset.rl_dataset import RLHFDataset
+def _run_v0(setup, client):
+    """verl's V0 agent-loop worker: one prompt; returns the trainer's batch (``DataProto``)."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    from verl.protocol import DataProto
+
+    batch = DataProto.from_dict(
+        non_tensors={"raw_prompt": np.array([MESSAGES], dtype=object), "index": np.array([0])}
+    )
 
     async def run():
-        loop = ToolAgentLoop(
-            trainer_config=DictConfigWrap(setup.config),
-            server_manager=client,
-            tokenizer=setup.tokenizer,
-            processor=None,
-            dataset_cls=RLHFDataset,
-            data_config=DictConfigWrap(setup.config.data),
-            tools=ToolListWrap([AddTool.build()]),
-        )
-        return await loop.run(
-            {"temperature": 1.0, "logprobs": True},
-            raw_prompt=[{"role": "user", "content": "1+2, then 3+4?"}],
-        )
+        return await AgentLoopWorker(setup.config, client).generate_sequences(batch)
 
     return asyncio.run(run())
+
+
+def _run_v1(setup, client):
+    """verl's V1 agent-loop worker (TransferQueue): one prompt; returns what verl's V1 trainer
+    reads back from TransferQueue for the sample (a ``TensorDict``)."""
+    import torch
+    import transfer_queue as tq
+    from tensordict import NonTensorData, NonTensorStack, TensorDict
+    from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
+
+    worker_cls = AgentLoopWorkerTQ.__ray_metadata__.modified_class  # the class under @ray.remote
+    batch = TensorDict(
+        {
+            "raw_prompt": NonTensorStack(MESSAGES),
+            "index": torch.tensor([0]),
+            "uid": NonTensorStack("prompt-0"),
+            "global_steps": NonTensorData(1),
+        },
+        batch_size=[1],
+    )
+
+    async def run():
+        worker = worker_cls(setup.config, client)
+        await worker.generate_sequences(batch)
+        await asyncio.gather(*worker.background_tasks)
+        listed = tq.kv_list(partition_id="train")["train"]
+        assert listed["prompt-0"]["status"] == "finished", listed
+        return tq.kv_batch_get(keys=["prompt-0_0_0"], partition_id="train")
+
+    return asyncio.run(run())
+
+
+def _sequence(batch) -> list[int]:
+    """The sample's tokens as the trainer gets them: prompt and response without padding."""
+    import torch
+
+    if hasattr(batch, "non_tensor_batch"):  # V0: padded, with its attention mask
+        return batch.batch["input_ids"][0][batch.batch["attention_mask"][0].bool()].tolist()
+    ids = batch["input_ids"]
+    return (ids.values() if ids.is_nested else torch.as_tensor(ids[0])).tolist()
+
+
+def _trained_routes(batch, route_cache, geometry) -> tuple[str, np.ndarray]:
+    """The trainer side: the sample id from verl's batch, its routes fetched (MoE columns)."""
+    import torch
+    from verl.protocol import DataProto
+
+    from trainer.data.source import CacheSource
+    from verl_integration.engine import sample_ids
+    from verl_integration.trainer import RouteFetcher
+
+    data = batch.to_tensordict() if isinstance(batch, DataProto) else batch
+    (sample,) = sample_ids(data)
+    tokens = torch.tensor([_sequence(batch)])
+    routes = RouteFetcher(CacheSource(route_cache), geometry).routes(
+        [sample], tokens, torch.ones_like(tokens)
+    )
+    rows = routes.routed[0].sum().item()
+    return sample, routes.routed_experts[0, :rows][:, list(geometry.record.moe_layers)].numpy()
 
 
 def _expected_rows(calls, geometry):
@@ -179,8 +246,7 @@ def _expected_rows(calls, geometry):
     return np.stack(rows)
 
 
-def _check_record(record, output, calls, geometry):
-    tokens = list(output.prompt_ids) + list(output.response_ids)
+def _check_record(record, tokens, calls, geometry):
     assert record.token_ids.tolist() == tokens[: record.num_tokens]
     assert record.num_tokens == len(calls[-1][1]) + len(calls[-1][2])
     assert [t.policy_version for t in record.turns] == [c[3] for c in calls]
@@ -192,41 +258,42 @@ def _check_record(record, output, calls, geometry):
     assert not np.array_equal(last, expected)
 
 
+@pytest.mark.parametrize("path", ["V0", "V1"])
 def test_three_tool_turns_land_in_the_record_the_trainer_fetches(
-    ray_local, setup, route_cache, tiny_model_dir
+    ray_local, setup, route_cache, tiny_model_dir, path
 ):
-    from tests.verl.helpers import geometry_of
-
+    geometry = served_geometry(setup.policies[0])
     server = _server(ray_local, setup, route_cache)
-    output = _run_tool_agent(setup, _client(ray_local, setup, server))
+    batch = (_run_v0 if path == "V0" else _run_v1)(setup, _client(ray_local, setup, server))
     calls = ray_local.get(server.calls.remote())
-    assert len(calls) == 3 and output.num_turns == 6  # user, 3 assistant, 2 tool
-    # verl sent a fresh request id every call; each carried the agent loop's one sample id.
+    assert len(calls) == 3  # three assistant turns, the tool's answers between them
+    # verl sent a fresh request id every call; each carried the agent loop's one sample id,
+    # which the trainer's batch holds (the first call's extra_fields, as verl keeps them).
     request_ids = [c[0] for c in calls]
     assert len(set(request_ids)) == 3
-    sample = output.extra_fields[ID_FIELD]  # the first call's extra_fields, as verl keeps them
+    sample, trained = _trained_routes(batch, route_cache, geometry)
     assert {sample_of(r) for r in request_ids} == {sample}
-    # V1 (TransferQueue) keeps extra_fields as one dict per sample: the id is there.
-    assert output.as_dict()["extra_fields"][ID_FIELD] == sample
     with RouteCacheClient(route_cache) as client:
         record = client.read(sample)
-    _check_record(record, output, calls, geometry_of(tiny_model_dir).record)
+    _check_record(record, _sequence(batch), calls, geometry.record)
+    np.testing.assert_array_equal(trained, _expected_rows(calls, geometry.record))
 
 
 def test_keyed_by_the_per_call_request_id_the_turns_are_lost(
     ray_local, setup, route_cache, tiny_model_dir
 ):
     """The mutation the id carrying guards against: the trainer's id names turn 1's record."""
-    from tests.verl.helpers import geometry_of
-
+    geometry = served_geometry(setup.policies[0])
     server = _server(ray_local, setup, route_cache, PerCallServer)
-    output = _run_tool_agent(setup, _client(ray_local, setup, server))
+    batch = _run_v0(setup, _client(ray_local, setup, server))
     calls = ray_local.get(server.calls.remote())
+    sample, trained = _trained_routes(batch, route_cache, geometry)
     with RouteCacheClient(route_cache) as client:
-        record = client.read(output.extra_fields[ID_FIELD])
+        record = client.read(sample)
     with pytest.raises(AssertionError):
-        _check_record(record, output, calls, geometry_of(tiny_model_dir).record)
+        _check_record(record, _sequence(batch), calls, geometry.record)
     assert record.num_tokens == len(calls[0][1]) + len(calls[0][2])  # turn 1 alone
+    assert len(trained) < len(_expected_rows(calls, geometry.record))
 
 
 def test_a_partial_rollout_resumed_after_an_abort_keeps_both_versions(
@@ -236,12 +303,10 @@ def test_a_partial_rollout_resumed_after_an_abort_keeps_both_versions(
     kept), the resume is served by the next policy; the rebuilt output keeps the sample's id."""
     from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
 
-    from tests.verl.helpers import geometry_of
-
     server = _server(ray_local, setup, route_cache)
     client = _client(ray_local, setup, server, FullyAsyncLLMServerClient)
     ray_local.get(server.abort_next.remote(5))
-    prompt = setup.tokenizer.encode("<|im_start|>user\nadd<|endoftext|>\n<|im_start|>assistant\n")
+    prompt = setup.tokenizer.encode("<|im_start|>user\nadd<|im_end|>\n<|im_start|>assistant\n")
     output = asyncio.run(
         client.generate("sample-resumed", prompt_ids=prompt, sampling_params={"logprobs": True})
     )
@@ -254,7 +319,7 @@ def test_a_partial_rollout_resumed_after_an_abort_keeps_both_versions(
     assert record.token_ids.tolist() == prompt + setup.completions[0]
     assert [t.policy_version for t in record.turns] == [0, 1]
     np.testing.assert_array_equal(
-        record.routes, _expected_rows(calls, geometry_of(tiny_model_dir).record)
+        record.routes, _expected_rows(calls, served_geometry(setup.policies[0]).record)
     )
 
 
@@ -262,7 +327,7 @@ def test_aborted_empty_outputs_pass_through_untouched(ray_local, setup, route_ca
     server = _server(ray_local, setup, route_cache)
     client = _client(ray_local, setup, server)
     ray_local.get(server.abort_next.remote(0))
-    prompt = setup.tokenizer.encode("<|im_start|>user\nhi<|endoftext|>\n<|im_start|>assistant\n")
+    prompt = setup.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     output = asyncio.run(client.generate("sample-aborted", prompt_ids=prompt, sampling_params={}))
     assert output.token_ids == [] and output.routed_experts is None
     assert output.stop_reason == "aborted" and ID_FIELD not in output.extra_fields
