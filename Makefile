@@ -20,9 +20,14 @@ CHECKOV_STAMP := $(CHECKOV_VENV)/.req-$(shell cat tools/checkov-requirements.txt
 # requirements or the project's dependencies change; tests/verl runs there.
 VERL_VENV ?= $(VENV)-verl
 VERL_STAMP := $(VERL_VENV)/.req-$(shell cat tools/verl-requirements.txt pyproject.toml | sha256sum | cut -c1-16)
+# Mooncake's store, the peer of the route cache benchmark (benchmarks/bench_mooncake.py), in an
+# environment of its own: nothing of this project is installed there. Its wheel links the RDMA
+# library even for TCP (libibverbs.so.1: apt-get install libibverbs1).
+MOONCAKE_VENV ?= $(VENV)-mooncake
+MOONCAKE_STAMP := $(MOONCAKE_VENV)/.req-$(shell cat tools/mooncake-requirements.txt | sha256sum | cut -c1-16)
 STUBS_STAMP := routereplay/v1/.generated
 
-.PHONY: setup proto checkov verl demo test lint bench clean
+.PHONY: setup proto checkov verl mooncake demo test lint bench clean
 
 setup: $(DEPS_STAMP) $(STUBS_STAMP)
 	@$(PY) -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
@@ -57,6 +62,13 @@ $(VERL_STAMP): $(STUBS_STAMP)
 	$(VERL_VENV)/bin/pip install -q -r tools/verl-requirements.txt -e '.[verl]'
 	rm -f $(VERL_VENV)/.req-* && touch $@
 
+mooncake: $(MOONCAKE_STAMP)
+
+$(MOONCAKE_STAMP):
+	test -x $(MOONCAKE_VENV)/bin/python || $(PYTHON) -m venv $(MOONCAKE_VENV)
+	$(MOONCAKE_VENV)/bin/pip install -q -r tools/mooncake-requirements.txt
+	rm -f $(MOONCAKE_VENV)/.req-* && touch $@
+
 demo: setup
 	$(PY) -m pipeline
 
@@ -68,8 +80,9 @@ lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-bench: setup verl
-	VERL_PYTHON=$(VERL_VENV)/bin/python $(PY) benchmarks/run_all.py $(BENCH_ARGS)
+bench: setup verl mooncake
+	VERL_PYTHON=$(VERL_VENV)/bin/python MOONCAKE_PYTHON=$(MOONCAKE_VENV)/bin/python \
+		$(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(CHECKOV_VENV) $(VERL_VENV) routereplay/v1 build *.egg-info
+	rm -rf $(VENV) $(CHECKOV_VENV) $(VERL_VENV) $(MOONCAKE_VENV) routereplay/v1 build *.egg-info

@@ -6,6 +6,9 @@ Each benchmark compares against a baseline measured in the same run, on the same
   same bytes through raw redis-py pipelines (target: at least 0.5x) and through a trivial
   bytes-in/bytes-out gRPC service, and stored bytes per token against int32, int16 and raw
   uint8 routes.
+- ``mooncake``: the same records written, batch-read and stage-read through the route cache
+  and through Mooncake's store (its master and TCP transport on this machine; ``make
+  mooncake``), MiB/s and ratios (target: stage reads at least as fast as Mooncake).
 - ``rollout``: generation with routed-expert capture and record writes against the same server
   with capture off (same model, prompts and greedy tokens; target: at most 3% fewer tokens/s),
   and the delay from a sample's last token to its record being readable.
@@ -72,6 +75,13 @@ BENCHMARKS = (
         "bench_route_cache.py",
         ("--quick",),
         "route cache write / batch read vs raw redis-py; bytes per token",
+    ),
+    Benchmark(
+        "mooncake",
+        "bench_mooncake.py",
+        ("--quick",),
+        "route cache vs Mooncake's store (its own venv, make mooncake): write, batch read, "
+        "stage read of the same records",
     ),
     Benchmark(
         "rollout",

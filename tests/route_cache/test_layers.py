@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 import grpc
 import numpy as np
@@ -13,13 +14,13 @@ import xxhash
 
 from route_cache.store import record_key, routes_key
 from routereplay.dev.synthetic import synthetic_record
-from routereplay.domain.codec import Encoding, encode_routes, split_layers
+from routereplay.domain.codec import Encoding, encode_layer_parts, encode_routes, split_layers
 from routereplay.domain.record import Record, Turn, TurnAppend
 from routereplay.errors import DataLoss, FailedPrecondition, InvalidArgument
 from routereplay.rpc.client import AsyncRouteCacheClient
-from routereplay.rpc.wire import RecordAssembler
+from routereplay.rpc.wire import RecordAssembler, write_requests
 from routereplay.v1 import record_pb2, route_cache_pb2, route_cache_pb2_grpc
-from tests.route_cache.conftest import SMALL, WIDE
+from tests.route_cache.conftest import SMALL, WIDE, as_messages
 
 SELECTIONS = [range(0, 1), range(1, 3), [0, 2], [4], range(5)]
 
@@ -278,3 +279,37 @@ def test_records_in_format_2_read_whole_and_by_selection_and_refuse_appends(
         client.append(more)
     with pytest.raises(FailedPrecondition, match="storage format 2"):
         client.write(record)
+
+
+@pytest.mark.parametrize("geometry", [SMALL, WIDE], ids=["uint8", "uint16"])
+def test_layer_major_writes_are_checked_per_part_and_name_the_row_and_layer(
+    cache, stub, rng, sid, geometry
+):
+    """A write sent layer-major (what the client sends): each part's checksum verified, and
+    every id checked where it lies, refused naming the record's row and the global layer."""
+    client, _ = cache
+    record = synthetic_record(sid(), geometry, 300, rng)
+
+    def refused(routes, corrupt_layer=None):
+        parts = encode_layer_parts(routes)
+        if corrupt_layer is not None:
+            checksums = list(parts.checksums)
+            checksums[corrupt_layer] ^= 1
+            parts = replace(parts, checksums=tuple(checksums))
+        with pytest.raises(grpc.RpcError) as info:
+            stub.WriteRecord(iter(as_messages(write_requests(record, parts))), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        return info.value.details()
+
+    assert "MoE layer index 2" in refused(record.routes, corrupt_layer=2)
+    bad = record.routes.copy()
+    bad[123, 1, 0] = geometry.num_experts if geometry is WIDE else 255
+    layer = geometry.moe_layers[1]
+    assert f"routes[123] layer {layer}: expert id" in refused(bad)
+    bad = record.routes.copy()
+    bad[250, 2, -1] = bad[250, 2, 0]
+    assert f"routes[250] layer {geometry.moe_layers[2]}: expert ids repeat" in refused(bad)
+    with pytest.raises(Exception, match="no record"):
+        client.stat(record.sample_id)  # nothing stored by any of them
+    client.write(record)  # and the good record goes in
+    np.testing.assert_array_equal(client.read(record.sample_id).routes, record.routes)

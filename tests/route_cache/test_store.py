@@ -49,16 +49,19 @@ def test_write_then_read(store, rng, sid):
     np.testing.assert_array_equal(record.turns[0].logprobs, [-0.5, -0.5])
 
 
-def test_a_record_is_two_keys_in_one_slot_expiring_together(store, redis_client, rng, sid):
+def test_a_record_is_two_keys_in_one_slot_expiring_together(redis_client, rng, sid):
+    store = RouteStore(redis_client, ttl_ms=3_600_000)  # not the staging key's 10 minutes
     sample = sid()
+    keys = sorted({record_key(sample).encode(), routes_key(sample).encode()})
     store.write(sample, "", SMALL, block(rng, 0, 10))
-    store.append(sample, SMALL, block(rng, 9, 4))
-    keys = {record_key(sample).encode(), routes_key(sample).encode()}
-    assert set(raw_keys(redis_client, f"*{sample}*")) == keys  # no staging key left
+    assert all(3_590_000 < redis_client.pttl(k) <= 3_600_000 for k in keys)
+    redis_client.pexpire(keys[0], 1_000_000)
+    redis_client.pexpire(keys[1], 1_000_000)
+    store.append(sample, SMALL, block(rng, 9, 4))  # an append sets both again
+    assert all(3_590_000 < redis_client.pttl(k) <= 3_600_000 for k in keys)
+    assert set(raw_keys(redis_client, f"*{sample}*")) == set(keys)  # no staging key left
     if isinstance(redis_client, redis.cluster.RedisCluster):
         assert len({redis_client.keyslot(k) for k in keys}) == 1
-    ttls = [redis_client.pttl(k) for k in sorted(keys)]
-    assert all(590_000 < t <= 600_000 for t in ttls) and abs(ttls[0] - ttls[1]) < 5_000
     # The routes: every block layer-major, back to back (9 rows, then 4).
     value = redis_client.get(routes_key(sample))
     record = store.read(sample)

@@ -1,0 +1,287 @@
+"""The route cache against Mooncake's store (the store Miles, verl, ROLL and vLLM adopt for
+rollout data), for the same records, in the same run.
+
+For each geometry (Qwen3-30B-A3B, DeepSeek-V3) and sample length (4K, 32K tokens; ``--quick``:
+4K): a batch of records' routes, layer-major (the bytes the route cache stores), is
+
+- written: through the route cache (4 concurrent write streams, as ``bench_route_cache.py``),
+  and into Mooncake with one ``batch_put_from`` from a registered buffer;
+- read whole: one ``ReadBatch`` (checksums verified, decoded to numpy) against one
+  ``batch_get_into`` into a registered buffer;
+- read by pipeline stage (the first quarter of the MoE layers, one stage of PP4): a
+  ``ReadBatch`` with that layer selection against ``get_into_ranges`` of the same byte range
+  of each object (layer-major bytes put a stage in one range: the cheapest way a Mooncake
+  user can read a stage without storing it apart).
+
+Mooncake runs as its master (with its HTTP metadata server), a holder process that mounts the
+segment the objects live in, and the measuring client (``benchmarks/mooncake_peer.py``), all
+over its TCP transport on this machine, in its own environment (``make mooncake``; needs the
+system's libibverbs.so.1 even for TCP: ``apt-get install libibverbs1``). The route cache runs
+with its embedded Redis-compatible server, as ``bench_route_cache.py`` does.
+
+Prints MiB/s of route bytes (medians of ``--repeats``) and route cache / Mooncake ratios.
+Target: the route cache reads a pipeline stage at least as fast as Mooncake serves the same
+bytes.
+
+Usage: python benchmarks/bench_mooncake.py [--quick] [--repeats N] [--mooncake-python PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import machine, median_time, write_section  # noqa: E402
+
+from route_cache.embedded import start_embedded_redis  # noqa: E402
+from routereplay.allocator import keep_large_buffers  # noqa: E402
+from routereplay.dev.launch import free_ports, start_service, stop_process  # noqa: E402
+from routereplay.dev.synthetic import DEEPSEEK_V3, QWEN3_30B_A3B, synthetic_record  # noqa: E402
+from routereplay.domain.codec import contiguous, encode_layer_parts  # noqa: E402
+from routereplay.rpc.client import RouteCacheClient  # noqa: E402
+
+MIB = 2**20
+DEFAULT_PYTHON = HERE.parent / ".venv-mooncake" / "bin" / "python"
+
+
+class Mooncake:
+    """Master and holder processes, and a way to run the measuring client."""
+
+    def __init__(self, python: str, segment_mib: int):
+        self.python = python
+        bindir = Path(python).parent
+        master = bindir / "mooncake_master"
+        rpc, http = free_ports(2)
+        self.master_addr = f"127.0.0.1:{rpc}"
+        self.metadata = f"http://127.0.0.1:{http}/metadata"
+        self.logs = tempfile.TemporaryDirectory(prefix="mooncake-")
+        log = open(Path(self.logs.name) / "master.log", "w")  # noqa: SIM115 - lives with it
+        self.master = subprocess.Popen(
+            [
+                str(master),
+                f"-rpc_port={rpc}",
+                "-enable_http_metadata_server=true",
+                f"-http_metadata_server_port={http}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        time.sleep(1.5)
+        if self.master.poll() is not None:
+            raise SystemExit(f"mooncake_master exited: see {log.name}")
+        self.holder = subprocess.Popen(
+            [python, str(HERE / "mooncake_peer.py"), *self.where(), "--holder"]
+            + [f"--segment-mib={segment_mib}"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(Path(self.logs.name) / "holder.log", "w"),  # noqa: SIM115
+            text=True,
+        )
+        if self.holder.stdout.readline().strip() != "ready":
+            raise SystemExit(
+                "Mooncake's holder did not start: "
+                + (Path(self.logs.name) / "holder.log").read_text()[-2000:]
+            )
+
+    def where(self) -> list[str]:
+        return ["--master", self.master_addr, "--metadata", self.metadata]
+
+    def measure(self, records: list[bytes | memoryview], repeats: int, fraction: float) -> dict:
+        with tempfile.NamedTemporaryFile(suffix=".npz") as f:
+            np.savez(f, **{f"r{i:04d}": np.frombuffer(r, np.uint8) for i, r in enumerate(records)})
+            f.flush()
+            out = subprocess.run(
+                [self.python, str(HERE / "mooncake_peer.py"), *self.where()]
+                + ["--records", f.name, f"--repeats={repeats}", f"--stage-fraction={fraction}"],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+        if out.returncode != 0:
+            raise SystemExit(f"Mooncake's client failed:\n{out.stderr[-3000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def close(self) -> None:
+        for process in (self.holder, self.master):
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+        self.logs.cleanup()
+
+
+def check_python(python: str) -> str:
+    """Mooncake's interpreter, importable; else the exact error and what to do."""
+    if not Path(python).exists():
+        raise SystemExit(
+            f"no Mooncake environment at {python}: run `make mooncake` (a venv with "
+            "mooncake-transfer-engine-non-cuda), or pass --mooncake-python"
+        )
+    probe = subprocess.run(
+        [python, "-c", "from mooncake.store import MooncakeDistributedStore"],
+        capture_output=True,
+        text=True,
+    )
+    if probe.returncode != 0:
+        hint = (
+            " (the wheel links the RDMA library even for TCP: apt-get install libibverbs1)"
+            if "libibverbs" in probe.stderr
+            else ""
+        )
+        raise SystemExit(f"Mooncake does not import{hint}:\n{probe.stderr.strip()}")
+    return python
+
+
+def bench_case(args, cache, writers, mooncake, geometry, tokens, rng) -> dict:
+    batch = 8 if tokens <= 4096 else 4
+    pool = [synthetic_record("x", geometry, tokens, rng, skew=1.0) for _ in (0, 1)]
+    records = [pool[i % 2] for i in range(batch)]
+    route_bytes = sum(r.routes.nbytes for r in records)
+    stage = range(geometry.num_moe_layers // 4)
+    fraction = len(stage) / geometry.num_moe_layers
+    stage_bytes = sum(int(r.routes.nbytes * fraction) for r in records)
+    prefix = uuid.uuid4().hex[:8]
+    counter = itertools.count()
+    ids: list[str] = []
+
+    def forget_previous():
+        for sample_id in ids:
+            cache.delete(sample_id)
+
+    def service_write():
+        ids[:] = [f"moon-{prefix}-{next(counter)}" for _ in records]
+        batch_records = [replace(r, sample_id=i) for r, i in zip(records, ids, strict=True)]
+        list(writers.map(cache.write, batch_records))
+
+    def service_read():
+        assert sum(r.routes.nbytes for r in cache.read_batch(ids)) == route_bytes
+
+    def service_stage():
+        got = cache.read_batch(ids, layers=stage)
+        assert sum(r.routes.nbytes for r in got) == stage_bytes
+
+    result = {"geometry": geometry.model_id, "tokens": tokens, "batch": batch}
+    result["cache_write_mibs"] = (
+        route_bytes / median_time(service_write, args.repeats, forget_previous) / MIB
+    )
+    result["cache_read_mibs"] = route_bytes / median_time(service_read, args.repeats) / MIB
+    result["cache_stage_read_mibs"] = stage_bytes / median_time(service_stage, args.repeats) / MIB
+    forget_previous()
+    layer_major = [contiguous(encode_layer_parts(r.routes)) for r in records]
+    peer = mooncake.measure(layer_major, args.repeats, fraction)
+    assert peer["bytes"] == route_bytes and peer["stage_bytes"] == stage_bytes
+    for op in ("write", "read", "stage_read"):
+        result[f"mooncake_{op}_mibs"] = peer[f"{op}_mibs"]
+        result[f"{op}_ratio"] = result[f"cache_{op}_mibs"] / peer[f"{op}_mibs"]
+    return result
+
+
+def table(results: list[dict]) -> str:
+    lines = [
+        "| geometry | tokens | **route cache / Mooncake: write / read / stage read** "
+        "| route cache MiB/s write / read / stage read | Mooncake MiB/s write / read / "
+        "stage read |",
+        "|---" * 5 + "|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['geometry']} | {r['tokens']} "
+            f"| **{r['write_ratio']:.2f} / {r['read_ratio']:.2f} / {r['stage_read_ratio']:.2f}** "
+            f"| {r['cache_write_mibs']:.0f} / {r['cache_read_mibs']:.0f} / "
+            f"{r['cache_stage_read_mibs']:.0f} "
+            f"| {r['mooncake_write_mibs']:.0f} / {r['mooncake_read_mibs']:.0f} / "
+            f"{r['mooncake_stage_read_mibs']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="4K tokens only, 3 repeats")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--writers", type=int, default=4)
+    parser.add_argument(
+        "--mooncake-python", default=os.environ.get("MOONCAKE_PYTHON", str(DEFAULT_PYTHON))
+    )
+    parser.add_argument("--section", default="mooncake")
+    parser.add_argument("--segment-mib", type=int, default=1024)
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats = 3
+    python = check_python(args.mooncake_python)
+    keep_large_buffers()
+    embedded, url = start_embedded_redis()
+    server = mooncake = None
+    results = []
+    try:
+        server, target = start_service(
+            "route_cache", "--redis-url", url, "--ttl-s", "600", quiet=True
+        )
+        mooncake = Mooncake(python, segment_mib=args.segment_mib)
+        rng = np.random.default_rng(0)
+        with (
+            RouteCacheClient(target, timeout_s=120) as cache,
+            ThreadPoolExecutor(args.writers) as writers,
+        ):
+            for geometry, tokens in itertools.product(
+                (QWEN3_30B_A3B, DEEPSEEK_V3), (4096,) if args.quick else (4096, 32768)
+            ):
+                r = bench_case(args, cache, writers, mooncake, geometry, tokens, rng)
+                results.append(r)
+                print(
+                    f"{r['geometry']} {tokens}: route cache / Mooncake write "
+                    f"{r['write_ratio']:.2f}, read {r['read_ratio']:.2f}, stage read "
+                    f"{r['stage_read_ratio']:.2f}",
+                    flush=True,
+                )
+    finally:
+        if mooncake is not None:
+            mooncake.close()
+        if server is not None:
+            stop_process(server)
+        embedded.stop()
+    version = subprocess.run(
+        [python, "-m", "pip", "show", "mooncake-transfer-engine-non-cuda"],
+        capture_output=True,
+        text=True,
+    ).stdout
+    version = next((v.split()[-1] for v in version.splitlines() if v.startswith("Version")), "?")
+    markdown = (
+        "## Against Mooncake's store: the same records\n\n"
+        f"`python benchmarks/bench_mooncake.py{' --quick' if args.quick else ''}`, "
+        f"{args.repeats} repeats, medians. Machine: {machine()}; "
+        f"mooncake-transfer-engine-non-cuda {version} (master with its HTTP metadata server, "
+        f"a holder process mounting a segment of {args.segment_mib} MiB, the measuring client; "
+        "TCP transport), the "
+        "route cache over its embedded Redis-compatible server; all on this machine's cores, "
+        "shared with other work. MiB/s of route bytes (uint8, layer-major as the route cache "
+        "stores them). Write: the route cache's 4 concurrent write streams (validated, "
+        "checksummed, ids checked) against one `batch_put_from` of a registered buffer. Read: "
+        "one `ReadBatch` (checksums verified, decoded) against one `batch_get_into`. Stage read: "
+        "the first quarter of the MoE layers (one stage of PP4): `ReadBatch` with that layer "
+        "selection against `get_into_ranges` of the same byte range of each object. Target: "
+        "stage read >= 1.0.\n\n" + table(results)
+    )
+    write_section(args.section, markdown, {"machine": machine(), "results": results})
+    print(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
