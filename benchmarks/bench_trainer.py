@@ -192,7 +192,7 @@ def fetch_vs_step(model_dir, built, records, batches: int) -> dict:
     from route_cache.store import RouteStore, connect
     from trainer.config import load_config
     from trainer.data.source import BatchPlan, CacheSource
-    from trainer.rl.optim import AdamW
+    from trainer.optim import AdamW
     from trainer.train import train
 
     valkey, url = start_embedded_redis()

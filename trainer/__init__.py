@@ -2,21 +2,35 @@
 
 Arranged by concern, in the order a step uses them:
 
-- ``data``: samples and their rollout routes fetched (``source``), a stage's layers read once
-  per model-parallel group (``stage_reads``).
-- ``layout``: one step's batch -> this rank's micro-batches and replay ids (``plan_step``):
-  micro-batches (``microbatch``), the batch the model reads (``batch``), per-router replay ids
-  (``align``), this rank's rows (``share``); on ``reshard``'s pure layout functions.
+- ``data``: samples and their rollout routes fetched (``source``: the sources, the batch plan,
+  the prefetcher), a stage's layers read once per model-parallel group (``stage_reads``).
+- ``layout``: one step's batch -> this rank's micro-batches and replay ids (``plan_step`` in
+  ``plan``): micro-batches (``microbatch``), the batch the model reads (``batch``), per-router
+  replay ids and the record checks they apply (``align``, with
+  ``routereplay.domain.record_checks``), this rank's rows (``share``); built on ``reshard``.
+- ``reshard``: the pure parallel geometry under ``layout`` (no megatron, nothing else of the
+  trainer): the parallel sizes and a rank's coordinates (``layout.Layout``), the pipeline
+  layer split (``layers``), token-budget grouping (``microbatch``), packing and the CP and SP
+  cuts (``packing``, ``share``).
 - ``model``: the Hugging Face checkpoint as a megatron-core ``GPTModel`` (``hf_config``,
   ``hf_weights``, ``build``), router replay installed (``replay``), and the weights back out
-  (``export``, ``shard_weights``); ``cpu_compat`` lets megatron-core run on a CPU-only torch,
-  ``megatron_fixes`` mends its bugs the trainer meets.
-- ``rl``: the objective (``objective``), the passes on megatron's schedules (``schedule``), one
-  RL step and its consistency report (``step``, ``metrics``), the optimizer (``optim``).
+  (``export``: a step's export on any layout, the weights gathered to the lead;
+  ``shard_weights``); ``cpu_compat`` and ``mla_compat`` let megatron-core run on a CPU-only
+  torch, ``megatron_fixes`` mends its bugs the trainer meets.
+- ``rl``: one RL step (``step``: ``RLStep.run``, a short list of stages), what its stages hand
+  each other (``stages``: ``PASSES`` and each stage's frozen result), the objective
+  (``objective``), the passes on megatron's schedules (``schedule``), what a step measures and
+  its report (``measure``), the routes its update passes used (``routes_used``).
+- ``report``: the typed ``StepReport`` (``step_report``) and everything done after a step, one
+  output each in a table whose order is the rule (``outputs``), Prometheus (``metrics``) and
+  TensorBoard (``tensorboard``).
 - ``parallel``: the world's process groups (``world``, ``single_process``) and what
-  data-parallel ranks exchange (``dp``); ``reshard``: a batch cut for a layout, pure functions
-  (no megatron, nothing else of the trainer).
-- Here: ``config`` (YAML with dotted overrides), ``train`` (the loop), ``checkpoint``, ``tb``.
+  data-parallel ranks exchange (``dp``).
+- Here: ``config`` (YAML with dotted overrides), ``train`` (the loop), ``optim`` (AdamW with
+  float32 master weights), ``checkpoint`` (save and resume), ``policy_sync`` (exports loaded
+  by the rollout servers).
 
-``python -m trainer`` runs steps. Nothing runs at import.
+Imports point down this list's concerns: ``rl`` uses ``layout``, ``model``, ``parallel`` and
+``report``'s types; ``report.outputs`` uses ``model``, ``data``, ``optim`` and ``checkpoint``;
+nothing below ``train`` imports it. ``python -m trainer`` runs steps. Nothing runs at import.
 """

@@ -160,3 +160,17 @@ def load(path: str | Path, built, optimizer) -> int:
     set_rng_state(state["rng"])
     log.info("resumed from %s (%d steps done)", path, state["step"])
     return int(state["step"])
+
+
+def save_step(config, built, optimizer, step: int, dp) -> None:
+    """Checkpoint after ``step``: the lead writes the one file (data parallel: every rank holds
+    the same state), or every rank its shard and the lead names the step once all have."""
+    root, done = config.train.checkpoint_dir, step + 1
+    if dp.model is None:
+        if dp.lead:
+            save(root, done, built, optimizer, config)
+        return
+    save(root, done, built, optimizer, config, shard=dp.model.shard, mark=False)
+    torch.distributed.barrier()
+    if dp.lead:
+        mark_latest(root, done)

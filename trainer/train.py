@@ -37,11 +37,11 @@ from trainer.config import Dtype, TrainerConfig
 from trainer.data.source import BatchPlan, CacheSource, FeedPlans, FileSource, Prefetcher
 from trainer.data.stage_reads import stage_reads
 from trainer.model.build import TrainerModel, build_model
+from trainer.optim import AdamW
 from trainer.parallel.dp import SINGLE, DataParallel
 from trainer.parallel.world import model_overrides
 from trainer.report.outputs import Run, StepDone, outputs_for
 from trainer.report.step_report import StepReport
-from trainer.rl.optim import AdamW
 from trainer.rl.step import RLStep
 
 log = logging.getLogger(__name__)

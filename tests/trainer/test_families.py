@@ -34,7 +34,7 @@ from trainer.layout.align import align_routes, routes_from_recorded
 from trainer.layout.batch import PaddedBatch
 from trainer.model.build import build_model
 from trainer.model.hf_config import UnsupportedConfig, read_hf_config, transformer_config
-from trainer.rl.optim import AdamW
+from trainer.optim import AdamW
 from trainer.rl.schedule import Schedule
 
 

@@ -22,14 +22,23 @@ passes them as ``weights``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from trainer.config import TrainerConfig
 from trainer.model.hf_weights import megatron_to_hf, read_mtp_tensors
+from trainer.model.shard_weights import full_weights
+
+if TYPE_CHECKING:  # the model does not import the parallel layout
+    from trainer.parallel.dp import DataParallel
+
+log = logging.getLogger(__name__)
 
 WEIGHT_FILES = ("model.safetensors.index.json",)
 MAX_SHARD_BYTES = 4 << 30
@@ -156,3 +165,34 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def export_after_step(built, config: TrainerConfig, step: int, dp: DataParallel) -> Path | None:
+    """Export after ``step`` to ``train.export_dir`` (``export.export_step``); logs the path for
+    the rollout server's ``UpdateWeights``. Under model parallelism a collective: every rank
+    gathers its stage's full weights, the stages send theirs to the lead, which writes them.
+    Returns the folder (the lead; None elsewhere)."""
+    weights = gathered_weights(built, dp) if dp.model is not None else None
+    if not dp.lead:
+        return None
+    folder = export_step(built, config.model.path, config.train.export_dir, step, weights)
+    log.info("exported weights after step %d to %s", step, folder)
+    return folder
+
+
+def gathered_weights(built, dp: DataParallel) -> dict[str, torch.Tensor] | None:
+    """The whole model's weights under megatron's global names on the first pipeline stage
+    (None on the other stages): each stage's chunks gathered over their TP and EP groups, then
+    sent to the first stage."""
+    weights: dict[str, torch.Tensor] = {}
+    for chunk in built.chunks:
+        weights.update(full_weights(chunk))
+    group = dp.model.pp_group
+    if group is None or group.size() == 1:
+        return weights
+    first = torch.distributed.get_global_rank(group, 0)
+    stages = [None] * group.size() if group.rank() == 0 else None
+    torch.distributed.gather_object(weights, stages, dst=first, group=group)
+    if stages is None:
+        return None
+    return {name: tensor for stage in stages for name, tensor in stage.items()}

@@ -18,13 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from routereplay.domain.record import Record
 from routereplay.domain.record_file import save_records
 from trainer import checkpoint
 from trainer.config import TrainerConfig
+from trainer.data.source import FeedPlans
 from trainer.model.build import TrainerModel
+from trainer.model.export import export_after_step
+from trainer.optim import AdamW
 from trainer.parallel.dp import DataParallel
 from trainer.report.step_report import FeedBatch, StepReport
 
@@ -38,9 +39,9 @@ class Run:
 
     config: TrainerConfig
     model: TrainerModel
-    optimizer: object  # trainer.rl.optim.AdamW: saved with the checkpoints
+    optimizer: AdamW  # saved with the checkpoints
     dp: DataParallel
-    feed: object = None  # trainer.data.source.FeedPlans
+    feed: FeedPlans | None = None
 
 
 @dataclass
@@ -102,7 +103,7 @@ class ExportAndPush(Output):
 
     def _export(self, step: int, report: StepReport | None) -> None:
         run = self.run
-        folder = export_weights(run.config, run.model, step, run.dp)
+        folder = export_after_step(run.model, run.config, step, run.dp)
         self.exported = step
         push = run.config.push
         if folder is not None and push.targets and report is not None:
@@ -151,7 +152,7 @@ class Checkpoint(Output):
 
     def _save(self, step: int) -> None:
         run = self.run
-        save_checkpoint(run.config, run.model, run.optimizer, step, run.dp)
+        checkpoint.save_step(run.config, run.model, run.optimizer, step, run.dp)
         self.saved = step
 
 
@@ -247,56 +248,3 @@ def feed_batch(groups) -> FeedBatch:
     """What a feed batch was: its groups and the policy versions that generated its turns."""
     versions = {v for group in groups for entry in group.entries for v in entry.policy_versions}
     return FeedBatch(groups=[g.group_id for g in groups], rollout_versions=sorted(versions))
-
-
-def export_weights(
-    config: TrainerConfig, built: TrainerModel, step: int, dp: DataParallel
-) -> Path | None:
-    """Export after ``step`` to ``train.export_dir`` (``export.export_step``); logs the path for
-    the rollout server's ``UpdateWeights``. Under model parallelism a collective: every rank
-    gathers its stage's full weights, the stages send theirs to the lead, which writes them.
-    Returns the folder (the lead; None elsewhere)."""
-    from trainer.model.export import export_step
-
-    weights = gathered_weights(built, dp) if dp.model is not None else None
-    if not dp.lead:
-        return None
-    folder = export_step(built, config.model.path, config.train.export_dir, step, weights)
-    log.info("exported weights after step %d to %s", step, folder)
-    return folder
-
-
-def gathered_weights(built: TrainerModel, dp: DataParallel) -> dict[str, torch.Tensor] | None:
-    """The whole model's weights under megatron's global names on the first pipeline stage
-    (None on the other stages): each stage's chunks gathered over their TP and EP groups, then
-    sent to the first stage."""
-    from trainer.model.shard_weights import full_weights
-
-    weights: dict[str, torch.Tensor] = {}
-    for chunk in built.chunks:
-        weights.update(full_weights(chunk))
-    group = dp.model.pp_group
-    if group is None or group.size() == 1:
-        return weights
-    first = torch.distributed.get_global_rank(group, 0)
-    stages = [None] * group.size() if group.rank() == 0 else None
-    torch.distributed.gather_object(weights, stages, dst=first, group=group)
-    if stages is None:
-        return None
-    return {name: tensor for stage in stages for name, tensor in stage.items()}
-
-
-def save_checkpoint(
-    config: TrainerConfig, built: TrainerModel, optimizer, step: int, dp: DataParallel
-) -> None:
-    """Checkpoint after ``step``: the lead writes the one file (data parallel: every rank holds
-    the same state), or every rank its shard and the lead names the step once all have."""
-    root, done = config.train.checkpoint_dir, step + 1
-    if dp.model is None:
-        if dp.lead:
-            checkpoint.save(root, done, built, optimizer, config)
-        return
-    checkpoint.save(root, done, built, optimizer, config, shard=dp.model.shard, mark=False)
-    torch.distributed.barrier()
-    if dp.lead:
-        checkpoint.mark_latest(root, done)
