@@ -283,6 +283,29 @@ class ReadyConsumer:
                 )
         return won
 
+    def covered(
+        self,
+        entry_ids: Sequence[str],
+        sample_ids: Iterable[str],
+        group_keys: Iterable[tuple[str, str]],
+        chunk: int = 512,
+    ) -> int:
+        """Entries an earlier process of this consumer trained and a checkpoint covers
+        (``trainer.data.feed_log``): acknowledge them, and drop later repeats of those
+        samples and groups as if this process had acknowledged them. Returns how many
+        entries the server still had pending."""
+        ids = list(entry_ids)
+        acknowledged = 0
+        for start in range(0, len(ids), chunk):
+            acknowledged += self.client.ack_ready(
+                self.consumer_group, ids[start : start + chunk], self.consumer
+            )
+        for key in group_keys:
+            self._acked_groups.add(tuple(key))
+        for sample_id in sample_ids:
+            self._acked_samples.add(sample_id)
+        return acknowledged
+
     def _forget(self, group: ReadyGroup) -> None:
         """``group`` is done with: later repeats of it and of its samples are dropped."""
         self._groups.pop(group.key, None)

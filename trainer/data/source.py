@@ -27,6 +27,7 @@ from routereplay.domain.record import Record
 from routereplay.domain.record_file import load_records
 from routereplay.errors import InvalidArgument
 from trainer.config import MissingRecord
+from trainer.data.feed_log import FeedLog, steps_checkpointed
 
 log = logging.getLogger(__name__)
 
@@ -230,10 +231,18 @@ class FeedPlans:
     complete it, and a plan made in one place cannot give a group to two ranks, nor leave a
     rank idle while another holds a group.
 
-    After a batch's optimizer step the training loop calls ``ack``; a job that dies before
-    that gets the batch's entries back when restarted under the same consumer name (at least
-    once), and repeats of trained samples are dropped by sample id (``ReadyConsumer``). A batch
-    is read when the loop wants it, never ahead: in an on-policy loop the next batch is
+    After each step (and its checkpoint) the training loop calls ``ack``, which acknowledges
+    on the feed only the batches a checkpoint covers (``train.checkpoint_dir``; without one,
+    each batch once trained): a job killed after an un-checkpointed step resumes from the
+    checkpoint before it, and the feed gives the step's entries back, still pending, to the
+    restarted consumer of the same name. The batches handed out are logged beside the
+    checkpoints (``trainer.data.feed_log``) before they train, so a job killed between a
+    checkpoint and its acknowledgement acknowledges the covered entries when it resumes
+    instead of training them again. Delivery per sample: exactly once in the steps the
+    final weights descend from; a step trained after the last checkpoint of a killed job is
+    discarded and its samples trained again. Repeats of trained samples are dropped by
+    sample id (``ReadyConsumer``; after a resume, every sample the log covers). A batch is
+    read when the loop wants it, never ahead: in an on-policy loop the next batch is
     generated with the weights this step pushes.
 
     Args:
@@ -247,9 +256,14 @@ class FeedPlans:
         self.dp = dp
         self.groups_per_batch = config.train.batch_size // data.group_size
         self.wait_s = data.wait_s
-        self.handed_out: list[list] = []  # the lead: each batch's ReadyGroups, not acknowledged
+        # The lead: step -> its batch's ReadyGroups, handed out and not acknowledged.
+        self.handed_out: dict[int, list] = {}
         self.consumer = None
         self._own_client = None
+        self.log: FeedLog | None = None
+        # The step the next batch is for, the next step ``ack`` reports, the steps acknowledged.
+        self.step = self._reported = self._acked = 0
+        self.discarded_steps: list[int] = []  # trained by a killed job, not checkpointed
         if dp.lead:
             from routereplay.rpc.client import RouteCacheClient
             from routereplay.rpc.ready import ReadyConsumer
@@ -265,6 +279,14 @@ class FeedPlans:
                 data.group_size,
                 start_from_latest=data.start_from_latest,
             )
+            checkpoints = config.train.checkpoint_dir
+            if checkpoints:
+                self.log = FeedLog(checkpoints)
+                done = steps_checkpointed(checkpoints) if config.train.resume else 0
+                resumed = self.log.resume(done)
+                self.consumer.covered(resumed.entries, resumed.samples, resumed.groups)
+                self.discarded_steps = resumed.discarded_steps
+                self.step = self._reported = self._acked = done
 
     def __iter__(self) -> Iterator[BatchPlan]:
         while (plan := self.next_plan()) is not None:
@@ -276,7 +298,10 @@ class FeedPlans:
         if self.consumer is not None:
             groups = self.consumer.next_groups(self.groups_per_batch, self.wait_s)
             if len(groups) == self.groups_per_batch:
-                self.handed_out.append(groups)
+                if self.log is not None:  # before the step trains: a resume must know it
+                    self.log.handed_out(self.step, groups)
+                self.handed_out[self.step] = groups
+                self.step += 1
                 ids = [sample_id for group in groups for sample_id in group.sample_ids]
             else:  # left pending: a restarted consumer gets them back
                 log.warning(
@@ -289,17 +314,44 @@ class FeedPlans:
         return None if ids is None else BatchPlan(ids)
 
     def ack(self) -> list:
-        """Acknowledge the oldest batch handed out (the lead; a no-op elsewhere). Returns its
-        ``ReadyGroup``s."""
+        """The oldest batch handed out is trained (and checkpointed when due): acknowledge
+        every batch a checkpoint covers, or, without checkpoints, this one (the lead; a no-op
+        elsewhere). Returns the trained batch's ``ReadyGroup``s."""
         if self.consumer is None:
             return []
-        groups = self.handed_out.pop(0)
-        self.consumer.ack(groups)
+        groups = self.handed_out[self._reported]
+        self._reported += 1
+        self.ack_covered(self._reported if self.log is None else None)
         return groups
 
+    def ack_covered(self, through: int | None = None) -> int:
+        """Acknowledge the batches of the steps before ``through`` (default: the steps the
+        last checkpoint covers) not acknowledged yet. Returns how many steps."""
+        if self.consumer is None:
+            return 0
+        if through is None:
+            through = steps_checkpointed(self.log.path.parent) if self.log else self._reported
+        through = min(through, self._reported)
+        steps = [s for s in sorted(self.handed_out) if self._acked <= s < through]
+        if steps:
+            self.consumer.ack([g for s in steps for g in self.handed_out.pop(s)])
+            if self.log is not None:
+                self.log.acked(steps[-1])
+            self._acked = steps[-1] + 1
+        return len(steps)
+
     def close(self) -> None:
-        if self._own_client is not None:
-            self._own_client.close()
+        """Acknowledge what the last checkpoint covers (always safe: also after an error)."""
+        try:
+            if self.consumer is not None and self.log is not None:
+                self.ack_covered()
+        except Exception:  # noqa: BLE001 - the resumed job acknowledges them from the log
+            log.warning("could not acknowledge the checkpointed batches", exc_info=True)
+        finally:
+            if self.log is not None:
+                self.log.close()
+            if self._own_client is not None:
+                self._own_client.close()
 
 
 def plan_batches(sample_ids: Sequence[str], batch_size: int, steps: int) -> list[BatchPlan]:
