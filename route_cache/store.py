@@ -346,6 +346,8 @@ class RouteStore:
         wait_replicas: replicas that must confirm a write or append before it is acknowledged
             (Redis ``WAIT``); 0 acknowledges once the master has it.
         wait_timeout_ms: how long ``WAIT`` may block before the write counts as unconfirmed.
+        stage_window: records fetched per window by a layer-selected read (two round trips
+            per window: the small fields, then the ranges).
     """
 
     def __init__(
@@ -355,8 +357,10 @@ class RouteStore:
         batch_window: int = 1,
         wait_replicas: int = 0,
         wait_timeout_ms: int = WAIT_TIMEOUT_MS,
+        stage_window: int = 8,
     ):
         self.client = client
+        self.stage_window = stage_window
         self.ttl_ms = ttl_ms
         self.batch_window = batch_window
         self.wait_replicas = wait_replicas
@@ -517,10 +521,10 @@ class RouteStore:
             InvalidArgument: ``layers`` reaches beyond a record's geometry.
             FailedPrecondition: ``layers`` given for a record in storage format 1.
         """
-        windows = [
-            sample_ids[start : start + self.batch_window]
-            for start in range(0, len(sample_ids), self.batch_window)
-        ]
+        # A stage read fetches more records per round trip: it takes two, and moves a
+        # fraction of each record's bytes.
+        size = self.batch_window if layers is None else self.stage_window
+        windows = [sample_ids[start : start + size] for start in range(0, len(sample_ids), size)]
         with ThreadPoolExecutor(max_workers=1) as prefetch:
             pending = prefetch.submit(self._fetch, windows[0], layers) if windows else None
             for i in range(len(windows)):
