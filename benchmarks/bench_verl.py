@@ -7,7 +7,12 @@ Qwen3-30B-A3B samples (48 MoE layers, top-8 of 128 experts), in one run:
   actor's ``get`` of it, on a local Ray) against the integration's fetch from the route cache
   (its own process over a real redis-server), whole records and one pipeline stage's layers
   (PP4: 12 of 48), each with and without building verl's field; medians;
-- the fetch time per worker against the training compute of its samples (arithmetic).
+- the fetch time per worker against the training compute of its samples (arithmetic);
+- the rollout side, per ``generate()`` call of one multi-turn sample: the route cache calls the
+  server makes (``TurnWriter``: stat, the append, and a read-back of the tokens when this
+  process did not write the sample's last turn), the bytes each call sends (only its new rows)
+  against the whole history's routes the engine returns to verl on every call, and the time
+  per call; medians.
 
 Runs in the verl environment (``make verl``; ``run_all.py`` uses ``$VERL_PYTHON``).
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -75,17 +81,18 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4, help="one worker's samples")
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--turns", type=int, default=8, help="calls of the multi-turn sample")
     parser.add_argument("--quick", action="store_true", help="2 samples of 4K tokens, 2 repeats")
     args = parser.parse_args()
     if args.quick:
-        args.samples, args.tokens, args.repeats = 2, 4096, 2
+        args.samples, args.tokens, args.repeats, args.turns = 2, 4096, 2, 4
     torch.set_num_threads(1)
     import ray
 
     from routereplay.rpc.client import RouteCacheClient
     from trainer.data.source import CacheSource
     from trainer.data.stage_reads import StageReads
-    from verl_integration.trainer import RouteFetcher
+    from verl_integration.fetch import RouteFetcher
 
     rng = np.random.default_rng(0)
     records = [
@@ -116,6 +123,10 @@ def main() -> None:
         with RouteCacheClient(target) as client:
             for r in records:
                 client.write(r)
+            rollout = {
+                "remembered": rollout_turns(client, records[0], args.turns, remember=True),
+                "read_back": rollout_turns(client, records[0], args.turns, remember=False),
+            }
 
         @ray.remote(num_cpus=1)
         class Worker:
@@ -156,6 +167,7 @@ def main() -> None:
         "route_bytes_whole": stored,
         "route_bytes_stage": stored * len(STAGE_LAYERS) // 48,
         "seconds": times,
+        "rollout_turns": rollout,
     }
     # A step, by arithmetic: verl gathers the batch's field to the driver, then dispatches each
     # DP shard to all TP x PP ranks of its group; the integration's ranks read their stage's
@@ -178,6 +190,101 @@ def main() -> None:
     results["step"] = step
     write_section("verl", markdown(results, args), results)
     print(markdown(results, args))
+
+
+class CountingClient:
+    """The route cache client, counting each call and the route and token bytes it carries."""
+
+    def __init__(self, client):
+        self.client = client
+        self.calls: list[tuple[str, int]] = []
+
+    def stat(self, sample_id):
+        self.calls.append(("stat", 0))
+        return self.client.stat(sample_id)
+
+    def read(self, sample_id, layers=None):
+        record = self.client.read(sample_id, layers=layers)
+        self.calls.append(("read", record.token_ids.nbytes + record.routes.nbytes))
+        return record
+
+    def write(self, record, more_turns=False):
+        self.calls.append(("write", record.token_ids.nbytes + record.routes.nbytes))
+        return self.client.write(record, more_turns=more_turns)
+
+    def append(self, append):
+        self.calls.append(("append", append.token_ids.nbytes + append.routes.nbytes))
+        return self.client.append(append)
+
+
+def rollout_turns(client, record, turns: int, remember: bool) -> dict:
+    """One sample of ``record``'s tokens generated in ``turns`` calls (each call: the history as
+    its prompt, an equal share of new tokens, the engine's routes of the whole history), written
+    through ``TurnWriter`` as verl's server mix-in does. Per call: the route cache calls, the
+    bytes they carry, the bytes of the engine's ``routed_experts`` that verl itself ships on
+    every call, and the time; ``remember=False``: another process wrote the previous turn, so
+    the history's tokens are read back for the content check."""
+    from types import SimpleNamespace
+
+    from verl_integration.rollout import TurnWriter
+
+    sample = f"bench-verl-turns-{'remembered' if remember else 'read-back'}"
+    ends = np.linspace(0, record.num_tokens, turns + 1).astype(int)[1:]
+    ends[0] = max(ends[0], 2)
+    counting = CountingClient(client)
+    writer = TurnWriter(counting, GEOMETRY, remembered=4096 if remember else 0)
+    per_call = []
+    prompt_end = 1
+    for end in ends:
+        output = SimpleNamespace(
+            token_ids=record.token_ids[prompt_end:end].tolist(),
+            log_probs=None,
+            routed_experts=record.routes[: end - 1],  # the engine: every row of the history
+            stop_reason="completed",
+            extra_fields={"global_steps": 0},
+        )
+        before = len(counting.calls)
+        start = time.perf_counter()
+        writer.write(sample, record.token_ids[:prompt_end].tolist(), output)
+        seconds = time.perf_counter() - start
+        calls = counting.calls[before:]
+        per_call.append(
+            {
+                "tokens": int(end),
+                "rpcs": len(calls),
+                "calls": [name for name, _ in calls],
+                "bytes": sum(size for _, size in calls),
+                "engine_bytes": int(output.routed_experts.nbytes),
+                "seconds": seconds,
+            }
+        )
+        prompt_end = int(end)
+    client.delete(sample)
+    return {"turns": turns, "per_call": per_call}
+
+
+def rollout_markdown(r: dict) -> str:
+    rows = []
+    for mode, label in (("remembered", "digest kept here"), ("read_back", "tokens read back")):
+        calls = r["rollout_turns"][mode]["per_call"]
+        later = calls[1:]
+        rows.append(
+            f"| {label} | {' + '.join(calls[0]['calls'])}; then "
+            f"{' + '.join(later[-1]['calls'])} | "
+            f"{sum(c['bytes'] for c in calls):,} | {sum(c['engine_bytes'] for c in calls):,} | "
+            f"{statistics.median(c['seconds'] for c in later) * 1e3:.1f} |"
+        )
+    turns = r["rollout_turns"]["remembered"]["turns"]
+    return f"""
+One sample of {r["tokens_per_sample"]} tokens generated in {turns} calls (an equal share of new
+tokens each, the history as each call's prompt), written as verl's server mix-in writes it.
+Bytes: route and token bytes the route cache calls carry, all calls together, against the
+engine's `routed_experts` verl itself ships through Ray on every call (the whole history, uint8).
+
+| rollout side | route cache calls per call | bytes sent (all calls) | verl's bytes (all calls) | ms per later call (median) |
+|---|---|---|---|---|
+{chr(10).join(rows)}
+"""  # noqa: E501
 
 
 def markdown(r: dict, args) -> str:
@@ -214,7 +321,7 @@ group). One worker fetching its stage's routes for its DP group's
 trainer's prefetch thread, overlapped with the previous step), against
 {st["worker_compute_s"]:.1f} s of training compute for them (H100s at {MFU:.0%} MFU, forward +
 backward + old log-probs, {ACTIVE_PARAMS / 1e9:.1f}B active parameters).
-"""  # noqa: E501
+{rollout_markdown(r)}"""  # noqa: E501
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ that verl's own engine is registered under. ``register_engine()`` (called by
 
 Where each step runs, on every rank (docs/verl.md, "The trainer seam in verl's engine"):
 
-- ``initialize()``: after verl's, the route source (``trainer.worker_source``: this stage's
+- ``initialize()``: after verl's, the route source (``fetch.worker_source``: this stage's
   MoE layers, one read per TP/CP group; a collective over the world) is built, outside
   megatron's pipeline schedule, so no stage waits in it while another waits in ``recv_forward``.
 - ``forward_backward_batch()``: before verl's (and so before megatron's schedule), the routes of
@@ -33,8 +33,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from routereplay.errors import InvalidArgument
-from verl_integration.rollout import ID_FIELD, served_geometry
-from verl_integration.trainer import RouteFetcher, native_where_missing, worker_source
+from verl_integration.contract import ID_FIELD, route_cache_target, served_geometry
+from verl_integration.fetch import RouteFetcher, native_where_missing, worker_source
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +124,8 @@ class RouteCacheEngineMixin:
         ``$ROUTER_REPLAY_CACHE`` (then verl's own ``routed_experts`` are used)."""
         if self.route_fetcher is not None or not _replays(self):
             return self.route_fetcher
-        target = os.environ.get("ROUTER_REPLAY_CACHE")
-        if not target:
+        target = route_cache_target()
+        if target is None:
             return None
         geometry = served_geometry(self.model_config.local_path)
         source = worker_source(target, self.module, geometry)

@@ -13,7 +13,6 @@ own routers, so a worker fetches only those (a layer-selected read, once per TP/
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -22,7 +21,13 @@ import torch
 
 from routereplay.domain.model_geometry import MoEGeometry
 from routereplay.domain.record import Record
-from routereplay.errors import InvalidArgument, NotFound
+from routereplay.domain.record_checks import (
+    MissingRecord,
+    absent_samples,
+    check_geometry,
+    first_turn_difference,
+)
+from routereplay.errors import NotFound
 
 MISSING_RECORD = ("error", "native")
 logger = logging.getLogger(__name__)
@@ -51,32 +56,31 @@ class RouteFetcher:
         source: Where records come from: ``fetch(sample_ids) -> list[Record | None]``, e.g.
             ``worker_source(...)`` (this stage's layers, once per TP/CP group) or a
             ``trainer.data.source.CacheSource`` (whole records).
-        geometry: The trained model's (``rollout.served_geometry``): records of another model
+        geometry: The trained model's (``contract.served_geometry``): records of another model
             are refused.
         missing: ``"error"`` (default) raises ``NotFound`` naming the ids; ``"native"`` leaves
             their rows zero with ``present`` False.
     """
 
     def __init__(self, source, geometry: MoEGeometry, missing: str = "error"):
-        if missing not in MISSING_RECORD:
-            raise ValueError(f"missing={missing!r}; expected one of {MISSING_RECORD}")
         self.source = source
         self.geometry = geometry
-        self.missing = missing
+        self.missing = MissingRecord(missing)
 
     def records(self, sample_ids: Sequence[str]) -> list[Record | None]:
         """This worker's records, in order (None where missing and ``missing="native"``)."""
         ids = [str(s) for s in sample_ids]
         records = self.source.fetch(ids)
-        absent = [s for s, r in zip(ids, records, strict=True) if r is None]
-        if absent and self.missing == "error":
+        absent = absent_samples(ids, records)
+        if absent and self.missing is MissingRecord.ERROR:
             raise NotFound(
                 f"no route record for sample(s) {absent} (expired, never written, or another "
                 "route cache); set missing='native' to train them with native routing"
             )
+        model = self.geometry.record
         for record in records:
             if record is not None:
-                _check_model(record, self.geometry.record)
+                check_geometry(record.geometry, model, record.sample_id, model.model_id or None)
         return records
 
     def routes(self, sample_ids: Sequence[str], input_ids, attention_mask=None) -> Routes:
@@ -136,21 +140,10 @@ class RouteFetcher:
         )
         if record is None:
             return out, 0, 0
-        common = min(n, record.num_tokens)
-        stored = torch.from_numpy(record.token_ids[:common].astype(np.int64))
-        differ = (tokens[:common].cpu() != stored).nonzero()
         rows = min(record.num_rows, n)
         diverged = 0
-        if len(differ):
-            at = int(differ[0])
-            first_turn_end = record.turns[0].token_end if record.turns else record.num_tokens
-            if at < first_turn_end - 1:
-                raise InvalidArgument(
-                    f"sample {sample_id!r}: the route record's tokens differ from the batch's at "
-                    f"position {at}, inside its first turn (tokens 0-{first_turn_end - 1}; "
-                    f"record {record.num_tokens} tokens, batch {n}): routes of another sample "
-                    "or of another tokenization"
-                )
+        at = first_turn_difference(record, tokens.cpu().numpy(), sample_id)
+        if at is not None:
             diverged = max(rows - at, 0)
             rows = min(rows, at)
             logger.log(
@@ -167,22 +160,6 @@ class RouteFetcher:
         routes = torch.from_numpy(record.routes[:rows].astype(np.int16))
         out[:rows, columns] = routes
         return out, rows, diverged
-
-
-def _check_model(record: Record, expected) -> None:
-    got = record.geometry
-    same = (got.moe_layers, got.topk, got.num_experts) == (
-        expected.moe_layers,
-        expected.topk,
-        expected.num_experts,
-    )
-    if not same or (got.model_id and expected.model_id and got.model_id != expected.model_id):
-        raise InvalidArgument(
-            f"sample {record.sample_id!r}: its routes are of model {got.model_id!r} (MoE layers "
-            f"{list(got.moe_layers)}, top-{got.topk} of {got.num_experts}); the trainer's is "
-            f"{expected.model_id!r} (MoE layers {list(expected.moe_layers)}, top-{expected.topk} "
-            f"of {expected.num_experts})"
-        )
 
 
 def native_where_missing(replay_mask: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
@@ -218,14 +195,14 @@ def worker_source(target: str, model, geometry: MoEGeometry, timeout_s: float = 
     routers, by one rank of each TP/CP group (the others receive the bytes over gloo).
 
     A collective over the world (every worker calls it, once): megatron's parallel state
-    must be initialised. ``target``: ``host:port`` (default ``$ROUTER_REPLAY_CACHE``).
+    must be initialised. ``target``: the route cache's ``host:port``.
     """
     from megatron.core import parallel_state as mpu
 
     from trainer.data.source import CacheSource
     from trainer.data.stage_reads import StageReads, group_reads
 
-    source = CacheSource(target or os.environ["ROUTER_REPLAY_CACHE"], timeout_s=timeout_s)
+    source = CacheSource(target, timeout_s=timeout_s)
     moe = geometry.record.moe_layers
     mine = router_layers(model)
     layers = None if len(mine) == len(moe) else [moe.index(layer) for layer in mine]

@@ -30,7 +30,8 @@ import sys
 from collections.abc import Callable
 from types import ModuleType
 
-from verl_integration.rollout import ID_FIELD, route_cache_replica, tag_request_id
+from verl_integration.contract import ID_FIELD
+from verl_integration.rollout import route_cache_replica, tag_request_id
 
 logger = logging.getLogger(__name__)
 

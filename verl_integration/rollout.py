@@ -28,26 +28,16 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
-import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from routereplay.domain.model_geometry import MoEGeometry, load_geometry
+from routereplay.domain.model_geometry import MoEGeometry
 from routereplay.domain.record import Record, Turn, TurnAppend
 from routereplay.errors import FailedPrecondition, InvalidArgument, NotFound
-
-ID_FIELD = "route_cache_id"
-"""``TokenOutput.extra_fields`` key under which the drop-in returns the sample's route cache id;
-verl's agent loop turns extra fields into ``non_tensor_batch`` columns of the same name."""
-
-
-def served_geometry(model_dir: str) -> MoEGeometry:
-    """The geometry of the model in ``model_dir`` (its ``config.json``), named by the folder's
-    name: what the rollout side writes and the trainer side checks records against."""
-    return load_geometry(model_dir, os.path.basename(os.path.normpath(model_dir)))
+from verl_integration.contract import ID_FIELD, route_cache_target, served_geometry
 
 
 def moe_columns(
@@ -283,23 +273,6 @@ def sample_of(request_id: str) -> str | None:
     return request_id[len(REQUEST_TAG) :].rsplit(":", 1)[0]
 
 
-def route_cache_target(rollout_config: Any) -> str:
-    """The route cache's ``host:port`` for a rollout server: verl's rollout config
-    (``actor_rollout_ref.rollout.custom.route_cache``), else ``$ROUTER_REPLAY_CACHE``.
-
-    Raises:
-        FailedPrecondition: neither is set.
-    """
-    custom = getattr(rollout_config, "custom", None) or {}
-    target = custom.get("route_cache") or os.environ.get("ROUTER_REPLAY_CACHE")
-    if not target:
-        raise FailedPrecondition(
-            "no route cache: set actor_rollout_ref.rollout.custom.route_cache=host:port in "
-            "verl's config (or ROUTER_REPLAY_CACHE in the rollout servers' environment)"
-        )
-    return target
-
-
 class RouteCacheGenerate:
     """Drop-in for verl's rollout server class: ``generate()`` writes the call's turn to the
     route cache and returns the output without routes, its sample id in ``extra_fields``.
@@ -308,7 +281,7 @@ class RouteCacheGenerate:
     ``route_cache_replica``). The sample id comes from the request id (``sample_of``); a request
     that carries none is refused (the plugin is not loaded in the agent loop's process, or
     ``full_determinism`` gives every sample one id). Aborted and empty outputs pass through
-    untouched. The route cache is ``route_cache_target(self.config)``; the geometry is read from
+    untouched. The route cache is ``contract.route_cache_target``'s; the geometry is read from
     the served model's ``config.json`` (``self.model_config.local_path``), unless
     ``route_writer`` is set first.
     """
@@ -319,9 +292,14 @@ class RouteCacheGenerate:
         if self.route_writer is None:
             from routereplay.rpc.client import AsyncRouteCacheClient
 
+            target = route_cache_target(getattr(self.config, "custom", None))
+            if target is None:
+                raise FailedPrecondition(
+                    "no route cache: set actor_rollout_ref.rollout.custom.route_cache=host:port "
+                    "in verl's config (or ROUTER_REPLAY_CACHE in the rollout servers' environment)"
+                )
             self.route_writer = TurnWriter(
-                AsyncRouteCacheClient(route_cache_target(self.config)),
-                served_geometry(self.model_config.local_path),
+                AsyncRouteCacheClient(target), served_geometry(self.model_config.local_path)
             )
         return self.route_writer
 

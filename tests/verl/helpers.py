@@ -272,7 +272,7 @@ def engine_batch(sample_ids: Sequence[str], tokens: Sequence[np.ndarray], v1: bo
     from tensordict.tensorclass import NonTensorData, NonTensorStack
     from verl.utils import tensordict_utils as tu
 
-    from verl_integration.rollout import ID_FIELD
+    from verl_integration.contract import ID_FIELD
 
     rows = [torch.as_tensor(np.asarray(t, dtype=np.int64)) for t in tokens]
     fields = {

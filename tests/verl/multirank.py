@@ -4,7 +4,7 @@
         --model-dir DIR --records FILE --cache HOST:PORT --out PREFIX
 
 Every rank builds the tiny model in the layout with verl's router replay patch, fetches its
-samples through ``verl_integration.trainer`` (``worker_source``: only its stage's MoE layers, one
+samples through ``verl_integration.fetch`` (``worker_source``: only its stage's MoE layers, one
 read per TP group), hands the field to verl's own align, mask and ``set_router_replay_data`` and
 forwards the THD-packed batch (megatron's pipeline schedule under PP2); a hook on each router
 checks every row it holds against the rollout's records (read from the records file the test
@@ -60,7 +60,7 @@ def run(args) -> dict:
     from trainer.layout.batch import PaddedBatch
     from trainer.parallel.world import init_world, model_overrides
     from trainer.reshard import Layout
-    from verl_integration.trainer import RouteFetcher, worker_source
+    from verl_integration.fetch import RouteFetcher, worker_source
 
     layout = Layout(**LAYOUTS[args.layout])
     world = init_world(layout)

@@ -33,7 +33,8 @@ from routereplay.dev.tiny_model import build_tiny_model
 from routereplay.rpc.client import RouteCacheClient
 from tests.verl.agent_server import StandInServer
 from tests.verl.cpu import needs_verl
-from verl_integration.rollout import ID_FIELD, RouteCacheGenerate, sample_of, served_geometry
+from verl_integration.contract import ID_FIELD, served_geometry
+from verl_integration.rollout import RouteCacheGenerate, sample_of
 
 needs_verl()
 
@@ -225,7 +226,7 @@ def _trained_routes(batch, route_cache, geometry) -> tuple[str, np.ndarray]:
 
     from trainer.data.source import CacheSource
     from verl_integration.engine import sample_ids
-    from verl_integration.trainer import RouteFetcher
+    from verl_integration.fetch import RouteFetcher
 
     data = batch.to_tensordict() if isinstance(batch, DataProto) else batch
     (sample,) = sample_ids(data)

@@ -22,8 +22,8 @@ from routereplay.errors import InvalidArgument
 from routereplay.rpc.client import AsyncRouteCacheClient, RouteCacheClient
 from tests.verl.cpu import needs_verl
 from tests.verl.helpers import geometry_of, token_output
+from verl_integration.contract import ID_FIELD
 from verl_integration.rollout import (
-    ID_FIELD,
     RouteCacheGenerate,
     TurnWriter,
     route_cache_replica,

@@ -45,7 +45,8 @@ from routereplay.errors import InvalidArgument
 from routereplay.rpc.client import RouteCacheClient
 from tests.verl.cpu import needs_verl
 from tests.verl.helpers import token_output
-from verl_integration.rollout import ID_FIELD, TurnWriter, served_geometry
+from verl_integration.contract import ID_FIELD, served_geometry
+from verl_integration.rollout import TurnWriter
 
 needs_verl()
 ROOT = Path(__file__).resolve().parents[2]

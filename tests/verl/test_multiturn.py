@@ -32,8 +32,8 @@ from tests.verl.helpers import (
 )
 from trainer.data.source import CacheSource
 from trainer.layout.batch import PaddedBatch
+from verl_integration.fetch import RouteFetcher
 from verl_integration.rollout import TurnWriter
-from verl_integration.trainer import RouteFetcher
 
 needs_verl()
 

@@ -31,8 +31,9 @@ from tests.verl.helpers import (
 )
 from trainer.data.source import CacheSource
 from trainer.layout.batch import PaddedBatch
-from verl_integration.rollout import ID_FIELD, TurnWriter, without_routes
-from verl_integration.trainer import RouteFetcher, native_where_missing
+from verl_integration.contract import ID_FIELD
+from verl_integration.fetch import RouteFetcher, native_where_missing
+from verl_integration.rollout import TurnWriter, without_routes
 
 needs_verl()
 
@@ -237,7 +238,7 @@ def test_records_of_another_model_are_refused_naming_the_sample(
     other = dataclasses.replace(geometry.record, num_experts=16, model_id="other")
     fetcher = RouteFetcher(CacheSource(route_cache), dataclasses.replace(geometry, record=other))
     sample = rollout[1]
-    with pytest.raises(InvalidArgument, match=f"{sample.sample_id}.*of 8.*top-2 of 16"):
+    with pytest.raises(InvalidArgument, match=f"{sample.sample_id}.*num_experts=8.*num_experts=16"):
         fetcher.routes(
             [sample.sample_id], nested([torch.from_numpy(sample.token_ids.astype(np.int64))])
         )
