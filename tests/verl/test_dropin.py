@@ -13,6 +13,7 @@ import asyncio
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -171,8 +172,6 @@ class _Replica:
 def test_only_the_actors_replicas_with_replay_are_converted(kind, replay, converted):
     """Fault 5: verl builds teacher, reward and generation servers from the same registered
     replica class; only the actor's rollout with routing replay stores routes."""
-    from types import SimpleNamespace
-
     replica = route_cache_replica(_Replica, StandInServer)(
         0,
         SimpleNamespace(enable_rollout_routing_replay=replay),
@@ -183,3 +182,33 @@ def test_only_the_actors_replicas_with_replay_are_converted(kind, replay, conver
     assert (RouteCacheGenerate in mro) == converted
     if converted:  # the mix-in's generate() runs first and calls the server's
         assert mro.index(RouteCacheGenerate) < mro.index(StandInServer)
+
+
+def test_the_documented_settings_compose_in_verls_config():
+    """docs/verl.md's overrides, composed by hydra with verl's own trainer config: the rollout
+    server's ``RolloutConfig`` (what ``RouteCacheGenerate`` reads as ``self.config``) names the
+    route cache, and the job's runtime environment carries it to every actor."""
+    import verl
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from verl_integration.contract import route_cache_target
+    from verl_integration.rollout import converts
+
+    overrides = [
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay=True",
+        "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
+        "+actor_rollout_ref.rollout.custom.route_cache=route-cache:50051",
+        "+ray_kwargs.ray_init.runtime_env.env_vars.ROUTER_REPLAY_CACHE=route-cache:50051",
+    ]
+    with initialize_config_dir(config_dir=f"{verl.__path__[0]}/trainer/config", version_base=None):
+        config = compose(config_name="ppo_megatron_trainer", overrides=overrides)
+    rollout = omega_conf_to_dataclass(config.actor_rollout_ref.rollout)
+    assert route_cache_target(rollout.custom) == "route-cache:50051"
+    assert (
+        config.ray_kwargs.ray_init.runtime_env.env_vars.ROUTER_REPLAY_CACHE == "route-cache:50051"
+    )
+    assert config.actor_rollout_ref.actor.megatron.router_replay.mode == "R3"
+    replica = SimpleNamespace(config=rollout, is_reward_model=False, is_teacher_model=False)
+    assert converts(replica)
