@@ -17,7 +17,13 @@ On loopback, bounded in time and operations:
   announces it on the ready feed), through the blocking client and its default retries;
 - one reader per shard, reading back samples of that shard already acknowledged;
 - two ready-feed consumer processes (``fault_consumer.py``) that train a stand-in step,
-  settle, then commit.
+  settle, then commit;
+- the trainer's own feed path (``fault_trainer.py``: ``FeedPlans``, ``CacheSource``, a
+  checkpoint every 3 steps, ``FeedPlans.ack``; a stand-in step) on a consumer group of its
+  own, killed twice (SIGKILL between a step's checkpoint and its acknowledgement, and between
+  an acknowledgement and the next checkpoint) and restarted, as a supervisor would; the
+  checker counts its steps trained, committed (the final weights descend from them) and
+  discarded.
 
 Faults on a schedule (``SCHEDULES``), each on a component (a shard, route cache 0, consumer
 c0, or everything) and injected only while an operation on that component is in flight; each
@@ -33,7 +39,7 @@ the longest write gap per shard, p50/p99 latency outside and during each fault, 
 time per fault, and a PNG timeline.
 
 Usage: python benchmarks/bench_faults.py [--short] [--wait-replicas N] [--drop-ack]
-                                         [--mutate early-ack|commit-before-settle|no-aof]
+                    [--mutate early-ack|commit-before-settle|no-aof|trainer-early-ack]
 """
 
 from __future__ import annotations
@@ -91,7 +97,8 @@ OP_TIMEOUT_S = 5.0
 IN_FLIGHT_S = 0.5
 RECOVERY_WINDOW_S = 5.0  # an operation counts towards a fault's recovery up to this after heal
 READY_STREAM = "rr:ready"  # the route cache's default ready feed
-MUTATIONS = ("early-ack", "commit-before-settle", "no-aof")
+MUTATIONS = ("early-ack", "commit-before-settle", "no-aof", "trainer-early-ack")
+TRAINER_POINTS = {"trainer_kill_ack": "after_ack", "trainer_kill_step": "after_checkpoint"}
 
 
 @dataclass
@@ -132,6 +139,9 @@ SCHEDULES = {
         (62, "proxy_delay", 6.0),
         (74, "proxy_drop", 2.0),
         (82, "wait_only", 1),
+        # The trainer's faults run on a schedule of their own, beside the others.
+        (14, "trainer_kill_ack", 0),
+        (50, "trainer_kill_step", 0),
     ],
     True: [
         (2, "cache_kill", 1.5),
@@ -141,6 +151,8 @@ SCHEDULES = {
         (18, "proxy_delay", 2.0),
         (21, "proxy_drop", 1.5),
         (24, "wait_only", 1),
+        (4, "trainer_kill_ack", 0),
+        (14, "trainer_kill_step", 0),
     ],
 }
 # The component each fault hits (its traffic floor is counted there).
@@ -148,6 +160,8 @@ COMPONENT = {
     "cache_kill": "cache0",
     "consumer_stop": "c0",
     "proxy_delay": "all",
+    "trainer_kill_ack": "trainer",
+    "trainer_kill_step": "trainer",
 }
 
 
@@ -181,6 +195,10 @@ class Environment:
         self.caches: list[subprocess.Popen | None] = [None, None]
         self.consumers: list[subprocess.Popen] = []
         self.stop_file = workdir / "stop"
+        self.trainer: subprocess.Popen | None = None
+        self.trainer_fault = False  # a trainer kill in progress: the supervisor waits
+        self.pause_dir = workdir / "pause"
+        self.pause_dir.mkdir()
 
     @property
     def target(self) -> str:
@@ -287,6 +305,31 @@ class Environment:
             with open(self.workdir / f"c{i}.log", "ab") as log:
                 self.consumers.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT))
 
+    def start_trainer(self) -> None:
+        """The trainer's feed path (``fault_trainer.py``), resuming from its checkpoints."""
+        args = [
+            sys.executable,
+            str(ROOT / "benchmarks" / "fault_trainer.py"),
+            "--target",
+            self.target,
+            "--history",
+            str(self.workdir / "trainer.jsonl"),
+            "--checkpoint-dir",
+            str(self.workdir / "checkpoints"),
+            "--pause-dir",
+            str(self.pause_dir),
+            "--stop-file",
+            str(self.stop_file),
+            "--start",
+            repr(self.start),
+            "--step-s",
+            "0.02",
+        ]
+        if self.config.mutate == "trainer-early-ack":
+            args += ["--mutate", "early-ack"]
+        with open(self.workdir / "trainer.log", "ab") as log:
+            self.trainer = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+
     def pair(self, shard: int) -> tuple[RedisProcess, RedisProcess]:
         return self.masters[shard], self.replicas[shard]
 
@@ -334,7 +377,9 @@ class Environment:
 
     def stop(self) -> None:
         self.stop_file.touch()
-        for proc in self.consumers:
+        for proc in [*self.consumers, self.trainer]:
+            if proc is None:
+                continue
             try:
                 proc.wait(20)
             except subprocess.TimeoutExpired:
@@ -597,6 +642,8 @@ def inject(env: Environment, name: str, value: float, mark) -> dict:
                 f"{'refused' if refused else 'answered'}"
             )
         return {"node": victim.port, "refused_s": value, "reset": reset}
+    if name in TRAINER_POINTS:
+        return kill_trainer(env, name, mark)
     if name == "wait_only":
         shard = int(value)
         victim = env.master_of(shard)
@@ -620,6 +667,78 @@ def inject(env: Environment, name: str, value: float, mark) -> dict:
             "replica_linked_s": round(time.monotonic() - started, 2),
         }
     raise ValueError(name)
+
+
+def kill_trainer(env: Environment, name: str, mark) -> dict:
+    """SIGKILL the trainer where ``name`` says (``TRAINER_POINTS``: it stops itself there when
+    asked), start it again, and heal once the new process has taken a batch."""
+    point = TRAINER_POINTS[name]
+    log = env.workdir / "trainer.jsonl"
+    env.trainer_fault = True
+    try:
+        proc = env.trainer
+        (env.pause_dir / point).touch()
+        wait_until(
+            lambda: proc.poll() is not None or _process_state(proc) == "T",
+            60,
+            f"the trainer's stop at {point}",
+        )
+        last = _last_entry(log) or {}
+        if proc.poll() is not None or last.get("op") != "paused" or last.get("point") != point:
+            raise RuntimeError(f"the trainer did not stop at {point}: {last}, rc {proc.poll()}")
+        mark()
+        proc.kill()
+        if proc.wait() != -signal.SIGKILL:
+            raise RuntimeError(f"the trainer ended with {proc.returncode}, not by SIGKILL")
+        lives = _count_ops(log, "resume")
+        env.start_trainer()
+        wait_until(lambda: _count_ops(log, "resume") > lives, 120, "the trainer's restart")
+        resumed = _last_of(log, "resume")
+        wait_until(lambda: _last_entry(log)["op"] not in ("resume", "ack"), 60, "a new batch")
+        return {
+            "point": point,
+            "step": last["step"],
+            "resumed_after": resumed["steps_done"],
+            "discarded_steps": resumed["discarded_steps"],
+        }
+    finally:
+        (env.pause_dir / point).unlink(missing_ok=True)
+        env.trainer_fault = False
+
+
+def supervise(env: Environment, history: History, stop: threading.Event) -> None:
+    """Restart the trainer when it dies on its own (a job's supervisor), until the end."""
+    while not stop.wait(0.5):
+        proc = env.trainer
+        if env.trainer_fault or env.stop_file.exists() or proc is None or proc.poll() is None:
+            continue
+        history.log("trainer_exit", rc=proc.returncode)
+        env.start_trainer()
+
+
+def _lines(path: Path) -> list[dict]:
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
+def _last_entry(path: Path) -> dict | None:
+    lines = _lines(path)
+    return lines[-1] if lines else None
+
+
+def _count_ops(path: Path, op: str) -> int:
+    return sum(e["op"] == op for e in _lines(path))
+
+
+def _last_of(path: Path, op: str) -> dict:
+    return [e for e in _lines(path) if e["op"] == op][-1]
 
 
 def _last_op(path: Path) -> str | None:
@@ -811,7 +930,8 @@ def figures(history: list[dict], config: FaultConfig, after_s: float = 3.0) -> d
     outside and during each fault (its span plus ``after_s``), recovery per fault, and the
     feed's publish-to-train delay."""
     ops = [e for e in history if e["op"] in WRITES]
-    faults = [e for e in history if e["op"] == "fault"]
+    # The trainer's faults run beside the others and touch no write: not in the attribution.
+    faults = [e for e in history if e["op"] == "fault" and e["name"] not in TRAINER_POINTS]
     spans = [(f["t"], f["end"] + after_s) for f in faults]
     outside = [e["ms"] for e in ops if e["ok"] and not any(a <= e["t"] < b for a, b in spans)]
     base_p99 = float(np.percentile(outside, 99)) if outside else 100.0
@@ -959,21 +1079,33 @@ def run(config: FaultConfig, out: Path, png: Path | None = None) -> dict:
     env.traffic = Traffic()
     stop = threading.Event()
     prefix = f"fr-{uuid.uuid4().hex[:6]}"
-    consumer_logs = [workdir / "c0.jsonl", workdir / "c1.jsonl"]
+    consumer_logs = [workdir / "c0.jsonl", workdir / "c1.jsonl", workdir / "trainer.jsonl"]
     try:
         env.start_redis()
         env.start_cache(0)
         env.start_cache(1)
         env.start_consumers()
+        env.start_trainer()
         t0 = history.now()
         plan = soak(config.duration_s, config.seed) if config.schedule == "soak" else None
         schedule = [(t0 + at, name, value) for at, name, value in plan or SCHEDULES[config.short]]
-        chaos = threading.Thread(target=nemesis, args=(env, history, schedule, stop))
-        chaos.start()
+        # The trainer's faults on a nemesis of their own (a restart takes 10-20 s).
+        chaos_threads = [
+            threading.Thread(
+                target=nemesis,
+                args=(env, history, [x for x in schedule if (x[1] in TRAINER_POINTS) == t], stop),
+            )
+            for t in (False, True)
+        ]
+        chaos_threads.append(threading.Thread(target=supervise, args=(env, history, stop)))
+        for thread in chaos_threads:
+            thread.start()
         healed: list[float] = []
 
         def deadline() -> bool:  # the writers stop: time is up and every fault is healed
-            if chaos.is_alive() or history.now() < t0 + config.duration_s:
+            if any(t.is_alive() for t in chaos_threads[:2]):
+                return False
+            if history.now() < t0 + config.duration_s:
                 return False
             healed[:] = healed or [history.now()]
             return history.now() >= healed[0] + config.tail_s
@@ -1021,20 +1153,23 @@ def run(config: FaultConfig, out: Path, png: Path | None = None) -> dict:
             thread.start()
         for thread in load:
             thread.join()
-        chaos.join()
+        for thread in chaos_threads[:2]:
+            thread.join()
         published = {
             e["sample"] for e in history.entries if e["op"] == "append" and e["ok"] and e["final"]
         }
-        drain_deadline = time.monotonic() + 30
+        drain_deadline = time.monotonic() + 60
         while time.monotonic() < drain_deadline:  # every published sample trained, or give up
-            trained = {e["sample"] for e in load_history(consumer_logs) if e["op"] == "train"}
-            if published <= trained:
+            done = load_history(consumer_logs)
+            trained = {e["sample"] for e in done if e["op"] == "train"}
+            stepped = {s for e in done if e["op"] == "step" for s in e["samples"]}
+            if published <= trained and published <= stepped:
                 break
             time.sleep(0.5)
         time.sleep(config.claim_idle_ms / 1000 + 1)  # room for a late double train to show
         env.stop_file.touch()
-        for proc in env.consumers:
-            proc.wait(30)
+        for proc in [*env.consumers, env.trainer]:
+            proc.wait(60)
         attempted = sorted({e["sample"] for e in history.entries if e["op"] in WRITES})
         final = final_entries(read_stored(env.target)(attempted))
         feed = env.feed_state()

@@ -198,8 +198,49 @@ def on_component(component: str, e: dict) -> bool:
 
 
 def is_consumer(component: str) -> bool:
-    """``c0``, ``c1``: a consumer process."""
-    return component[:1] == "c" and component[1:].isdigit()
+    """``c0``, ``c1``: a consumer process; ``trainer``: the trainer's feed path."""
+    return (component[:1] == "c" and component[1:].isdigit()) or component == TRAINER
+
+
+TRAINER = "trainer"  # the trainer process's ``proc`` and component (``fault_trainer.py``)
+
+
+def trainer_steps(history: list[dict]) -> dict | None:
+    """The trainer's steps (``fault_trainer.py``), split into those the final weights descend
+    from (committed) and those trained by a process that was killed before a checkpoint
+    covered them (discarded); None when the history has no trainer.
+
+    Each process logs ``resume`` (the steps its checkpoint covers) first, then ``step``s; the
+    last one ``finish``. Walking back from the end: the last process's steps up to its finish
+    are committed, those before its resume point come from the process before, and so on."""
+    lives: list[dict] = []
+    for e in history:
+        if e["proc"] != TRAINER:
+            continue
+        if e["op"] == "resume":
+            lives.append({"from": e["steps_done"], "steps": [], "to": None, "saved": 0})
+        elif lives and e["op"] == "step":
+            lives[-1]["steps"].append(e)
+        elif lives and e["op"] == "checkpoint":
+            lives[-1]["saved"] = e["steps_done"]
+        elif lives and e["op"] == "finish":
+            lives[-1]["to"] = e["steps_done"]
+    if not lives:
+        return None
+    committed: list[dict] = []
+    discarded: list[dict] = []
+    bound = lives[-1]["to"] if lives[-1]["to"] is not None else lives[-1]["saved"]
+    for life in reversed(lives):
+        for e in life["steps"]:
+            (committed if life["from"] <= e["step"] < bound else discarded).append(e)
+        bound = min(bound, life["from"])
+    committed.sort(key=lambda e: e["step"])
+    return {
+        "committed": committed,
+        "discarded": discarded,
+        "processes": len(lives),
+        "finished": lives[-1]["to"] is not None,
+    }
 
 
 def floor(history: list[dict], fault: dict) -> dict:
@@ -214,18 +255,26 @@ def floor(history: list[dict], fault: dict) -> dict:
         for e in history:
             if e["t"] >= at or e["proc"] != component:
                 continue
+            if e["op"] == "resume":  # a new process: what the old one held is back on the feed
+                held.clear()
+                continue
             if e["op"] == "deliver":
                 held.update(dict.fromkeys(e["samples"], e["t"]))
             elif e["op"] in ("ack", "duplicate", "dropped_ack") and e.get("ok", True):
                 for s in e["samples"]:
                     held.pop(s, None)
+
+        # The trainer has a consumer group of its own: only its acknowledgements count.
+        def mine(e: dict) -> bool:
+            return (e["proc"] == TRAINER) == (component == TRAINER)
+
         settled = {
             s
             for e in history
-            if e["op"] == "ack" and e.get("ok", True) and e["t"] >= at
+            if e["op"] == "ack" and e.get("ok", True) and e["t"] >= at and mine(e)
             for s in e["samples"]
         }
-        started = [e for e in history if e["op"] == "deliver" and at <= e["t"] <= end]
+        started = [e for e in history if e["op"] == "deliver" and at <= e["t"] <= end and mine(e)]
         return {
             "fault": fault["name"],
             "component": component,
@@ -282,6 +331,11 @@ class Verdict:
     faults_not_injected: list[str] = field(default_factory=list)  # injection/effect failed
     faults_without_traffic: list[str] = field(default_factory=list)  # a zero in its floor
     feed_left_pending: list[str] = field(default_factory=list)  # entries pending at the end
+    # The trainer (its committed steps: those the final weights descend from).
+    trainer_trained_twice: list[str] = field(default_factory=list)
+    trainer_never_trained: list[str] = field(default_factory=list)  # published, in no step
+    trainer_trained_wrong: list[str] = field(default_factory=list)
+    trainer_unfinished: list[str] = field(default_factory=list)  # no final checkpoint
     floors: list[dict] = field(default_factory=list)
     counts: dict = field(default_factory=dict)
 
@@ -296,6 +350,10 @@ class Verdict:
         "faults_not_injected",
         "faults_without_traffic",
         "feed_left_pending",
+        "trainer_trained_twice",
+        "trainer_never_trained",
+        "trainer_trained_wrong",
+        "trainer_unfinished",
     )
 
     @property
@@ -374,7 +432,7 @@ def check(
     for e in history:
         if e["op"] == "train":
             trained[e["sample"]].append(e)
-        elif e["op"] == "ack" and e.get("ok", True):
+        elif e["op"] == "ack" and e.get("ok", True) and e["proc"] != TRAINER:
             ack_samples.update(e["samples"])
     published = {s for s, n in acked.items() if n == turns_per_sample}
     for sample_id, events in sorted(trained.items()):
@@ -385,6 +443,19 @@ def check(
         if not ack_samples[sample_id]:
             verdict.trained_unacked.append(sample_id)
     verdict.never_trained = sorted(published - set(trained))
+
+    steps = trainer_steps(history)
+    if steps is not None:
+        in_steps: Counter[str] = Counter()
+        for e in steps["committed"]:
+            in_steps.update(e["samples"])
+            for sample_id, found in zip(e["samples"], e["digests"], strict=True):
+                if found != _sent(seed, sample_id, turns_per_sample):
+                    verdict.trainer_trained_wrong.append(sample_id)
+        verdict.trainer_trained_twice = sorted(s for s, n in in_steps.items() if n > 1)
+        verdict.trainer_never_trained = sorted(published - set(in_steps))
+        if not steps["finished"]:
+            verdict.trainer_unfinished.append("the last trainer process did not finish")
 
     faults = [e for e in history if e["op"] == "fault"]
     for f in faults:
@@ -413,6 +484,15 @@ def check(
         ),
         "faults": ops["fault"],
     }
+    if steps is not None:
+        verdict.counts["trainer steps trained / committed / discarded"] = (
+            f"{len(steps['committed']) + len(steps['discarded'])} / {len(steps['committed'])}"
+            f" / {len(steps['discarded'])}"
+        )
+        verdict.counts["trainer samples in discarded steps"] = sum(
+            len(e["samples"]) for e in steps["discarded"]
+        )
+        verdict.counts["trainer processes"] = steps["processes"]
     return verdict
 
 

@@ -170,6 +170,48 @@ def test_a_stopped_consumers_floor_is_the_batch_it_held():
     assert held["in_flight"] == 0  # it had settled its batch before the stop
 
 
+def trainer_life(steps_done, steps, finish=None, t=10.0):
+    """One trainer process's history: resumed after ``steps_done`` steps, then ``steps`` as
+    (step, samples), then (``finish``) its final checkpoint."""
+    out = [{"t": t, "proc": "trainer", "op": "resume", "steps_done": steps_done}]
+    for step, samples in steps:
+        digests = [digest(expected(SEED, s, 3)) for s in samples]
+        out.append(
+            {"t": t, "proc": "trainer", "op": "step", "step": step, "samples": samples,
+             "digests": digests}
+        )  # fmt: skip
+    if finish is not None:
+        out.append({"t": t, "proc": "trainer", "op": "finish", "steps_done": finish})
+    return out
+
+
+def test_the_trainers_committed_steps_are_checked():
+    """Steps of a killed trainer past the checkpoint it resumed from are discarded, not
+    committed: a sample in two committed steps is trained twice, a published sample in no
+    committed step never trained (even if a discarded step trained it)."""
+    whole = {s: expected(SEED, s, 3) for s in "abcd"}
+    history = []
+    for s in "abcd":
+        history += published(s) + trained(s)
+    # killed after step 2 (checkpoint after 2 steps): step 2 ("c") is discarded, trained again
+    clean = trainer_life(0, [(0, ["a"]), (1, ["b"]), (2, ["c"])])
+    clean += trainer_life(2, [(2, ["c"]), (3, ["d"])], finish=4, t=20.0)
+    found = verdict(history + clean, whole)
+    assert found.ok, found.lines()
+    assert found.counts["trainer steps trained / committed / discarded"] == "5 / 4 / 1"
+    # acknowledged "c" with step 2, resumed after 2 steps: "c" is never offered again
+    lost = trainer_life(0, [(0, ["a"]), (1, ["b"]), (2, ["c"])])
+    lost += trainer_life(2, [(2, ["d"])], finish=3, t=20.0)
+    found = verdict(history + lost, whole)
+    assert found.trainer_never_trained == ["c"] and not found.trainer_trained_twice
+    # killed after step 1's checkpoint, before its acknowledgement: "b" offered again
+    twice = trainer_life(0, [(0, ["a"]), (1, ["b"])])
+    twice += trainer_life(2, [(2, ["b"]), (3, ["c"]), (4, ["d"])], finish=5, t=20.0)
+    found = verdict(history + twice, whole)
+    assert found.trainer_trained_twice == ["b"] and not found.trainer_never_trained
+    assert verdict(history + twice[:-1], whole).trainer_unfinished
+
+
 def test_reads_and_the_feed_left_pending_are_checked():
     whole = {"a": expected(SEED, "a", 3)}
     history = published("a") + trained("a")
@@ -244,9 +286,14 @@ def test_short_fault_run_passes_the_checker_with_a_traffic_floor_per_fault(tmp_p
     results = run(FaultConfig(duration_s=24.0, short=True), tmp_path)
     print(report(results))
     assert results["verdict"], "\n".join(results["verdict_lines"])
-    names = [f["fault"] for f in results["faults"]]
-    assert "wait_only" in names and len(names) == 7
+    names = [f["fault"] for f in results["floors"]]
+    assert "wait_only" in names and len(names) == 9
+    assert {"trainer_kill_ack", "trainer_kill_step"} <= set(names)
     assert all(f["started"] and f["in_flight"] and f["acknowledged"] for f in results["floors"])
+    # the trainer was killed twice and restarted; the kill after an acknowledgement, before
+    # the next checkpoint, discarded at least one step it had trained
+    assert results["counts"]["trainer processes"] >= 3
+    assert results["counts"]["trainer samples in discarded steps"] >= 1
     assert results["counts"]["samples published (final turn acknowledged)"] > 60
     # the checker command, from the history file alone, gives the same verdict
     found, _ = check_file(tmp_path / "faults-history.jsonl")

@@ -50,6 +50,7 @@ class Resumed:
     no acknowledgement was logged), and every sample and group key the checkpoint covers."""
 
     entries: list[str] = field(default_factory=list)
+    entry_samples: list[str] = field(default_factory=list)  # the samples of ``entries``
     samples: list[str] = field(default_factory=list)
     groups: list[tuple[str, str]] = field(default_factory=list)
     discarded_steps: list[int] = field(default_factory=list)
@@ -80,6 +81,7 @@ class FeedLog:
         for e in steps:
             if e["step"] > acked:
                 found.entries += e["entries"]
+                found.entry_samples += e["samples"]
             found.samples += e["samples"]
             found.groups += [tuple(g) for g in e["groups"]]
         found.discarded_steps = sorted(

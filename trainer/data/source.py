@@ -264,6 +264,7 @@ class FeedPlans:
         # The step the next batch is for, the next step ``ack`` reports, the steps acknowledged.
         self.step = self._reported = self._acked = 0
         self.discarded_steps: list[int] = []  # trained by a killed job, not checkpointed
+        self.resumed = None  # what the feed log said at the start (``feed_log.Resumed``)
         if dp.lead:
             from routereplay.rpc.client import RouteCacheClient
             from routereplay.rpc.ready import ReadyConsumer
@@ -286,6 +287,7 @@ class FeedPlans:
                 resumed = self.log.resume(done)
                 self.consumer.covered(resumed.entries, resumed.samples, resumed.groups)
                 self.discarded_steps = resumed.discarded_steps
+                self.resumed = resumed
                 self.step = self._reported = self._acked = done
 
     def __iter__(self) -> Iterator[BatchPlan]:
@@ -334,7 +336,9 @@ class FeedPlans:
         through = min(through, self._reported)
         steps = [s for s in sorted(self.handed_out) if self._acked <= s < through]
         if steps:
-            self.consumer.ack([g for s in steps for g in self.handed_out.pop(s)])
+            self.consumer.ack([g for s in steps for g in self.handed_out[s]])
+            for s in steps:  # once acknowledged: a failed call is tried again by the next
+                del self.handed_out[s]
             if self.log is not None:
                 self.log.acked(steps[-1])
             self._acked = steps[-1] + 1
