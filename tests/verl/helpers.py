@@ -295,3 +295,30 @@ def engine_batch(sample_ids: Sequence[str], tokens: Sequence[np.ndarray], v1: bo
         temperature=1.0,
     )
     return data
+
+
+def write_turns(writer, sample_id, policies, prompt, tool_tokens, new_tokens=4, prefix="call"):
+    """One sample whose turn ``v`` policy ``policies[v]`` generated (the transformers rollout of
+    the growing history: ``new_tokens`` per call, ``tool_tokens[v]`` answered after it), each
+    call written through the rollout seam (``writer``: a ``TurnWriter``).
+
+    Returns:
+        Each call's record (the history so far plus its tokens, every row by its policy).
+    """
+    from routereplay.dev.hf_rollout import rollout_records
+
+    history, calls = list(prompt), []
+    for version, model_dir in enumerate(policies):
+        call = rollout_records(
+            model_dir,
+            [history],
+            group_size=1,
+            new_tokens=new_tokens,
+            seed=version,
+            prefix=f"{prefix}{version}",
+        )[0]
+        writer.write(sample_id, history, token_output(call, len(history), version))
+        calls.append(call)
+        if version + 1 < len(policies):
+            history = call.token_ids.tolist() + list(tool_tokens[version])
+    return calls

@@ -44,7 +44,7 @@ from routereplay.domain.record_file import save_records
 from routereplay.errors import InvalidArgument
 from routereplay.rpc.client import RouteCacheClient
 from tests.verl.cpu import needs_verl
-from tests.verl.helpers import token_output
+from tests.verl.helpers import token_output, write_turns
 from verl_integration.contract import ID_FIELD, served_geometry
 from verl_integration.rollout import TurnWriter
 
@@ -159,7 +159,6 @@ def engine_records(tiny_model_dir, route_cache, tmp_path_factory):
     policies = [tiny_model_dir] + [
         build_tiny_model(tmp_path_factory.mktemp(f"eng-policy{v}"), seed=v) for v in (1, 2)
     ]
-    history, calls = list(PROMPT), []
     one_turn = rollout_records(
         tiny_model_dir,
         random_prompts(1, [6], 512, seed=9),
@@ -170,18 +169,7 @@ def engine_records(tiny_model_dir, route_cache, tmp_path_factory):
     )
     with RouteCacheClient(route_cache) as client:
         writer = TurnWriter(client, geometry)
-        for version, model_dir in enumerate(policies):
-            call = rollout_records(
-                model_dir,
-                [history],
-                group_size=1,
-                new_tokens=4,
-                seed=version,
-                prefix=f"eng-call{version}",
-            )[0]
-            writer.write(SAMPLE, history, token_output(call, len(history), version))
-            calls.append(call)
-            history = call.token_ids.tolist() + (TOOL_TOKENS[version] if version < 2 else [])
+        calls = write_turns(writer, SAMPLE, policies, PROMPT, TOOL_TOKENS, prefix="eng-call")
         for r in one_turn:
             start = r.turns[0].generated_start
             writer.write(r.sample_id, r.token_ids[:start].tolist(), token_output(r, start))

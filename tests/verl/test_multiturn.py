@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 
-from routereplay.dev.hf_rollout import rollout_records
 from routereplay.dev.tiny_model import build_tiny_model
 from routereplay.rpc.client import RouteCacheClient
 from tests.verl.cpu import needs_verl
@@ -27,8 +26,8 @@ from tests.verl.helpers import (
     geometry_of,
     nested,
     replay_r3,
-    token_output,
     verl_model,
+    write_turns,
 )
 from trainer.data.source import CacheSource
 from trainer.layout.batch import PaddedBatch
@@ -51,22 +50,10 @@ def calls(tiny_model_dir, tmp_path_factory, route_cache):
         build_tiny_model(tmp_path_factory.mktemp(f"policy{v}"), seed=v) for v in (1, 2)
     ]
     geometry = geometry_of(tiny_model_dir)
-    history, records = list(PROMPT), []
     with RouteCacheClient(route_cache) as client:
-        writer = TurnWriter(client, geometry)
-        for version, model_dir in enumerate(policies):
-            record = rollout_records(
-                model_dir,
-                [history],
-                group_size=1,
-                new_tokens=NEW_TOKENS,
-                seed=version,
-                prefix=f"call{version}",
-            )[0]
-            writer.write(SAMPLE, history, token_output(record, len(history), version))
-            records.append(record)
-            history = record.token_ids.tolist() + (TOOL_TOKENS[version] if version < 2 else [])
-    return records
+        return write_turns(
+            TurnWriter(client, geometry), SAMPLE, policies, PROMPT, TOOL_TOKENS, NEW_TOKENS
+        )
 
 
 def _per_turn(calls) -> np.ndarray:
