@@ -218,7 +218,9 @@ def trainer_steps(history: list[dict]) -> dict | None:
         if e["proc"] != TRAINER:
             continue
         if e["op"] == "resume":
-            lives.append({"from": e["steps_done"], "steps": [], "to": None, "saved": 0})
+            lives.append(
+                {"from": e["steps_done"], "steps": [], "to": None, "saved": e["steps_done"]}
+            )
         elif lives and e["op"] == "step":
             lives[-1]["steps"].append(e)
         elif lives and e["op"] == "checkpoint":
@@ -248,7 +250,8 @@ def floor(history: list[dict], fault: dict) -> dict:
     injection (``t``) and its heal (``end``), in flight at the injection, and of those two,
     acknowledged. A stopped consumer (component ``c0``): the samples it held (delivered, not
     settled) when it was stopped, the feed's deliveries while it was stopped, and how many of
-    the held samples were then settled (by any consumer)."""
+    the held samples were settled after they were handed out (by any consumer of its group;
+    the trainer, killed and restarted: its own group)."""
     at, end, component = fault["t"], fault["end"], fault.get("component", "all")
     if is_consumer(component):
         held: dict[str, float] = {}
@@ -268,10 +271,13 @@ def floor(history: list[dict], fault: dict) -> dict:
         def mine(e: dict) -> bool:
             return (e["proc"] == TRAINER) == (component == TRAINER)
 
+        # Settled after they were handed out (a slow consumer's batch may have been claimed
+        # and settled by the other one before the stop).
+        since = min(held.values(), default=at)
         settled = {
             s
             for e in history
-            if e["op"] == "ack" and e.get("ok", True) and e["t"] >= at and mine(e)
+            if e["op"] == "ack" and e.get("ok", True) and e["t"] >= since and mine(e)
             for s in e["samples"]
         }
         started = [e for e in history if e["op"] == "deliver" and at <= e["t"] <= end and mine(e)]
