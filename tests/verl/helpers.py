@@ -322,3 +322,25 @@ def write_turns(writer, sample_id, policies, prompt, tool_tokens, new_tokens=4, 
         if version + 1 < len(policies):
             history = call.token_ids.tolist() + list(tool_tokens[version])
     return calls
+
+
+def torchrun(layout: str, model_dir, records, cache: str, out, tails=None):
+    """``tests.verl.multirank`` on two gloo ranks (torchrun): ``layout`` over the records file
+    (the oracle), the route cache at ``cache``; each rank writes ``{out}.rank{N}.json``."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [
+        shutil.which("torchrun", path=str(Path(sys.executable).parent)),
+        *("--standalone", "--nproc-per-node", "2", "-m", "tests.verl.multirank"),
+        *("--layout", layout, "--model-dir", str(model_dir), "--records", str(records)),
+        *("--cache", cache, "--out", str(out)),
+        *(("--tails", json.dumps(tails)) if tails is not None else ()),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240)

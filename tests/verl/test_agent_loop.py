@@ -259,14 +259,29 @@ def _check_record(record, tokens, calls, geometry):
     assert not np.array_equal(last, expected)
 
 
+@pytest.fixture(scope="module")
+def agent_runs(ray_local, setup, route_cache):
+    """The three-turn tool sample through verl's V0 and V1 agent-loop workers, each over its own
+    server: ``{path: (the trainer's batch, the server's calls)}``, run on first use."""
+    runs = {}
+
+    def run(path):
+        if path not in runs:
+            server = _server(ray_local, setup, route_cache)
+            runner = _run_v0 if path == "V0" else _run_v1
+            batch = runner(setup, _client(ray_local, setup, server))
+            runs[path] = batch, ray_local.get(server.calls.remote())
+        return runs[path]
+
+    return run
+
+
 @pytest.mark.parametrize("path", ["V0", "V1"])
 def test_three_tool_turns_land_in_the_record_the_trainer_fetches(
-    ray_local, setup, route_cache, tiny_model_dir, path
+    agent_runs, setup, route_cache, path
 ):
     geometry = served_geometry(setup.policies[0])
-    server = _server(ray_local, setup, route_cache)
-    batch = (_run_v0 if path == "V0" else _run_v1)(setup, _client(ray_local, setup, server))
-    calls = ray_local.get(server.calls.remote())
+    batch, calls = agent_runs(path)
     assert len(calls) == 3  # three assistant turns, the tool's answers between them
     # verl sent a fresh request id every call; each carried the agent loop's one sample id,
     # which the trainer's batch holds (the first call's extra_fields, as verl keeps them).
@@ -278,6 +293,36 @@ def test_three_tool_turns_land_in_the_record_the_trainer_fetches(
         record = client.read(sample)
     _check_record(record, _sequence(batch), calls, geometry.record)
     np.testing.assert_array_equal(trained, _expected_rows(calls, geometry.record))
+
+
+@pytest.mark.slow
+def test_the_agent_loops_sample_is_replayed_by_verls_engine_under_pp2(
+    agent_runs, setup, route_cache, tmp_path
+):
+    """The V1 run's sample, from its record in the route cache, trained by verl's engine path
+    (``RouteCacheEngine``: verl's ``forward_backward_batch`` and ``forward_step``, megatron's
+    PP2 schedule on two gloo ranks; tests/verl/test_engine.py says what stands in there): every
+    router of both stages replays, on every row, the experts the policy that generated that
+    row's token chose; the oracle is the server's own calls, not the route cache."""
+    from routereplay.domain.record import Record, Turn
+    from routereplay.domain.record_file import save_records
+    from tests.verl.helpers import torchrun
+
+    geometry = served_geometry(setup.policies[0]).record
+    batch, calls = agent_runs("V1")
+    sample, _ = _trained_routes(batch, route_cache, served_geometry(setup.policies[0]))
+    tokens = np.asarray(_sequence(batch), dtype=np.int32)
+    expected = _expected_rows(calls, geometry).astype(geometry.dtype)
+    oracle = Record(sample, geometry, tokens, expected, [Turn(0, tokens.size, 0)])
+    path = save_records(tmp_path / "oracle.npz", [oracle])
+    out = tmp_path / "engine"
+    proc = torchrun("engine_pp2_v1", setup.policies[0], path, route_cache, out, [[]])
+    ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
+    assert proc.returncode == 0, (ranks, proc.stderr[-6000:])
+    for r in ranks:
+        assert r["engine_class"] == "RouteCacheEngine" and not r["bad"], r["bad"]
+    # Rank 0 holds MoE layer 1, rank 1 layers 2 and 3: every row replayed on each.
+    assert [r["replayed"] for r in ranks] == [oracle.num_rows, 2 * oracle.num_rows]
 
 
 def test_keyed_by_the_per_call_request_id_the_turns_are_lost(

@@ -28,10 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +40,7 @@ from routereplay.domain.record_file import save_records
 from routereplay.errors import InvalidArgument
 from routereplay.rpc.client import RouteCacheClient
 from tests.verl.cpu import needs_verl
-from tests.verl.helpers import token_output, write_turns
+from tests.verl.helpers import token_output, torchrun, write_turns
 from verl_integration.contract import ID_FIELD, served_geometry
 from verl_integration.rollout import TurnWriter
 
@@ -182,21 +178,6 @@ def engine_records(tiny_model_dir, route_cache, tmp_path_factory):
     return path, records, calls, [[], TOOL_TOKENS[2], []]
 
 
-def _torchrun(layout, model_dir, records, tails, cache, out):
-    cmd = [
-        shutil.which("torchrun", path=str(Path(sys.executable).parent)),
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "tests.verl.multirank",
-        *("--layout", layout, "--model-dir", str(model_dir), "--records", str(records)),
-        *("--tails", json.dumps(tails), "--cache", cache, "--out", str(out)),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-
-
 @pytest.mark.slow
 def test_verls_engine_replays_each_turns_policy_under_pp2(
     engine_records, tiny_model_dir, route_cache, tmp_path
@@ -210,7 +191,7 @@ def test_verls_engine_replays_each_turns_policy_under_pp2(
     per rank, never inside the schedule; each stage read only its own MoE layers."""
     path, records, calls, tails = engine_records
     out = tmp_path / "engine"
-    proc = _torchrun("engine_pp2_v1", tiny_model_dir, path, tails, route_cache, out)
+    proc = torchrun("engine_pp2_v1", tiny_model_dir, path, route_cache, out, tails)
     ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
     assert proc.returncode == 0, (ranks, proc.stderr[-6000:])
     for r in ranks:

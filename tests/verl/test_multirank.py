@@ -4,10 +4,6 @@ and PP2 (megatron's schedule), 2 ranks launched with torchrun (``tests/verl/mult
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +12,7 @@ from routereplay.dev.hf_rollout import random_prompts, rollout_records
 from routereplay.domain.record_file import save_records
 from routereplay.rpc.client import RouteCacheClient
 from tests.verl.cpu import needs_verl
-from tests.verl.helpers import geometry_of, token_output
+from tests.verl.helpers import geometry_of, token_output, torchrun
 from verl_integration.rollout import TurnWriter
 
 needs_verl()
@@ -40,30 +36,6 @@ def records_file(tiny_model_dir, route_cache, tmp_path_factory):
     return save_records(tmp_path_factory.mktemp("verl-mr") / "records.npz", records)
 
 
-def _torchrun(layout, model_dir, records, cache, out):
-    launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    cmd = [
-        launcher,
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "tests.verl.multirank",
-        "--layout",
-        layout,
-        "--model-dir",
-        str(model_dir),
-        "--records",
-        str(records),
-        "--cache",
-        cache,
-        "--out",
-        str(out),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-
-
 def _results(out) -> list[dict]:
     return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
 
@@ -76,7 +48,7 @@ def test_tp2_sp_each_rank_replays_its_sequence_share(
     tiny_model_dir, records_file, route_cache, tmp_path
 ):
     out = tmp_path / "tp2sp"
-    proc = _torchrun("tp2sp", tiny_model_dir, records_file, route_cache, out)
+    proc = torchrun("tp2sp", tiny_model_dir, records_file, route_cache, out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     ranks = _results(out)
     for r in ranks:
@@ -94,7 +66,7 @@ def test_pp2_each_stage_fetches_and_replays_only_its_layers(
     tiny_model_dir, records_file, route_cache, tmp_path
 ):
     out = tmp_path / "pp2"
-    proc = _torchrun("pp2", tiny_model_dir, records_file, route_cache, out)
+    proc = torchrun("pp2", tiny_model_dir, records_file, route_cache, out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     ranks = _results(out)
     for r in ranks:
