@@ -27,7 +27,7 @@ MOONCAKE_VENV ?= $(VENV)-mooncake
 MOONCAKE_STAMP := $(MOONCAKE_VENV)/.req-$(shell cat tools/mooncake-requirements.txt | sha256sum | cut -c1-16)
 STUBS_STAMP := routereplay/v1/.generated
 
-.PHONY: setup proto checkov verl mooncake demo test lint bench clean
+.PHONY: setup proto checkov verl mooncake demo test lint bench clean gpu-wheels
 
 setup: $(DEPS_STAMP) $(STUBS_STAMP)
 	@$(PY) -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
@@ -83,6 +83,11 @@ lint: setup
 bench: setup verl mooncake
 	VERL_PYTHON=$(VERL_VENV)/bin/python MOONCAKE_PYTHON=$(MOONCAKE_VENV)/bin/python \
 		$(PY) benchmarks/run_all.py $(BENCH_ARGS)
+
+# The wheels the GPU machine's prepared command carries (tools/gpu_bench.sh; docs/benchmarks.md,
+# "Replay on a GPU"): megatron-core and the route cache's packages for its Python 3.12.
+gpu-wheels: setup
+	PYTHON=$(PY) tools/gpu_bench.sh --prepare
 
 clean:
 	rm -rf $(VENV) $(CHECKOV_VENV) $(VERL_VENV) $(MOONCAKE_VENV) routereplay/v1 build *.egg-info
