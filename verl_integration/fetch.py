@@ -156,10 +156,21 @@ class RouteFetcher:
                 n,
                 diverged,
             )
-        columns = torch.tensor(record.moe_layers)
-        routes = torch.from_numpy(record.routes[:rows].astype(np.int16))
-        out[:rows, columns] = routes
+        routes = torch.from_numpy(np.ascontiguousarray(record.routes[:rows]))
+        for column, start, stop in _runs(record.moe_layers):  # a stage's layers: one run
+            out[:rows, column : column + stop - start].copy_(routes[:, start:stop])
         return out, rows, diverged
+
+
+def _runs(layers) -> list[tuple[int, int, int]]:
+    """Consecutive runs of the ascending layer numbers ``layers``: (first layer, start, stop)
+    positions in ``layers``, so each run is copied as one slice, widening as it goes."""
+    runs, start = [], 0
+    for i in range(1, len(layers) + 1):
+        if i == len(layers) or layers[i] != layers[i - 1] + 1:
+            runs.append((layers[start], start, i))
+            start = i
+    return runs
 
 
 def native_where_missing(replay_mask: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
