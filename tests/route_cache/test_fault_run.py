@@ -2,9 +2,10 @@
 
 The checker is tested on histories with one violation each, against records built from what
 the writers send: it must name each, including a fault that did not happen or met no traffic,
-a stale read and entries left pending. The injection checks are tested on a proxy that does
-not cut or delay. The short run (about 30 s of writes under seven faults, plus start-up and
-drain) must pass it with a nonzero traffic floor per fault, and fail without WAIT (acknowledged
+a stale read, entries left pending, and a trainer's sample in two committed steps or in none.
+The injection checks are tested on a proxy that does not cut or delay. The short run (about
+30 s of writes under nine faults, the trainer's two kills included, plus start-up and drain)
+must pass it with a nonzero traffic floor per fault, and fail without WAIT (acknowledged
 writes lost in the WAIT-only fault); the deliberate failure (a consumer that commits without
 acknowledging) must fail it, as trained twice.
 """
