@@ -11,6 +11,9 @@ get their bias moved after each step, as megatron's ``finalize_model_grads`` doe
 expert in training forwards (``local_tokens_per_expert``; under replay, the replayed routes),
 and the bias of an expert above the mean count drops by ``moe_router_bias_update_rate``, below
 it rises. See docs/trainer.md ("Expert bias under replay").
+
+Each step keeps the L2 norm of the gradient it applies (``take_grad_norms``: this rank's
+parameters, after the data-parallel sum; the whole model's where every rank holds it).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class AdamW:
         self.biased_routers = [
             m for m in model.modules() if getattr(m, "expert_bias", None) is not None
         ]
+        self.grad_norms: list[float] = []
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -46,12 +50,25 @@ class AdamW:
         for p, m in zip(self.params, self.masters, strict=True):
             if m is not p:
                 m.grad = None if p.grad is None else p.grad.float()
+        self.grad_norms.append(self._grad_norm())
         self.inner.step()
         with torch.no_grad():
             for p, m in zip(self.params, self.masters, strict=True):
                 if m is not p:
                     p.copy_(m)
         self._update_expert_bias()
+
+    def _grad_norm(self) -> float:
+        """L2 norm of the gradients this step applies (float32), over this rank's parameters."""
+        grads = [m.grad for m in self.masters if m.grad is not None]
+        if not grads:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+
+    def take_grad_norms(self) -> list[float]:
+        """The gradient norm of each step since the last call, in order."""
+        norms, self.grad_norms = self.grad_norms, []
+        return norms
 
     def _update_expert_bias(self) -> None:
         """Megatron's bias update from the step's token counts (summed over the tensor and

@@ -139,6 +139,9 @@ def train(
         for last, fetched in enumerate(fetcher, start):
             started = time.perf_counter()
             result = stepper.run(fetched, last)
+            norms = optimizer.take_grad_norms()
+            if dp.model is None:  # every rank holds the whole model: the whole gradient's norm
+                result.report.grad_norm = norms
             seconds = time.perf_counter() - started + fetched.wait_s
             done = StepDone(last, result.report, seconds, result.routes_used)
             reports.append(result.report)

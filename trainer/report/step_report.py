@@ -86,7 +86,9 @@ class FeedBatch:
 @dataclass
 class StepReport:
     """One step. ``replay_followed`` only in R3; ``policy_versions`` once the step's export was
-    pushed to the rollout servers; ``feed`` when the batch came from the ready feed."""
+    pushed to the rollout servers; ``feed`` when the batch came from the ready feed;
+    ``grad_norm`` (the L2 norm of the gradient each optimizer step of the step applied) where
+    every rank holds the whole model (one rank, or data parallel only)."""
 
     step: int
     mode: str
@@ -109,6 +111,7 @@ class StepReport:
     aux_loss_layers: list[float] | None = None
     policy_versions: list[int] | None = None
     feed: FeedBatch | None = None
+    grad_norm: list[float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON form: optional parts left out when absent (``aux_loss`` kept as null)."""
@@ -143,7 +146,7 @@ class StepReport:
         return cls(**kwargs)
 
 
-_OPTIONAL = ("replay_followed", "policy_versions", "feed")
+_OPTIONAL = ("replay_followed", "policy_versions", "feed", "grad_norm")
 
 
 def _maybe(kind, data):
