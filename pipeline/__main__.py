@@ -26,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -99,15 +101,27 @@ TRAINER_LAYOUTS = {
 }
 
 
-def start_trainer(mode: str, cache: str, rollouts: list[str], model_dir: str, args, procs):
+def start_trainer(
+    mode: str,
+    cache: str,
+    rollouts: list[str],
+    model_dir: str,
+    args,
+    procs,
+    run: str = "",
+    overrides: Sequence[str] = (),
+):
     """The trainer in ``mode`` on the feed, pushing its weights to ``rollouts`` after each
-    step; returns its process and the path of its report."""
-    report = args.out / f"trainer-{mode}.json"
+    step; returns its process and the path of its report. ``run`` names its report, consumer
+    group and exports (default: the mode); ``overrides`` are more trainer settings
+    (``train.lr=...``)."""
+    run = run or mode
+    report = args.out / f"trainer-{run}.json"
     batch = args.groups * args.n
     ranks, layout = TRAINER_LAYOUTS[args.layout]
     dp = ranks if args.layout.startswith("dp") else 1
     micro = batch // 2 if batch % (2 * dp) == 0 else batch
-    consumer_group = f"pipeline-{mode}"
+    consumer_group = f"pipeline-{run}"
     # Created before any of this run's samples exist, so the trainer takes exactly these.
     with RouteCacheClient(cache) as client:
         client.read_ready(consumer_group, "trainer", max_entries=1, start_from_latest=True)
@@ -130,8 +144,9 @@ def start_trainer(mode: str, cache: str, rollouts: list[str], model_dir: str, ar
         "data.source=feed",
         f"data.group_size={args.n}",
         f"data.consumer_group={consumer_group}",
-        f"train.export_dir={args.out / 'weights' / mode}",
+        f"train.export_dir={args.out / 'weights' / run}",
         f"push.targets={','.join(rollouts)}",
+        *overrides,
         "--steps",
         str(args.steps),
         "--report",
@@ -149,16 +164,31 @@ async def policy_version(clients: list[AsyncRolloutClient]) -> int:
     return min([(await c.status()).policy_version for c in clients])
 
 
-async def drive(mode: str, rollouts: list[str], trainer: subprocess.Popen, args) -> None:
+async def drive(
+    mode: str,
+    rollouts: list[str],
+    trainer: subprocess.Popen,
+    args,
+    run: str = "",
+    seed: int | None = None,
+) -> None:
     """The prompt driver: each step's groups spread over the replicas, then a wait for the
-    trainer's new weights before the next step."""
+    trainer's new weights before the next step. ``run`` names the groups (default: the mode);
+    with ``seed`` every sample has its own sampling seed, a function of the seed, the step,
+    the group and the sample (the rollout servers without chunked prefill)."""
+    run = run or mode
     options = SamplingOptions(temperature=1.0, max_tokens=args.max_tokens)
     clients = [AsyncRolloutClient(target) for target in rollouts]
     try:
         for step in range(args.steps):
             version = await policy_version(clients)
             prompts = [PROMPTS[(step * args.groups + i) % len(PROMPTS)] for i in range(args.groups)]
-            groups = [f"{mode}-step{step}-{i}" for i in range(args.groups)]
+            groups = [f"{run}-step{step}-{i}" for i in range(args.groups)]
+            seeds = None
+            if seed is not None:
+                seeds = [
+                    seed * 10**6 + (step * args.groups + i) * args.n for i in range(len(groups))
+                ]
             calls = [
                 generate_all(
                     clients[r],
@@ -166,6 +196,7 @@ async def drive(mode: str, rollouts: list[str], trainer: subprocess.Popen, args)
                     groups[r :: len(clients)],
                     args.n,
                     options,
+                    seeds[r :: len(clients)] if seeds else None,
                 )
                 for r in range(min(len(clients), len(prompts)))
             ]
@@ -183,8 +214,17 @@ async def drive(mode: str, rollouts: list[str], trainer: subprocess.Popen, args)
             await client.close()
 
 
-async def generate_all(client, prompts, groups, n: int, options) -> int:
-    """One replica's share of a step; returns how many samples were stored."""
+async def generate_all(client, prompts, groups, n: int, options, seeds=None) -> int:
+    """One replica's share of a step; returns how many samples were stored. ``seeds``: per
+    prompt, the sampling seed of its first sample, the next ones taking the next seeds, each
+    sample its own request (a request's samples share its seed)."""
+    if seeds is not None:
+        calls = [
+            generate_all(client, [prompt], [group], 1, replace(options, seed=first + j))
+            for prompt, group, first in zip(prompts, groups, seeds, strict=True)
+            for j in range(n)
+        ]
+        return sum(await asyncio.gather(*calls))
     stored = 0
     async for event in client.generate_batch(prompts, n, options, group_ids=groups):
         if isinstance(event, SampleFailed):
@@ -203,10 +243,21 @@ async def reset_weights(rollouts: list[str], model_dir: str) -> int:
     return min(versions)
 
 
-def run_mode(mode: str, cache: str, rollouts: list[str], model_dir: str, args, procs) -> list:
-    """The RL loop in ``mode``; returns the trainer's per-step reports."""
-    trainer, report = start_trainer(mode, cache, rollouts, model_dir, args, procs)
-    asyncio.run(drive(mode, rollouts, trainer, args))
+def run_mode(
+    mode: str,
+    cache: str,
+    rollouts: list[str],
+    model_dir: str,
+    args,
+    procs,
+    run: str = "",
+    overrides: Sequence[str] = (),
+    seed: int | None = None,
+) -> list:
+    """The RL loop in ``mode``; returns the trainer's per-step reports (``run``,
+    ``overrides``: ``start_trainer``'s; ``seed``: ``drive``'s)."""
+    trainer, report = start_trainer(mode, cache, rollouts, model_dir, args, procs, run, overrides)
+    asyncio.run(drive(mode, rollouts, trainer, args, run, seed))
     if trainer.wait() != 0:
         raise SystemExit(f"[pipeline] the {mode} trainer failed ({trainer.returncode})")
     procs.remove(trainer)
