@@ -10,7 +10,9 @@ On loopback, bounded in time and operations:
   detection) does not (``cluster-announce-bus-port`` is the real one);
 - two route cache processes (``python -m route_cache``, ``--wait-replicas 1`` by default) that
   clients reach through one target naming both (``ipv4:A,B``, what a headless Service gives),
-  with client-side round-robin balancing and failover;
+  with client-side round-robin balancing and failover; their Redis socket time-out is 4 s
+  (``?socket_timeout=4`` in ``--redis-url``; the service's own is 30 s), so that a black hole
+  that outlasts it fits the run;
 - open-loop writers: one per shard, drawing its sample ids from that shard's slots, and one
   that sends to route cache 0 only; each starts a sample every ``1 / sample_rate`` seconds
   whatever became of the earlier ones (a write and two appends, the last ``final``, which
@@ -28,7 +30,8 @@ On loopback, bounded in time and operations:
 Faults on a schedule (``SCHEDULES``), each on a component (a shard, route cache 0, consumer
 c0, or everything) and injected only while an operation on that component is in flight; each
 is checked to have happened (a promotion, the role after a restart, a proxy that really
-delays, refuses or cuts, a stopped process), else the run fails. The history records per
+delays, refuses or cuts, a black hole a PING through which times out, a stopped process),
+else the run fails. The history records per
 fault the operations started, in flight at the injection and acknowledged on its component
 (its traffic floor); a zero fails the run.
 
@@ -38,7 +41,7 @@ history alone, as ``fault_check.py`` does from the file; the figures: write avai
 the longest write gap per shard, p50/p99 latency outside and during each fault, recovery
 time per fault, and a PNG timeline.
 
-Usage: python benchmarks/bench_faults.py [--short] [--wait-replicas N] [--drop-ack]
+Usage: python benchmarks/bench_faults.py [--short | --soak] [--wait-replicas N] [--drop-ack]
                     [--mutate early-ack|commit-before-settle|no-aof|trainer-early-ack]
 """
 
@@ -126,6 +129,9 @@ class FaultConfig:
     seed: int = 0
     sync_delay_s: int = 0  # repl-diskless-sync-delay (Redis's default, 5, stalls WAIT)
     schedule: str = ""  # "": SCHEDULES[short]; "soak": a seeded random one (see ``soak``)
+    # The route caches' Redis socket time-out (``?socket_timeout=`` in their --redis-url; the
+    # service's own is 30 s): above WAIT's 2 s and a feed read's 1 s wait, below a black hole.
+    redis_socket_timeout_s: float = 4.0
 
 
 # (start s, fault, its parameter): the full schedule and the test suite's compressed one.
@@ -139,6 +145,7 @@ SCHEDULES = {
         (62, "proxy_delay", 6.0),
         (74, "proxy_drop", 2.0),
         (82, "wait_only", 1),
+        (96, "proxy_blackhole", 8.0),
         # The trainer's faults run on a schedule of their own, beside the others.
         (14, "trainer_kill_ack", 0),
         (50, "trainer_kill_step", 0),
@@ -151,6 +158,7 @@ SCHEDULES = {
         (18, "proxy_delay", 2.0),
         (21, "proxy_drop", 1.5),
         (24, "wait_only", 1),
+        (27, "proxy_blackhole", 6.0),
         (4, "trainer_kill_ack", 0),
         (14, "trainer_kill_step", 0),
     ],
@@ -173,7 +181,7 @@ def soak(seconds: float, seed: int, repeats: int = 2) -> list[tuple[float, str, 
     plan = kinds * repeats
     rng.shuffle(plan)
     params = {name: value for _, name, value in SCHEDULES[False]}
-    shards = {"master_failover": 3, "master_aof_restart": 3, "proxy_drop": 3, "wait_only": 3}
+    shards = {"master_failover": 3, "master_aof_restart": 3, "wait_only": 3}
     step = seconds / (len(plan) + 1)
     out = []
     for i, name in enumerate(plan):
@@ -266,7 +274,7 @@ class Environment:
             "--port",
             str(self.cache_ports[i]),
             "--redis-url",
-            f"redis://127.0.0.1:{seed}",
+            f"redis://127.0.0.1:{seed}?socket_timeout={self.config.redis_socket_timeout_s:g}",
             "--redis-cluster",
             "--wait-replicas",
             str(self.config.wait_replicas),
@@ -510,7 +518,7 @@ def component_of(name: str, value: float) -> str:
     """The component fault ``name`` hits: its traffic floor is counted there."""
     if name in COMPONENT:
         return COMPONENT[name]
-    if name == "proxy_drop":
+    if name in ("proxy_drop", "proxy_blackhole"):
         return "shard2"
     return f"shard{int(value)}"
 
@@ -642,6 +650,8 @@ def inject(env: Environment, name: str, value: float, mark) -> dict:
                 f"{'refused' if refused else 'answered'}"
             )
         return {"node": victim.port, "refused_s": value, "reset": reset}
+    if name == "proxy_blackhole":
+        return blackhole(env, value, mark)
     if name in TRAINER_POINTS:
         return kill_trainer(env, name, mark)
     if name == "wait_only":
@@ -669,6 +679,61 @@ def inject(env: Environment, name: str, value: float, mark) -> dict:
     raise ValueError(name)
 
 
+def blackhole(env: Environment, seconds: float, mark) -> dict:
+    """Shard 2's master's proxy black-holes for ``seconds``: nothing passes either way, on
+    open connections, the replica's link and new connections alike; no RST, no FIN; what was
+    sent comes through afterwards, as TCP would resend it. ``seconds`` must outlast the route
+    caches' Redis socket time-out, so that they meet it. Checked: a PING through the proxy, on
+    a connection opened during the black hole, times out rather than failing fast or being
+    answered; at least one open connection (a route cache's) was silenced, and at least one of
+    those was given up by its client (closed: a socket time-out met). Healed when the shard
+    acknowledges a write again; raises if that takes over the socket time-out + 10 s."""
+    victim = env.master_of(2)
+    proxy = env.proxies[victim.port]
+    before, gave_up = proxy.black_holed, proxy.given_up
+    started = time.monotonic()
+    mark()
+    proxy.blackhole(seconds)
+    probe_s = min(1.0, seconds / 4)
+    try:
+        _ping_s(proxy.port, probe_s)
+        outcome = "answered"
+    except redis.TimeoutError:
+        outcome = "timed out"
+    except redis.RedisError as exc:
+        outcome = f"failed fast ({type(exc).__name__})"
+    probed_s = time.monotonic() - started
+    silenced = proxy.black_holed - before
+    time.sleep(max(0.0, seconds - (time.monotonic() - started)))
+    if outcome != "timed out" or probed_s < probe_s or not silenced:
+        raise RuntimeError(
+            f"the proxy did not black-hole: a PING through it {outcome} after {probed_s:.2f} s, "
+            f"{silenced} open connections silenced"
+        )
+    ended = time.monotonic()
+    socket_timeout_s = env.config.redis_socket_timeout_s
+    if not env.traffic.wait_acked(2, socket_timeout_s + 10):
+        raise RuntimeError(
+            f"shard 2 acknowledged no write within {socket_timeout_s + 10:.0f} s of the "
+            "black hole's end"
+        )
+    time.sleep(max(0.0, ended + 0.5 - time.monotonic()))  # the ends' FINs pass on
+    given_up = proxy.given_up - gave_up
+    if not given_up:
+        raise RuntimeError(
+            f"no client gave up any of the {silenced} connections the black hole silenced: "
+            "no socket time-out was met"
+        )
+    return {
+        "node": victim.port,
+        "s": seconds,
+        "silenced": silenced,
+        "given_up": given_up,
+        "probe": f"{outcome} after {probed_s:.2f} s",
+        "writable_after_s": round(time.monotonic() - ended, 2),
+    }
+
+
 def kill_trainer(env: Environment, name: str, mark) -> dict:
     """SIGKILL the trainer where ``name`` says (``TRAINER_POINTS``: it stops itself there when
     asked), start it again, and heal once the new process has taken a batch."""
@@ -692,7 +757,13 @@ def kill_trainer(env: Environment, name: str, mark) -> dict:
             raise RuntimeError(f"the trainer ended with {proc.returncode}, not by SIGKILL")
         lives = _count_ops(log, "resume")
         env.start_trainer()
-        wait_until(lambda: _count_ops(log, "resume") > lives, 120, "the trainer's restart")
+
+        def resumed() -> bool:  # a start that dies before it resumes is started again
+            if env.trainer.poll() is not None and _count_ops(log, "resume") <= lives:
+                env.start_trainer()
+            return _count_ops(log, "resume") > lives
+
+        wait_until(resumed, 120, "the trainer's restart")
         resumed = _last_of(log, "resume")
         wait_until(lambda: _last_entry(log)["op"] not in ("resume", "ack"), 60, "a new batch")
         return {
@@ -1262,6 +1333,7 @@ def main(argv: list[str] | None = None) -> int:
         mutate=args.mutate,
         seed=args.seed,
         schedule="soak" if args.soak else "",
+        max_ops=30_000 if args.soak else FaultConfig.max_ops,  # 8000 ends a soak's writes early
     )
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from common import RESULTS, machine, write_section

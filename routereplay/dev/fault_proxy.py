@@ -3,8 +3,9 @@ Redis, because these machines have no kernel netem (``tc qdisc ... netem`` is un
 no Toxiproxy server.
 
 Every byte goes through a userspace relay, so the proxy can delay data (a slow or congested
-link) and drop connections (an abrupt reset of every open connection, then refusing new ones
-for a while: a link that is down). Used by the fault run (``benchmarks/bench_faults.py``); not
+link), drop connections (an abrupt reset of every open connection, then refusing new ones
+for a while: a link that is down), and black-hole them (nothing passes, no RST, no FIN: only
+the ends' own time-outs notice). Used by the fault run (``benchmarks/bench_faults.py``); not
 for production.
 """
 
@@ -30,18 +31,25 @@ class FaultProxy:
     Faults, applied while the proxy runs:
         ``delay_s``: each chunk of data, either way, waits this long before it is passed on.
         ``drop(seconds)``: reset every open connection now and refuse new ones for ``seconds``.
+        ``blackhole(seconds)``: forward nothing, on open or new connections, for ``seconds``,
+        closing and resetting none; then pass on what was sent meanwhile (TCP would resend it).
     """
 
     def __init__(self, upstream_port: int, port: int = 0):
         self.upstream_port = upstream_port
         self.delay_s = 0.0
         self._refuse_until = 0.0
+        self._hole_until = 0.0
         self._listener = socket.create_server(("127.0.0.1", port), backlog=128)
         self.port = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
+        self._clients: set[socket.socket] = set()  # client sides of forwarding connections
         self._closed = threading.Event()
         self.dropped = 0  # connections reset by ``drop``
+        self.black_holed = 0  # connections open when ``blackhole`` began (new ones not counted)
+        self.given_up = 0  # of those, how many their client closed (its time-out was met)
+        self._silenced: set[socket.socket] = set()
 
     def start(self) -> FaultProxy:
         threading.Thread(target=self._accept, daemon=True, name=f"proxy-{self.port}").start()
@@ -57,6 +65,25 @@ class FaultProxy:
         refuse new connections for ``seconds``."""
         self._refuse_until = time.monotonic() + seconds
         self.dropped += self._reset_all()
+
+    def blackhole(self, seconds: float) -> None:
+        """Packets vanish, both ways, for ``seconds``, as on a link that went silent: nothing
+        is forwarded on any connection, open or new (new ones are accepted: the kernel answers
+        the SYN), and none is closed or reset, so a client waiting for an answer meets its own
+        socket time-out. Nothing sent is lost, as TCP retransmits it: once the black hole is
+        over, what either end sent meanwhile is passed on (a client that gave up and closed
+        its end then has its connection closed here, as its FIN arrives)."""
+        with self._lock:
+            self._hole_until = time.monotonic() + seconds
+            self.black_holed += len(self._clients)
+            self._silenced = set(self._clients)
+
+    def _hold(self) -> bool:
+        """Wait out a black hole; False when the proxy closed meanwhile."""
+        while (left := self._hole_until - time.monotonic()) > 0:
+            if self._closed.wait(min(left, 0.2)):
+                return False
+        return True
 
     def _reset_all(self) -> int:
         with self._lock:
@@ -86,19 +113,25 @@ class FaultProxy:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self._open |= {client, upstream}
+                self._clients.add(client)
             threading.Thread(target=self._relay, args=(client, upstream), daemon=True).start()
 
     def _relay(self, a: socket.socket, b: socket.socket) -> None:
-        """Pass data both ways until either side closes or is reset."""
+        """Pass data both ways until either side closes or is reset; nothing, not even an
+        end, while a black hole lasts."""
         peer = {a: b, b: a}
         try:
             while True:
-                readable, _, _ = select.select([a, b], [], [], 1.0)
-                if self._closed.is_set():
+                if not self._hold():
+                    return
+                readable, _, _ = select.select([a, b], [], [], 0.2)
+                if self._closed.is_set() or not self._hold():
                     return
                 for sock in readable:
                     data = sock.recv(_CHUNK)
                     if not data:
+                        if sock is a and a in self._silenced:
+                            self.given_up += 1
                         return
                     if self.delay_s:
                         time.sleep(self.delay_s)
@@ -108,6 +141,8 @@ class FaultProxy:
         finally:
             with self._lock:
                 self._open -= {a, b}
+                self._clients.discard(a)
+                self._silenced.discard(a)
             for sock in (a, b):
                 with contextlib.suppress(OSError):
                     sock.close()

@@ -13,13 +13,17 @@ acknowledging) must fail it, as trained twice.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from benchmarks.bench_faults import ROOT, FaultConfig, inject, report, run
 from benchmarks.fault_history import (
@@ -244,7 +248,14 @@ def test_the_checker_command_reads_the_verdict_from_the_file_alone(tmp_path):
 
 class OneShard:
     """What ``inject`` needs of the run's environment for the proxy faults: one node behind
-    its proxy, as shard 0's and shard 2's master."""
+    its proxy, as shard 0's and shard 2's master (a black hole's heal waits for no write)."""
+
+    config = FaultConfig(redis_socket_timeout_s=0.5)
+
+    class traffic:  # noqa: N801 - stands in for the run's Traffic
+        @staticmethod
+        def wait_acked(shard, timeout_s):
+            return True
 
     def __init__(self, node, proxy):
         self.node, self.proxies = node, {node.port: proxy}
@@ -282,13 +293,80 @@ def test_a_proxy_that_does_not_cut_or_delay_fails_its_injection(broken, monkeypa
         node.stop()
 
 
+def test_the_proxy_black_holes_without_closing_or_forwarding():
+    """``blackhole``: a connection open before it and one opened during it get no answer and
+    neither a reset nor a close (a client meets its socket time-out, not a fast failure);
+    afterwards both get their answers, nothing lost (TCP would have resent it); the injection
+    check passes on it (and fails on a proxy that resets or forwards: the next test)."""
+    node = RedisProcess().start()
+    proxy = FaultProxy(node.port).start()
+    try:
+        before = socket.create_connection(("127.0.0.1", proxy.port), timeout=5)
+        before.sendall(b"PING\r\n")
+        assert before.recv(64) == b"+PONG\r\n"
+        proxy.blackhole(1.5)
+        during = socket.create_connection(("127.0.0.1", proxy.port), timeout=5)
+        for sock in (before, during):
+            sock.settimeout(0.4)
+            sock.sendall(b"PING\r\n")  # would raise on a reset connection
+            with pytest.raises(TimeoutError):  # not b"" (closed), not a reset
+                sock.recv(64)
+        assert proxy.black_holed == 1
+        time.sleep(1.0)
+        for sock in (before, during):  # the black hole is over: the answers come
+            sock.settimeout(2)
+            assert sock.recv(64) == b"+PONG\r\n"
+            sock.close()
+        # An open connection for the injection to silence, and a PING on it during the black
+        # hole that meets its socket time-out (the client then closes it: given up).
+        held = redis.Redis(port=proxy.port, socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
+        assert held.ping()
+        timed_out = []
+
+        def ping_late():
+            time.sleep(0.2)
+            with pytest.raises(redis.TimeoutError):
+                held.ping()
+            timed_out.append(True)
+
+        pinger = threading.Thread(target=ping_late)
+        pinger.start()
+        detail = inject(OneShard(node, proxy), "proxy_blackhole", 1.0, lambda: None)
+        pinger.join()
+        assert timed_out and detail["silenced"] == 1 and detail["given_up"] == 1
+        assert detail["probe"].startswith("timed out")
+        held.close()
+    finally:
+        proxy.close()
+        node.stop()
+
+
+@pytest.mark.parametrize("broken", ["resets", "forwards"])
+def test_a_proxy_that_does_not_black_hole_fails_its_injection(broken, monkeypatch):
+    node = RedisProcess().start()
+    proxy = FaultProxy(node.port).start()
+    held = redis.Redis(port=proxy.port)
+    try:
+        held.ping()  # an open connection through the proxy, for the black hole to silence
+        if broken == "resets":
+            monkeypatch.setattr(proxy, "blackhole", proxy.drop)
+        else:
+            monkeypatch.setattr(proxy, "blackhole", lambda seconds: None)
+        with pytest.raises(RuntimeError, match="did not black-hole"):
+            inject(OneShard(node, proxy), "proxy_blackhole", 1.0, lambda: None)
+    finally:
+        held.close()
+        proxy.close()
+        node.stop()
+
+
 @pytest.mark.slow
 def test_short_fault_run_passes_the_checker_with_a_traffic_floor_per_fault(tmp_path):
     results = run(FaultConfig(duration_s=24.0, short=True), tmp_path)
     print(report(results))
     assert results["verdict"], "\n".join(results["verdict_lines"])
     names = [f["fault"] for f in results["floors"]]
-    assert "wait_only" in names and len(names) == 9
+    assert {"wait_only", "proxy_blackhole"} <= set(names) and len(names) == 10
     assert {"trainer_kill_ack", "trainer_kill_step"} <= set(names)
     assert all(f["started"] and f["in_flight"] and f["acknowledged"] for f in results["floors"])
     # the trainer was killed twice and restarted; the kill after an acknowledgement, before
