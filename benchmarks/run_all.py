@@ -30,6 +30,11 @@ Each benchmark compares against a baseline measured in the same run, on the same
 - ``pipeline``: one RL batch end to end (rollout server, route cache, a trainer rank's fetch
   and reshard), time per stage and the share spent moving routes, against the same engine
   behind a server that stores nothing (interleaved) and the engine alone with capture off.
+- ``stability``: the real pipeline as an RL run of 60 steps per mode (two families with narrow
+  router margins, bf16 trainer against the float32 rollout, 2 seeds): the training-inference KL,
+  the largest log-prob gap, routing agreement, clip fraction, gradient norm and reward per step
+  in ``disabled``, R2, R3 and R3 with a float32 trainer, and a collapse probe at high learning
+  rates (target: R3's median KL over the last 20 steps at most 0.5x ``disabled``'s).
 - ``verl``: in verl's environment, the verl integration's bytes on the Ray path per batch of
   32K-token Qwen3-30B-A3B samples against verl's route tensor, and one worker's routes moved
   through Ray (put, an actor's get) against fetched from the route cache (whole, one stage).
@@ -138,6 +143,13 @@ BENCHMARKS = (
         "bench_pipeline.py",
         ("--quick",),
         "rollout -> route cache -> trainer fetch + reshard per batch vs storing nothing",
+    ),
+    Benchmark(
+        "stability",
+        "bench_stability.py",
+        ("--quick",),
+        "an RL run per replay mode through the real pipeline: training-inference KL, routing "
+        "agreement, clip fraction, gradient norm per step; collapse probe",
     ),
     Benchmark(
         "verl",
