@@ -717,6 +717,7 @@ def blackhole(env: Environment, seconds: float, mark) -> dict:
             f"shard 2 acknowledged no write within {socket_timeout_s + 10:.0f} s of the "
             "black hole's end"
         )
+    writable_s = time.monotonic() - ended
     time.sleep(max(0.0, ended + 0.5 - time.monotonic()))  # the ends' FINs pass on
     given_up = proxy.given_up - gave_up
     if not given_up:
@@ -730,7 +731,7 @@ def blackhole(env: Environment, seconds: float, mark) -> dict:
         "silenced": silenced,
         "given_up": given_up,
         "probe": f"{outcome} after {probed_s:.2f} s",
-        "writable_after_s": round(time.monotonic() - ended, 2),
+        "writable_after_s": round(writable_s, 2),
     }
 
 

@@ -3,8 +3,9 @@
 The checker is tested on histories with one violation each, against records built from what
 the writers send: it must name each, including a fault that did not happen or met no traffic,
 a stale read, entries left pending, and a trainer's sample in two committed steps or in none.
-The injection checks are tested on a proxy that does not cut or delay. The short run (about
-30 s of writes under nine faults, the trainer's two kills included, plus start-up and drain)
+The injection checks are tested on a proxy that does not cut, delay or black-hole, and the
+black hole on the proxy itself (no answer, no close, no reset). The short run (about 35 s of
+writes under ten faults, the trainer's two kills included, plus start-up and drain)
 must pass it with a nonzero traffic floor per fault, and fail without WAIT (acknowledged
 writes lost in the WAIT-only fault); the deliberate failure (a consumer that commits without
 acknowledging) must fail it, as trained twice.
