@@ -31,16 +31,25 @@ from trainer.config import TrainConfig
 from trainer.data.source import Sample
 from trainer.layout import RankShare, plan_step
 from trainer.parallel.dp import DataParallel, ModelParallel
-from trainer.reshard import Layout, LayoutError, PipelineSplit, RankCoords, stage_moe_layers
+from trainer.sharding import (
+    Parallelism,
+    ParallelismError,
+    PipelineSplit,
+    RankCoords,
+    stage_moe_layers,
+)
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
 LAYOUTS = {
-    "TP1": (Layout(), RankCoords()),
-    "TP2+SP": (Layout(tp=2, sequence_parallel=True), RankCoords(tp_rank=1)),
-    "CP2": (Layout(cp=2), RankCoords(cp_rank=1)),
-    "TP2+SP+CP2": (Layout(tp=2, cp=2, sequence_parallel=True), RankCoords(tp_rank=1, cp_rank=1)),
-    "PP4": (Layout(pp=4), RankCoords(pp_rank=2)),
-    "PP4 x VP2": (Layout(pp=4, vp=2), RankCoords(pp_rank=2, vp_stage=1)),
+    "TP1": (Parallelism(), RankCoords()),
+    "TP2+SP": (Parallelism(tp=2, sequence_parallel=True), RankCoords(tp_rank=1)),
+    "CP2": (Parallelism(cp=2), RankCoords(cp_rank=1)),
+    "TP2+SP+CP2": (
+        Parallelism(tp=2, cp=2, sequence_parallel=True),
+        RankCoords(tp_rank=1, cp_rank=1),
+    ),
+    "PP4": (Parallelism(pp=4), RankCoords(pp_rank=2)),
+    "PP4 x VP2": (Parallelism(pp=4, vp=2), RankCoords(pp_rank=2, vp_stage=1)),
 }
 
 
@@ -132,7 +141,7 @@ def main() -> None:
 
         try:
             times = _times(plan, args.repeats)
-        except LayoutError as exc:  # e.g. virtual stages need a multiple of pp micro-batches
+        except ParallelismError as exc:  # e.g. virtual stages need a multiple of pp micro-batches
             results["layouts"][name] = {"refused": str(exc)}
             print(name, "refused:", exc, flush=True)
             continue

@@ -191,7 +191,7 @@ def trainer_config(command: list[str]):
     config = load_config(args.config, [*args.overrides, f"train.steps={args.steps}"])
     # The layout divides the world the launcher starts, and the batch over its DP ranks.
     world = int(launcher.nproc_per_node) * int(str(launcher.nnodes).split(":")[-1])
-    dp = config.parallel.layout().dp(world)
+    dp = config.parallel.sizes().dp(world)
     assert config.train.batch_size % dp == 0, command
     return args, config
 

@@ -7,11 +7,12 @@ Arranged by concern, in the order a step uses them:
 - ``layout``: one step's batch -> this rank's micro-batches and replay ids (``plan_step`` in
   ``plan``): micro-batches (``microbatch``), the batch the model reads (``batch``), per-router
   replay ids and the record checks they apply (``align``, with
-  ``routereplay.domain.record_checks``), this rank's rows (``share``); built on ``reshard``.
-- ``reshard``: the pure parallel geometry under ``layout`` (no megatron, nothing else of the
-  trainer): the parallel sizes and a rank's coordinates (``layout.Layout``), the pipeline
-  layer split (``layers``), token-budget grouping (``microbatch``), packing and the CP and SP
-  cuts (``packing``, ``share``).
+  ``routereplay.domain.record_checks``), this rank's rows (``share``); built on ``sharding``.
+- ``sharding``: each rank's share of a batch as pure functions under ``layout`` (no megatron,
+  nothing else of the trainer): the parallel sizes and a rank's coordinates
+  (``parallel.Parallelism``), the pipeline layer split (``layers``), token-budget grouping
+  (``batching``), packing and the CP and SP cuts (``packing``), the rows a rank keeps
+  (``rows``). "Layout" names only the step's layout (``layout``).
 - ``model``: the Hugging Face checkpoint as a megatron-core ``GPTModel`` (``hf_config``,
   ``hf_weights``, ``build``), router replay installed (``replay``), and the weights back out
   (``export``: a step's export on any layout, the weights gathered to the lead;

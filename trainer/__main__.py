@@ -100,14 +100,14 @@ def _main_torchrun(config, plans) -> int:
     """One rank of a torchrun world: the layout's groups, the DP share, rank 0 reports."""
     from trainer.parallel import dp as data_parallel
     from trainer.parallel.world import init_world
-    from trainer.reshard import LayoutError
+    from trainer.sharding import ParallelismError
     from trainer.train import train
 
-    layout = config.parallel.layout()
+    layout = config.parallel.sizes()
     world_size = int(os.environ["WORLD_SIZE"])
     dp_size = layout.dp(world_size)  # every rank refuses a bad world alike, before any collective
     if config.parallel.dp is not None and config.parallel.dp != dp_size:
-        raise LayoutError(
+        raise ParallelismError(
             f"parallel.dp={config.parallel.dp} but world size {world_size} leaves {dp_size} "
             f"data-parallel ranks"
         )

@@ -256,7 +256,7 @@ class ReportConfig:
 
 @dataclass
 class ParallelConfig:
-    """``parallel.*``: the layout of a ``torchrun`` world (``trainer.reshard.Layout``'s fields).
+    """``parallel.*``: the layout of a ``torchrun`` world (``trainer.sharding.Layout``'s fields).
 
     The data-parallel size is what the world leaves: world size / (tp x cp x pp). ``dp``, when
     set, must equal it (a check against launching the wrong number of processes).
@@ -277,10 +277,11 @@ class ParallelConfig:
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
 
-    def layout(self):
-        from trainer.reshard import Layout
+    def sizes(self):
+        """These sizes as the sharding functions take them (``Parallelism``)."""
+        from trainer.sharding import Parallelism
 
-        return Layout(
+        return Parallelism(
             tp=self.tp,
             cp=self.cp,
             pp=self.pp,

@@ -61,7 +61,7 @@ def build(config: TrainerConfig, pg_collection=None) -> tuple[TrainerModel, Adam
     """The model and AdamW. Replay is installed in every mode: the step observes what each
     router did through it (with no action set, a router routes naturally)."""
     torch.manual_seed(config.train.seed)
-    overrides: dict = model_overrides(config.parallel.layout())
+    overrides: dict = model_overrides(config.parallel.sizes())
     overrides.update(
         num_layers_in_first_pipeline_stage=config.parallel.first_stage_layers,
         num_layers_in_last_pipeline_stage=config.parallel.last_stage_layers,

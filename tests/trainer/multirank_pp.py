@@ -46,8 +46,8 @@ from trainer.layout.batch import PaddedBatch
 from trainer.model.build import TrainerModel, build_model
 from trainer.model.replay import RouterReplayAction
 from trainer.parallel.world import init_world, model_overrides
-from trainer.reshard import padded_length, shard_padded
 from trainer.rl.schedule import replay_backward
+from trainer.sharding import padded_length, shard_padded
 
 MICRO_BATCH = 2  # samples per micro-batch: 2 micro-batches of the 4 samples
 

@@ -4,7 +4,7 @@
         --layout dp2 --model-dir DIR --out FILE
 
 Every rank builds the tiny model with CPU initialisation (same seed everywhere), takes only its
-own data-parallel samples, reshards routes with ``trainer.reshard`` and checks:
+own data-parallel samples, reshards routes with ``trainer.sharding`` and checks:
 
 - replaying the natural routes (recorded on this layout, turned into layout-free records and
   resharded back) gives a loss and gradients bit-identical to ``disabled``;
@@ -37,8 +37,8 @@ from trainer.layout.align import align_routes, routes_from_recorded
 from trainer.layout.batch import PaddedBatch
 from trainer.model.build import build_model
 from trainer.parallel.world import World, init_world, model_overrides
-from trainer.reshard import (
-    Layout,
+from trainer.sharding import (
+    Parallelism,
     PipelineSplit,
     check_stage_routers,
     dp_shard,
@@ -48,24 +48,24 @@ from trainer.reshard import (
 )
 
 LAYOUTS = {
-    "dp2": Layout(),
-    "tp2sp": Layout(tp=2, sequence_parallel=True),
-    "ep2": Layout(ep=2),
-    "ep2_alltoall": Layout(ep=2),
-    "tp2sp_ep2": Layout(tp=2, ep=2, etp=1, sequence_parallel=True),
+    "dp2": Parallelism(),
+    "tp2sp": Parallelism(tp=2, sequence_parallel=True),
+    "ep2": Parallelism(ep=2),
+    "ep2_alltoall": Parallelism(ep=2),
+    "tp2sp_ep2": Parallelism(tp=2, ep=2, etp=1, sequence_parallel=True),
     # A world that does not divide as configured: every rank must refuse it before any
     # collective (the test checks that both exit with the message, without hanging).
-    "bad_tp4": Layout(tp=4, sequence_parallel=True),
+    "bad_tp4": Parallelism(tp=4, sequence_parallel=True),
     # Pipeline parallel, megatron's 1F1B schedule with 2 micro-batches (``run_pp``).
-    "pp2": Layout(pp=2),
-    "pp2_recompute": Layout(pp=2),
+    "pp2": Parallelism(pp=2),
+    "pp2_recompute": Parallelism(pp=2),
     # Virtual stages: megatron's interleaved 1F1B, 2 model chunks per rank (8-layer model).
-    "pp2_vp2": Layout(pp=2, vp=2),
-    "pp2_vp2_recompute": Layout(pp=2, vp=2),
+    "pp2_vp2": Parallelism(pp=2, vp=2),
+    "pp2_vp2_recompute": Parallelism(pp=2, vp=2),
     # 4 ranks.
-    "tp2sp_pp2": Layout(tp=2, pp=2, sequence_parallel=True),
-    "tp2sp_pp2_vp2_recompute": Layout(tp=2, pp=2, vp=2, sequence_parallel=True),
-    "dp2_tp2sp_ep2": Layout(tp=2, ep=2, etp=1, sequence_parallel=True),
+    "tp2sp_pp2": Parallelism(tp=2, pp=2, sequence_parallel=True),
+    "tp2sp_pp2_vp2_recompute": Parallelism(tp=2, pp=2, vp=2, sequence_parallel=True),
+    "dp2_tp2sp_ep2": Parallelism(tp=2, ep=2, etp=1, sequence_parallel=True),
 }
 _FULL_RECOMPUTE = dict(
     recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
@@ -106,7 +106,7 @@ def _pass(built, batch, indices=None):
     return loss.detach(), grads(built.model)
 
 
-def _build(model_dir, layout: Layout, world: World, dispatcher: str, **extra):
+def _build(model_dir, layout: Parallelism, world: World, dispatcher: str, **extra):
     torch.manual_seed(SEED)  # CPU initialisation draws full weights from the global generator
     built = build_model(
         model_dir,
@@ -124,7 +124,7 @@ def _build(model_dir, layout: Layout, world: World, dispatcher: str, **extra):
     return built
 
 
-def _local_batch(world: World, layout: Layout) -> tuple[PaddedBatch, range]:
+def _local_batch(world: World, layout: Parallelism) -> tuple[PaddedBatch, range]:
     mine = dp_shard(len(LENGTHS), world.dp_size, world.dp_rank)
     full = random_batch(SEED, LENGTHS, "right")
     seq = padded_length(max(LENGTHS), layout.multiple)
@@ -241,7 +241,7 @@ def run(layout_name: str, model_dir: str, out: str) -> None:
     if layout.tp > 1:
         loss_tp = float(loss_off)
         parallel_state.destroy_model_parallel()
-        tp1 = Layout(ep=layout.ep)
+        tp1 = Parallelism(ep=layout.ep)
         world1 = init_world(tp1, seed=SEED)
         built1 = _build(model_dir, tp1, world1, DISPATCHER.get(layout_name, "allgather"))
         # The same samples as the TP2 run (TP2 had one DP rank: the whole batch).

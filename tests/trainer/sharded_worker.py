@@ -34,20 +34,20 @@ from trainer.model.hf_config import read_hf_config
 from trainer.model.hf_weights import hf_to_megatron, load_hf_state_dict
 from trainer.model.shard_weights import full_weights
 from trainer.parallel.world import World, init_world, model_overrides
-from trainer.reshard import Layout, padded_length
+from trainer.sharding import Parallelism, padded_length
 
 LAYOUTS = {
-    "tp2sp": Layout(tp=2, sequence_parallel=True),
-    "ep2": Layout(ep=2),
-    "tp2sp_ep2": Layout(tp=2, ep=2, etp=1, sequence_parallel=True),
-    "pp2": Layout(pp=2),
-    "pp2_vp2": Layout(pp=2, vp=2),
+    "tp2sp": Parallelism(tp=2, sequence_parallel=True),
+    "ep2": Parallelism(ep=2),
+    "tp2sp_ep2": Parallelism(tp=2, ep=2, etp=1, sequence_parallel=True),
+    "pp2": Parallelism(pp=2),
+    "pp2_vp2": Parallelism(pp=2, vp=2),
     # 4 ranks.
-    "tp2sp_pp2": Layout(tp=2, pp=2, sequence_parallel=True),
+    "tp2sp_pp2": Parallelism(tp=2, pp=2, sequence_parallel=True),
 }
 
 
-def _build(model_dir: str, layout: Layout, world: World):
+def _build(model_dir: str, layout: Parallelism, world: World):
     """This rank's model chunks (one without virtual stages) and their routers."""
     overrides = model_overrides(layout)
     built = build_model(

@@ -34,7 +34,7 @@ from trainer.config import ConfigError, load_config
 from trainer.data.source import BatchPlan, FeedPlans
 from trainer.parallel.dp import DataParallel, ModelParallel
 from trainer.report.step_report import reports_from_json
-from trainer.reshard import Layout, RankCoords
+from trainer.sharding import Parallelism, RankCoords
 from trainer.train import train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -227,7 +227,7 @@ def test_two_ranks_share_one_consumer(
 def test_only_the_lead_reads_the_feed(dp_rank, tp_rank, tiny_model_dir, cache):
     """One consumer per job: the TP ranks of DP rank 0 share its DP rank but only TP rank 0
     reads (the others get the batch by broadcast; two readers would split or repeat groups)."""
-    layout = Layout(tp=2, sequence_parallel=True)
+    layout = Parallelism(tp=2, sequence_parallel=True)
     mp = ModelParallel(layout, RankCoords(tp_rank=tp_rank), tp_group=None, expert_dp_group=None)
     dp = DataParallel(2, dp_rank, model=mp)
     config = _config(tiny_model_dir, cache.target, "data.source=feed", "data.group_size=4")

@@ -24,7 +24,7 @@ from tests.trainer.helpers import (
 from trainer.layout.align import align_routes, routes_from_recorded
 from trainer.layout.batch import PaddedBatch
 from trainer.model.build import build_model
-from trainer.reshard import Layout, RankCoords, rank_positions, shard_padded
+from trainer.sharding import Parallelism, RankCoords, rank_positions, shard_padded
 
 
 @pytest.fixture
@@ -136,9 +136,9 @@ def test_alignment_matches_an_independent_computation(built, padding_side):
 @pytest.mark.parametrize(
     "layout",
     [
-        Layout(tp=2, sequence_parallel=True),
-        Layout(cp=2),
-        Layout(tp=2, cp=2, sequence_parallel=True),
+        Parallelism(tp=2, sequence_parallel=True),
+        Parallelism(cp=2),
+        Parallelism(tp=2, cp=2, sequence_parallel=True),
     ],
     ids=["tp2sp", "cp2", "tp2sp_cp2"],
 )
@@ -180,7 +180,7 @@ def test_uint16_expert_ids_survive_alignment_and_resharding():
     np.testing.assert_array_equal(aligned.indices[0][:2].numpy(), ids[:, 0].astype(np.int64))
     assert (aligned.indices[0][2:] == MASKED).all()
     local = shard_padded(
-        aligned.indices[0], batch.seq_len, Layout(tp=2, sequence_parallel=True), RankCoords()
+        aligned.indices[0], batch.seq_len, Parallelism(tp=2, sequence_parallel=True), RankCoords()
     )
     np.testing.assert_array_equal(local.numpy(), ids[:, 0].astype(np.int64))
 

@@ -1,4 +1,4 @@
-"""Each rank's share of the routes (trainer/reshard/) against megatron-core's own functions.
+"""Each rank's share of the routes (trainer/sharding/) against megatron-core's own functions.
 
 Oracles: megatron's CP batch split (``get_batch_on_this_cp_rank``) applied to position ids,
 its sequence-parallel scatter (``_split_along_first_dim``), its pipeline layer placement
@@ -26,10 +26,10 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.utils import get_batch_on_this_cp_rank
 
-from trainer.reshard import (
-    Layout,
-    LayoutError,
+from trainer.sharding import (
     PackPlan,
+    Parallelism,
+    ParallelismError,
     PipelineSplit,
     RankCoords,
     check_split,
@@ -112,7 +112,7 @@ def test_cp_split_matches_megatron_on_a_padded_batch(cp, tp, length, batch):
     multiple = pad_multiple(tp, cp, sequence_parallel=True)
     seq = padded_length(length, multiple)  # odd lengths pad up to the layout's multiple
     positions = torch.arange(seq)[None].repeat(batch, 1) + 1000 * torch.arange(batch)[:, None]
-    layout = Layout(tp=1, cp=cp)
+    layout = Parallelism(tp=1, cp=cp)
     for rank in range(cp):
         expected = megatron_cp(positions, cp, rank)  # [batch, seq / cp]
         assert torch.equal(positions[0, torch.from_numpy(cp_index(seq, cp, rank))], expected[0])
@@ -123,7 +123,7 @@ def test_cp_split_matches_megatron_on_a_padded_batch(cp, tp, length, batch):
 
 
 def test_cp_refuses_a_sequence_that_is_not_padded():
-    with pytest.raises(LayoutError, match="2 x cp = 4 chunks"):
+    with pytest.raises(ParallelismError, match="2 x cp = 4 chunks"):
         cp_index(9, 2, 0)
 
 
@@ -138,7 +138,7 @@ def test_cp_refuses_a_sequence_that_is_not_padded():
     batch=st.integers(1, 3),
 )
 def test_cp_then_sp_matches_megatron(tp, cp, length, batch):
-    layout = Layout(tp=tp, cp=cp, sequence_parallel=True)
+    layout = Parallelism(tp=tp, cp=cp, sequence_parallel=True)
     seq = padded_length(length, layout.multiple)
     positions = torch.arange(seq)[None].repeat(batch, 1) + 1000 * torch.arange(batch)[:, None]
     rows = positions.t().reshape(-1)
@@ -153,7 +153,7 @@ def test_cp_then_sp_matches_megatron(tp, cp, length, batch):
 
 def test_sp_slice_refuses_rows_that_do_not_divide():
     assert sp_slice(8, 2, 1) == slice(4, 8)
-    with pytest.raises(LayoutError, match="pad the sequence"):
+    with pytest.raises(ParallelismError, match="pad the sequence"):
         sp_slice(9, 2, 0)
 
 
@@ -193,7 +193,7 @@ def test_stage_layers_match_megatron(split):
     # every layer exactly once, ours refuses too.
     placed = expected and sorted(i for r in expected.values() for i in r)
     if expected is None or placed != list(range(split.num_layers)):
-        with pytest.raises(LayoutError):
+        with pytest.raises(ParallelismError):
             check_split(split, [0])
         return
     for (p, v), layers in expected.items():
@@ -211,17 +211,17 @@ def test_stage_moe_layers_follow_global_layer_numbers():
 
 
 def test_a_split_that_disagrees_with_the_records_is_refused():
-    with pytest.raises(LayoutError, match="covers layers 0..3"):
+    with pytest.raises(ParallelismError, match="covers layers 0..3"):
         stage_moe_layers(PipelineSplit(4, pp=2), (1, 2, 3, 4), 0)
-    with pytest.raises(LayoutError, match="do not divide over pp=3"):
+    with pytest.raises(ParallelismError, match="do not divide over pp=3"):
         stage_moe_layers(PipelineSplit(4, pp=3), (1, 2, 3), 0)
-    with pytest.raises(LayoutError, match="not divisible by vp=2"):
+    with pytest.raises(ParallelismError, match="not divisible by vp=2"):
         stage_moe_layers(PipelineSplit(6, pp=2, vp=2), (1, 2, 3), 0)
 
 
 def test_a_custom_pipeline_layout_is_refused():
     config = SimpleNamespace(pipeline_model_parallel_layout=[["embedding"], ["loss"]])
-    with pytest.raises(LayoutError, match="custom layer layout"):
+    with pytest.raises(ParallelismError, match="custom layer layout"):
         PipelineSplit.from_config(config)
 
 
@@ -254,13 +254,13 @@ def test_packing_plan_pads_each_sequence_to_the_multiple(lengths, multiple):
 
 def test_dp_shard_and_a_batch_that_does_not_divide():
     assert [list(dp_shard(6, 3, r)) for r in range(3)] == [[0, 1], [2, 3], [4, 5]]
-    with pytest.raises(LayoutError, match="does not divide over 4 DP ranks"):
+    with pytest.raises(ParallelismError, match="does not divide over 4 DP ranks"):
         dp_shard(6, 4, 0)
-    with pytest.raises(LayoutError, match="not divisible by tp x cp x pp"):
-        Layout(tp=4, sequence_parallel=True).dp(6)
-    with pytest.raises(LayoutError, match="sequence_parallel"):
-        Layout(tp=2).dp(2)
-    assert Layout(tp=2, ep=2, etp=1, sequence_parallel=True).dp(2) == 1
+    with pytest.raises(ParallelismError, match="not divisible by tp x cp x pp"):
+        Parallelism(tp=4, sequence_parallel=True).dp(6)
+    with pytest.raises(ParallelismError, match="sequence_parallel"):
+        Parallelism(tp=2).dp(2)
+    assert Parallelism(tp=2, ep=2, etp=1, sequence_parallel=True).dp(2) == 1
 
 
 @SETTINGS
@@ -294,7 +294,7 @@ def test_dynamic_batching_permutation_round_trip(lengths, budget, multiple, mini
 def test_dynamic_batching_balances_and_refuses_an_oversized_sample():
     batches = dynamic_microbatches([50, 10, 40, 30, 20, 50], 100)
     assert sorted(batches.tokens) == [100, 100]
-    with pytest.raises(LayoutError, match="exceeds the micro-batch budget"):
+    with pytest.raises(ParallelismError, match="exceeds the micro-batch budget"):
         dynamic_microbatches([10, 101], 100)
 
 

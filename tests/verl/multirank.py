@@ -59,10 +59,10 @@ def run(args) -> dict:
     from tests.verl.helpers import check_rows, geometry_of, nested, replay_r3, verl_model
     from trainer.layout.batch import PaddedBatch
     from trainer.parallel.world import init_world, model_overrides
-    from trainer.reshard import Layout
+    from trainer.sharding import Parallelism
     from verl_integration.fetch import RouteFetcher, worker_source
 
-    layout = Layout(**LAYOUTS[args.layout])
+    layout = Parallelism(**LAYOUTS[args.layout])
     world = init_world(layout)
     torch.manual_seed(1234)
     built = verl_model(
@@ -152,9 +152,9 @@ def run_engine(args) -> dict:
     from tests.verl.helpers import check_rows, engine_batch, engine_on_cpu, geometry_of
     from trainer.layout.batch import PaddedBatch
     from trainer.parallel.world import init_world, model_overrides
-    from trainer.reshard import Layout
+    from trainer.sharding import Parallelism
 
-    layout = Layout(**LAYOUTS[args.layout])
+    layout = Parallelism(**LAYOUTS[args.layout])
     world = init_world(layout)
     torch.manual_seed(1234)
     geometry = geometry_of(args.model_dir)

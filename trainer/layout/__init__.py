@@ -13,7 +13,7 @@ recorded route and the rows that could have one. On the way:
 4. ``share``: this rank's rows of them (context-parallel chunks, sequence-parallel split).
 
 The pure layout functions it uses (the parallel sizes, layer split, token-budget grouping, CP
-and SP cuts) are in ``trainer.reshard``, which knows nothing of megatron or the step.
+and SP cuts) are in ``trainer.sharding``, which knows nothing of megatron or the step.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def align_routes(
             and logs a warning.
         model_id: When given, records must carry this model id.
         positions: The sequence positions whose rows this rank keeps, in its order
-            (``trainer.reshard.rank_positions``: its CP chunks and SP share); only those rows
+            (``trainer.sharding.rank_positions``: its CP chunks and SP share); only those rows
             are written. None: every row.
 
     Returns:

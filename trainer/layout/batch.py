@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from trainer.config import PaddingSide
-from trainer.reshard import PackPlan
+from trainer.sharding import PackPlan
 
 PADDING_SIDES = ("right", "left")
 PACKED = "packed"
@@ -75,7 +75,7 @@ class PaddedBatch:
         max_length: int | None = None,
     ) -> PaddedBatch:
         """Pack samples back to back in one row, each padded to a multiple of ``multiple``
-        (``reshard.PackPlan``), the row padded to ``max_length`` when given."""
+        (``sharding.PackPlan``), the row padded to ``max_length`` when given."""
         if len(sample_ids) != len(tokens):
             raise ValueError(f"{len(sample_ids)} sample ids for {len(tokens)} token lists")
         plan = PackPlan.build([len(t) for t in tokens], multiple)

@@ -16,7 +16,7 @@ from trainer.config import TrainConfig
 from trainer.data.source import Sample
 from trainer.layout.batch import PACKED, PaddedBatch
 from trainer.parallel.dp import DataParallel
-from trainer.reshard import Layout, LayoutError, dynamic_microbatches, padded_length
+from trainer.sharding import Parallelism, ParallelismError, dynamic_microbatches, padded_length
 
 
 @dataclass
@@ -57,7 +57,7 @@ def micro_batches(
     shape: tuple[int, int] | None = None,
 ) -> list[MicroBatch]:
     """Split a batch into micro-batches: consecutive runs of ``size`` samples, or the given
-    ``groups`` of sample positions (``reshard.dynamic_microbatches``: a token budget).
+    ``groups`` of sample positions (``sharding.dynamic_microbatches``: a token budget).
 
     Each micro-batch is laid out on its own: padded (``padding_side`` right or left) to its
     longest sample rounded up to a multiple of ``multiple`` (a parallel layout's: sequence
@@ -102,7 +102,7 @@ def step_micro_batches(
     advantages: np.ndarray,
     train: TrainConfig,
     dp: DataParallel,
-    layout: Layout,
+    layout: Parallelism,
 ) -> list[list[MicroBatch]]:
     """This rank's mini-batches, each a list of micro-batches (fixed size, or filled up to
     ``train.max_tokens_per_micro_batch`` with the same count on every DP rank).
@@ -114,7 +114,7 @@ def step_micro_batches(
         layout: The parallel layout (its padding multiple; pipeline stages need one shape).
 
     Raises:
-        LayoutError: On every rank, when any rank cannot lay its samples out under the budget.
+        ParallelismError: On every rank, when any rank cannot lay its samples out under the budget.
     """
     local_mini = train.mini_batch_size_or_micro // dp.size
     local_micro = max(train.micro_batch_size // dp.size, 1)
@@ -155,7 +155,7 @@ def step_micro_batches(
 
 
 def _budget(
-    lengths: list[int], budget: int, dp: DataParallel, layout: Layout
+    lengths: list[int], budget: int, dp: DataParallel, layout: Parallelism
 ) -> tuple[list[tuple[int, ...]], str]:
     """One mini-batch's micro-batches under the token budget (positions in ``lengths``), as
     many on every DP rank (a multiple of pp under virtual stages: the interleaved schedule runs
@@ -167,14 +167,14 @@ def _budget(
     if lengths:
         try:
             count = len(dynamic_microbatches(lengths, budget, multiple=multiple).groups)
-        except LayoutError as exc:
+        except ParallelismError as exc:
             error = str(exc)
     count = int(dp.max(-(-count // step) * step))
     if not lengths or error:
         return [], error
     try:
         plan = dynamic_microbatches(lengths, budget, multiple=multiple, min_microbatches=count)
-    except LayoutError as exc:
+    except ParallelismError as exc:
         return [], str(exc)
     return list(plan.groups), ""
 
@@ -187,4 +187,4 @@ def raise_everywhere(error: str) -> None:
         dist.all_gather_object(errors, error)
     first = next((e for e in errors if e), "")
     if first:
-        raise LayoutError(first)
+        raise ParallelismError(first)

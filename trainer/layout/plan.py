@@ -71,7 +71,7 @@ def plan_step(
         model_id: When given, records must carry this model id.
 
     Raises:
-        LayoutError: On every rank, when any rank cannot lay its samples out.
+        ParallelismError: On every rank, when any rank cannot lay its samples out.
         InvalidArgument: A record that does not match its sample or the model.
     """
     minis = step_micro_batches(samples, records, advantages, train, dp, share.layout)

@@ -8,7 +8,7 @@ import torch
 
 from trainer.layout.batch import PaddedBatch
 from trainer.parallel.dp import ModelParallel
-from trainer.reshard import Layout, cp_index, rank_positions, shard_padded
+from trainer.sharding import Parallelism, cp_index, rank_positions, shard_padded
 
 
 class RankShare:
@@ -20,7 +20,7 @@ class RankShare:
 
     def __init__(self, mp: ModelParallel | None):
         self.mp = mp
-        self.layout = mp.layout if mp is not None else Layout()
+        self.layout = mp.layout if mp is not None else Parallelism()
 
     def positions(self, batch: PaddedBatch) -> np.ndarray | None:
         """The sequence positions whose rows this rank keeps (None: every one)."""

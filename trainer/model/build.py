@@ -21,7 +21,7 @@ from trainer.model.hf_config import (
 )
 from trainer.model.hf_weights import hf_to_megatron, load_hf_state_dict
 from trainer.model.shard_weights import local_weights
-from trainer.reshard import PipelineSplit, check_stage_routers, stage_moe_layers
+from trainer.sharding import PipelineSplit, check_stage_routers, stage_moe_layers
 
 
 def _pipeline_rank(pg_collection) -> tuple[int, int]:
@@ -130,7 +130,7 @@ def megatron_config(
     checked).
 
     Raises:
-        LayoutError: A pipeline split that does not place the model's layers.
+        ParallelismError: A pipeline split that does not place the model's layers.
         UnsupportedConfig: A setting replay cannot run with.
     """
     cpu_compat.apply()
@@ -222,8 +222,8 @@ def build_model(
 
     Raises:
         UnsupportedConfig: A setting replay cannot run with.
-        LayoutError: A chunk's routers differ from its share of the MoE layers
-            (``reshard.stage_moe_layers``).
+        ParallelismError: A chunk's routers differ from its share of the MoE layers
+            (``sharding.stage_moe_layers``).
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay

@@ -3,7 +3,7 @@ that make the ranks' update equal to one rank's update on the whole batch.
 
 Sharding: the batch is cut into the global micro-batches of ``train.micro_batch_size`` samples
 (what a single rank trains on between two optimizer steps) and each DP rank takes its
-``reshard.dp_shard`` of every micro-batch. So DP rank r's micro-batch i holds its share of the
+``sharding.dp_shard`` of every micro-batch. So DP rank r's micro-batch i holds its share of the
 single-rank micro-batch i, and every optimizer step sees the same samples as on one rank.
 
 Gradients: a plain all-reduce (sum) of the gradients over the DP group after each backward,
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.data.source import BatchPlan
-from trainer.reshard import Layout, LayoutError, RankCoords, dp_shard
+from trainer.sharding import Parallelism, ParallelismError, RankCoords, dp_shard
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class ModelParallel:
     """This rank's tensor-, pipeline- and expert-parallel place, for the step's collectives.
 
     Attributes:
-        layout: The parallel layout (``reshard.Layout``; context parallel 1).
+        layout: The parallel layout (``sharding.Parallelism``; context parallel 1).
         coords: This rank's coordinates (its TP rank shards the replayed routes, its pipeline
             rank owns a stage's layers).
         tp_group: The TP group: logits are gathered over it.
@@ -51,7 +51,7 @@ class ModelParallel:
         pp_group: The pipeline group: the last stage's log-probs are broadcast over it.
     """
 
-    layout: Layout
+    layout: Parallelism
     coords: RankCoords
     tp_group: object
     expert_dp_group: object
@@ -105,7 +105,7 @@ class DataParallel:
         )
         for name, n in sizes:
             if n % self.size:
-                raise LayoutError(
+                raise ParallelismError(
                     f"train.{name}={n} does not divide over {self.size} data-parallel ranks"
                 )
 

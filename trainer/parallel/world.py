@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.model import cpu_compat
-from trainer.reshard import Layout, LayoutError, RankCoords
+from trainer.sharding import Parallelism, ParallelismError, RankCoords
 
 _PATCHED = False
 
@@ -115,18 +115,18 @@ class World:
 
     rank: int
     world_size: int
-    layout: Layout
+    layout: Parallelism
     dp_size: int
     dp_rank: int
     coords: RankCoords
     pg_collection: object
 
 
-def init_world(layout: Layout, seed: int = 1234, backend: str | None = None) -> World:
+def init_world(layout: Parallelism, seed: int = 1234, backend: str | None = None) -> World:
     """Join the torchrun world and build megatron's groups for ``layout`` over it.
 
     Refuses a world size that does not divide as configured before any collective runs (every
-    rank raises the same ``LayoutError``, so nothing hangs).
+    rank raises the same ``ParallelismError``, so nothing hangs).
     """
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -162,12 +162,12 @@ def init_world(layout: Layout, seed: int = 1234, backend: str | None = None) -> 
     )
 
 
-def model_overrides(layout: Layout) -> dict:
+def model_overrides(layout: Parallelism) -> dict:
     """``TransformerConfig`` fields for ``layout`` (pass to ``build_model``)."""
     if layout.cp > 1 and not _has_transformer_engine():
-        raise LayoutError(
+        raise ParallelismError(
             "context parallel needs TransformerEngine attention (not installed): only the CP "
-            "split itself runs here (trainer.reshard.cp_index)"
+            "split itself runs here (trainer.sharding.cp_index)"
         )
     out = dict(
         tensor_model_parallel_size=layout.tp,

@@ -1,21 +1,21 @@
 """The parallel layout, a rank's coordinates in it, and data parallelism (step 1): which
-samples a DP rank fetches. Errors raised before a step are ``LayoutError``."""
+samples a DP rank fetches. Errors raised before a step are ``ParallelismError``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 
-class LayoutError(ValueError):
+class ParallelismError(ValueError):
     """A parallel layout that cannot replay the records as configured (raised before a step)."""
 
 
 # --------------------------------------------------------------------------------------------
-# Layout
+# Parallelism
 
 
 @dataclass(frozen=True)
-class Layout:
+class Parallelism:
     """Parallel sizes of the trainer (megatron's names).
 
     Attributes:
@@ -43,23 +43,25 @@ class Layout:
         """Data-parallel size for ``world_size`` ranks; refuses a world that does not divide."""
         for name in ("tp", "cp", "pp", "ep"):
             if getattr(self, name) < 1:
-                raise LayoutError(f"{name}={getattr(self, name)}; parallel sizes must be >= 1")
+                raise ParallelismError(f"{name}={getattr(self, name)}; parallel sizes must be >= 1")
         model = self.tp * self.cp * self.pp
         if world_size % model:
-            raise LayoutError(
+            raise ParallelismError(
                 f"world size {world_size} is not divisible by tp x cp x pp = {self.tp} x "
                 f"{self.cp} x {self.pp} = {model}"
             )
         dp = world_size // model
         if (dp * self.cp * self.tp) % (self.ep * self.expert_tp):
-            raise LayoutError(
+            raise ParallelismError(
                 f"ep x etp = {self.ep} x {self.expert_tp} must divide dp x cp x tp = {dp} x "
                 f"{self.cp} x {self.tp} (world size {world_size})"
             )
         if self.tp > 1 and not self.sequence_parallel:
-            raise LayoutError("MoE training with tp > 1 needs sequence_parallel=True (megatron)")
+            raise ParallelismError(
+                "MoE training with tp > 1 needs sequence_parallel=True (megatron)"
+            )
         if self.vp is not None and self.pp < 2:
-            raise LayoutError(f"vp={self.vp} needs pp > 1")
+            raise ParallelismError(f"vp={self.vp} needs pp > 1")
         return dp
 
     @property
@@ -99,13 +101,13 @@ def dp_shard(num_samples: int, dp_size: int, dp_rank: int) -> range:
     global batch out (rank r gets ``[r * n / dp, (r + 1) * n / dp)``).
 
     Raises:
-        LayoutError: ``num_samples`` not divisible by ``dp_size`` (ranks would disagree on the
+        ParallelismError: ``num_samples`` not divisible by ``dp_size`` (ranks would disagree on the
             number of steps and hang).
     """
     if not 0 <= dp_rank < dp_size:
-        raise LayoutError(f"dp_rank {dp_rank} outside [0, {dp_size})")
+        raise ParallelismError(f"dp_rank {dp_rank} outside [0, {dp_size})")
     if num_samples % dp_size:
-        raise LayoutError(
+        raise ParallelismError(
             f"a batch of {num_samples} samples does not divide over {dp_size} DP ranks"
         )
     per = num_samples // dp_size

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trainer.reshard.layout import LayoutError, padded_length
+from trainer.sharding.parallel import ParallelismError, padded_length
 
 
 @dataclass(frozen=True)
@@ -62,17 +62,17 @@ def dynamic_microbatches(
     Args:
         lengths: Tokens per sample.
         max_tokens: Budget per micro-batch.
-        multiple: Each sample is padded to this multiple when packed (``Layout.multiple``).
+        multiple: Each sample is padded to this multiple when packed (``Parallelism.multiple``).
         min_microbatches: At least this many micro-batches (empty ones are refused).
 
     Raises:
-        LayoutError: A single sample over the budget, or more micro-batches than samples.
+        ParallelismError: A single sample over the budget, or more micro-batches than samples.
     """
     sizes = [padded_length(int(n), multiple) for n in lengths]
     if not sizes:
-        raise LayoutError("no samples to batch")
+        raise ParallelismError("no samples to batch")
     if max(sizes) > max_tokens:
-        raise LayoutError(
+        raise ParallelismError(
             f"a sample of {max(sizes)} tokens (padded to a multiple of {multiple}) exceeds the "
             f"micro-batch budget of {max_tokens} tokens"
         )
@@ -80,7 +80,7 @@ def dynamic_microbatches(
     by_size = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
     while True:
         if count > len(sizes):
-            raise LayoutError(f"{count} micro-batches for {len(sizes)} samples")
+            raise ParallelismError(f"{count} micro-batches for {len(sizes)} samples")
         loads, groups = [0] * count, [[] for _ in range(count)]
         fits = True
         for i in by_size:

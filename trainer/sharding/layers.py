@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from trainer.reshard.layout import LayoutError
+from trainer.sharding.parallel import ParallelismError
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class PipelineSplit:
     def from_config(cls, config) -> PipelineSplit:
         """From a megatron ``TransformerConfig`` (or any object with its field names)."""
         if getattr(config, "pipeline_model_parallel_layout", None) is not None:
-            raise LayoutError(
+            raise ParallelismError(
                 "pipeline_model_parallel_layout (a custom layer layout) is not supported by "
                 "router replay resharding; use the uniform or first/last-stage split"
             )
@@ -53,21 +53,21 @@ class PipelineSplit:
         ...), ...; their layers are consecutive global layer numbers in that order.
 
         Raises:
-            LayoutError: A split megatron would refuse or build inconsistently.
+            ParallelismError: A split megatron would refuse or build inconsistently.
         """
         pp, vp = self.pp, self.vp or 1
         if pp < 1 or vp < 1 or self.num_layers < 1:
-            raise LayoutError(f"invalid pipeline split {self}")
+            raise ParallelismError(f"invalid pipeline split {self}")
         if self.vp is not None and pp == 1:
-            raise LayoutError("virtual pipeline stages need pp > 1")
+            raise ParallelismError("virtual pipeline stages need pp > 1")
         if pp == 1:
             if self.first is not None or self.last is not None:
-                raise LayoutError("an uneven first/last stage needs pp > 1")
+                raise ParallelismError("an uneven first/last stage needs pp > 1")
             return [[self.num_layers]]
         uneven = self.first is not None or self.last is not None
         if uneven:
             if self.account_for_embedding or self.account_for_loss:
-                raise LayoutError(
+                raise ParallelismError(
                     "an uneven first/last stage cannot be combined with "
                     "account_for_embedding/loss_in_pipeline_split (megatron refuses it)"
                 )
@@ -75,7 +75,7 @@ class PipelineSplit:
         else:
             slots = self.num_layers + self.account_for_embedding + self.account_for_loss
             if slots % pp:
-                raise LayoutError(
+                raise ParallelismError(
                     f"{self.num_layers} layers (+{int(self.account_for_embedding)} embedding, "
                     f"+{int(self.account_for_loss)} loss slot) do not divide over pp={pp}"
                 )
@@ -83,7 +83,7 @@ class PipelineSplit:
         sizes = []
         for p, n in enumerate(per_stage):
             if n % vp:
-                raise LayoutError(
+                raise ParallelismError(
                     f"pipeline stage {p} has {n} layer slots, not divisible by vp={vp}"
                 )
             sizes.append([n // vp] * vp)
@@ -94,9 +94,9 @@ class PipelineSplit:
             if self.account_for_loss:
                 sizes[pp - 1][vp - 1] -= 1
             if min(min(row) for row in sizes) < 0:
-                raise LayoutError("not enough layers for the embedding/loss pipeline slots")
+                raise ParallelismError("not enough layers for the embedding/loss pipeline slots")
         if sum(map(sum, sizes)) != self.num_layers:
-            raise LayoutError(f"pipeline split {self} does not place every layer exactly once")
+            raise ParallelismError(f"pipeline split {self} does not place every layer exactly once")
         return sizes
 
     def _uneven_stage_sizes(self) -> list[int]:
@@ -107,14 +107,14 @@ class PipelineSplit:
         rest = self.num_layers - sum(fixed.values())
         middle = pp - len(fixed)
         if rest < 0 or (middle == 0 and rest != 0) or (middle and rest % middle):
-            raise LayoutError(
+            raise ParallelismError(
                 f"{self.num_layers} layers with {self.first} on the first and {self.last} on "
                 f"the last stage leave {rest} for {middle} middle stages: not an even split"
             )
         if middle == 0 and self.vp is not None:
             # megatron-core 0.16.1's get_transformer_layer_offset divides by the number of
             # middle stages here (ZeroDivisionError): it cannot build this split.
-            raise LayoutError(
+            raise ParallelismError(
                 "an uneven split with both first and last stages set, virtual stages and no "
                 "middle stage is not supported by megatron-core (division by zero)"
             )
@@ -132,13 +132,13 @@ class PipelineSplit:
         sizes = self.chunk_sizes()
         vp = self.vp or 1
         if not 0 <= pp_rank < self.pp:
-            raise LayoutError(f"pp_rank {pp_rank} outside [0, {self.pp})")
+            raise ParallelismError(f"pp_rank {pp_rank} outside [0, {self.pp})")
         if vp_stage is None:
             if self.vp is not None:
-                raise LayoutError("vp_stage is required with virtual pipeline stages")
+                raise ParallelismError("vp_stage is required with virtual pipeline stages")
             vp_stage = 0
         if not 0 <= vp_stage < vp:
-            raise LayoutError(f"vp_stage {vp_stage} outside [0, {vp})")
+            raise ParallelismError(f"vp_stage {vp_stage} outside [0, {vp})")
         # Chunks in execution order: (v, p) for v in vp for p in pp.
         start = sum(sizes[p][v] for v in range(vp_stage) for p in range(self.pp))
         start += sum(sizes[p][vp_stage] for p in range(pp_rank))
@@ -156,7 +156,7 @@ def stage_moe_layers(
         pp_rank, vp_stage: The stage.
 
     Raises:
-        LayoutError: ``check_split`` fails.
+        ParallelismError: ``check_split`` fails.
     """
     check_split(split, moe_layers)
     owned = split.stage_layers(pp_rank, vp_stage)
@@ -168,13 +168,13 @@ def check_split(split: PipelineSplit, moe_layers: Sequence[int]) -> None:
     beyond the model's layers, or a split that does not place every layer exactly once.
 
     Raises:
-        LayoutError: naming both sides.
+        ParallelismError: naming both sides.
     """
     sizes = split.chunk_sizes()
     if not moe_layers:
-        raise LayoutError("the record geometry has no MoE layers")
+        raise ParallelismError("the record geometry has no MoE layers")
     if max(moe_layers) >= split.num_layers or min(moe_layers) < 0:
-        raise LayoutError(
+        raise ParallelismError(
             f"the records route layers {list(moe_layers)}, but the pipeline split covers "
             f"layers 0..{split.num_layers - 1} ({split.num_layers} layers): the records come "
             "from another model or the split's num_layers is wrong"
@@ -185,7 +185,7 @@ def check_split(split: PipelineSplit, moe_layers: Sequence[int]) -> None:
 def check_stage_routers(expected: Sequence[int], built: Sequence[int], where: str = "") -> None:
     """Refuse a built stage whose routers' layer numbers differ from the split's share."""
     if tuple(expected) != tuple(built):
-        raise LayoutError(
+        raise ParallelismError(
             f"{where}the stage built routers on layers {list(built)}; the pipeline split and "
             f"the record geometry give it {list(expected)}"
         )
@@ -196,5 +196,7 @@ def layer_columns(moe_layers: Sequence[int], layers: Sequence[int]) -> list[int]
     index = {layer: j for j, layer in enumerate(moe_layers)}
     missing = [layer for layer in layers if layer not in index]
     if missing:
-        raise LayoutError(f"layers {missing} are not MoE layers of the records {list(moe_layers)}")
+        raise ParallelismError(
+            f"layers {missing} are not MoE layers of the records {list(moe_layers)}"
+        )
     return [index[layer] for layer in layers]

@@ -28,37 +28,37 @@ megatron or the rest of the trainer. ``trainer.layout`` runs these steps for the
 Modules, by concern: ``layout`` (the layout, a rank's coordinates, step 1), ``layers`` (layer
 ownership, step 2), ``microbatch`` (step 3), ``packing`` (steps 4-6: the packing plan, the CP
 and SP cuts of one sequence), ``share`` (a micro-batch's rows cut to one rank). Everything is
-importable from ``trainer.reshard``.
+importable from ``trainer.sharding``.
 """
 
 from __future__ import annotations
 
-from trainer.reshard.layers import (
+from trainer.sharding.batching import (
+    DynamicBatches,
+    dynamic_microbatches,
+)
+from trainer.sharding.layers import (
     PipelineSplit,
     check_split,
     check_stage_routers,
     layer_columns,
     stage_moe_layers,
 )
-from trainer.reshard.layout import (
-    Layout,
-    LayoutError,
+from trainer.sharding.packing import PackPlan, cp_index, sp_slice
+from trainer.sharding.parallel import (
+    Parallelism,
+    ParallelismError,
     RankCoords,
     dp_shard,
     pad_multiple,
     padded_length,
 )
-from trainer.reshard.microbatch import (
-    DynamicBatches,
-    dynamic_microbatches,
-)
-from trainer.reshard.packing import PackPlan, cp_index, sp_slice
-from trainer.reshard.share import rank_positions, shard_padded
+from trainer.sharding.rows import rank_positions, shard_padded
 
 __all__ = [
     "DynamicBatches",
-    "Layout",
-    "LayoutError",
+    "Parallelism",
+    "ParallelismError",
     "PackPlan",
     "PipelineSplit",
     "RankCoords",

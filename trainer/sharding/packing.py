@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trainer.reshard.layout import LayoutError
+from trainer.sharding.parallel import ParallelismError
 
 # --------------------------------------------------------------------------------------------
 # 4. Packing
@@ -34,7 +34,7 @@ class PackPlan:
     def build(cls, lengths: Sequence[int], multiple: int = 1) -> PackPlan:
         lengths = np.asarray(lengths, dtype=np.int64)
         if lengths.ndim != 1 or lengths.size == 0 or (lengths < 1).any():
-            raise LayoutError(f"sequence lengths must be positive, got {lengths.tolist()}")
+            raise ParallelismError(f"sequence lengths must be positive, got {lengths.tolist()}")
         padded = -(-lengths // multiple) * multiple
         zero = np.zeros(1, np.int64)
         return cls(
@@ -60,15 +60,15 @@ def cp_index(seq_len: int, cp_size: int, cp_rank: int) -> np.ndarray:
     ``2 * cp_size - 1 - r`` (causal attention's load balance).
 
     Raises:
-        LayoutError: ``seq_len`` not a multiple of ``2 * cp_size``.
+        ParallelismError: ``seq_len`` not a multiple of ``2 * cp_size``.
     """
     if not 0 <= cp_rank < cp_size:
-        raise LayoutError(f"cp_rank {cp_rank} outside [0, {cp_size})")
+        raise ParallelismError(f"cp_rank {cp_rank} outside [0, {cp_size})")
     if cp_size == 1:
         return np.arange(seq_len, dtype=np.int64)
     chunks = 2 * cp_size
     if seq_len % chunks:
-        raise LayoutError(
+        raise ParallelismError(
             f"a sequence of {seq_len} tokens does not split into 2 x cp = {chunks} chunks; pad "
             "it to a multiple of tp x cp x 2"
         )
@@ -87,9 +87,9 @@ def sp_slice(num_rows: int, tp_size: int, tp_rank: int) -> slice:
     (megatron's scatter along the first dimension of ``[seq, batch, hidden]``, i.e. of the
     flattened ``[seq * batch]`` token rows)."""
     if not 0 <= tp_rank < tp_size:
-        raise LayoutError(f"tp_rank {tp_rank} outside [0, {tp_size})")
+        raise ParallelismError(f"tp_rank {tp_rank} outside [0, {tp_size})")
     if num_rows % tp_size:
-        raise LayoutError(
+        raise ParallelismError(
             f"{num_rows} rows do not split over {tp_size} sequence-parallel ranks; pad the "
             "sequence to a multiple of tp"
         )
