@@ -11,7 +11,6 @@ import torch
 from trainer.config import PaddingSide
 from trainer.sharding import PackPlan
 
-PADDING_SIDES = ("right", "left")
 PACKED = "packed"
 
 
@@ -43,15 +42,17 @@ class PaddedBatch:
         sample_ids: Sequence[str],
         tokens: Sequence[np.ndarray | Sequence[int]],
         *,
-        padding_side: str = "right",
+        padding_side: PaddingSide | str = PaddingSide.RIGHT,
         pad_id: int = 0,
         max_length: int | None = None,
         num_rows: int | None = None,
     ) -> PaddedBatch:
         """Pad per-sample token ids to ``max_length`` (default: the longest sample); with
         ``num_rows``, empty rows follow the samples' (a fixed micro-batch shape)."""
-        if padding_side not in PADDING_SIDES:
-            raise ValueError(f"padding_side {padding_side!r}; expected one of {PADDING_SIDES}")
+        if padding_side not in set(PaddingSide):
+            raise ValueError(
+                f"padding_side {padding_side!r}; expected one of {[p.value for p in PaddingSide]}"
+            )
         if len(sample_ids) != len(tokens):
             raise ValueError(f"{len(sample_ids)} sample ids for {len(tokens)} token lists")
         lengths = [len(t) for t in tokens]
