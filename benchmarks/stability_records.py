@@ -303,9 +303,10 @@ def runaway(run: dict[str, Any]) -> dict[str, Any]:
     if n == 0:
         verdict.update(ran_away=not verdict["finished"])
         return verdict
-    agreement = [value(s, "agreement") for s in steps]
-    verdict["agreement_first"] = _nanmedian(agreement[:n])
-    verdict["agreement_last"] = _nanmedian(agreement[-n:])
+    for field in ("agreement", "expected_reward", "entropy"):
+        values = [value(s, field) for s in steps]
+        verdict[f"{field}_first"] = _nanmedian(values[:n])
+        verdict[f"{field}_last"] = _nanmedian(values[-n:])
     grew = {}
     for field in ("kl", "grad_norm"):
         values = [value(s, field) for s in steps]
@@ -322,6 +323,27 @@ def runaway(run: dict[str, Any]) -> dict[str, Any]:
         or any(g >= RUNAWAY_FACTOR for g in grew.values()),
     )
     return verdict
+
+
+def moved(data: dict[str, Any], family: str) -> dict[str, float]:
+    """How far the main runs of ``family`` in ``disabled`` (bf16) moved: expected reward and
+    natural agreement at step 0 and over the last steps (medians over the seeds)."""
+    runs = [
+        r
+        for r in data["runs"]
+        if r["kind"] == "main"
+        and r["family"] == family
+        and (r["mode"], r["dtype"]) == ("disabled", "bfloat16")
+        and r["steps"]
+    ]
+    if not runs:
+        return {}
+    return {
+        "reward_first": _nanmedian([value(r["steps"][0], "expected_reward") for r in runs]),
+        "reward_last": _nanmedian([value(r["steps"][-1], "expected_reward") for r in runs]),
+        "agreement_first": _nanmedian([value(r["steps"][0], "agreement") for r in runs]),
+        "agreement_last": _nanmedian([value(s, "agreement") for r in runs for s in last(r)]),
+    }
 
 
 def probe_verdicts(data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -355,7 +377,13 @@ def verdict(ratio: float) -> str:
 
 
 def _x(x: float) -> str:
-    return f"{x:.3f}" if math.isfinite(x) else "-"
+    if not math.isfinite(x):
+        return "-"
+    return f"{x:.3f}" if x >= 1e-3 else f"{x:.1e}"
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'s' if n != 1 else ''}"
 
 
 def _pct(x: float | None) -> str:
@@ -403,18 +431,21 @@ def probe_markdown(probe: dict[str, Any]) -> str:
     if not probe or not probe.get("verdicts"):
         return "No collapse probe in this run.\n"
     head = (
-        f"| lr | mode | steps | KL first -> last (medians of {RUNAWAY_STEPS}) | largest KL | "
-        "grad norm first -> last | largest grad norm | agreement first -> last | ran away |\n"
-        "|---|---|---|---|---|---|---|---|---|\n"
+        f"| lr | mode | steps | KL first -> last (medians of {RUNAWAY_STEPS} steps) | "
+        "grad norm first -> last | largest grad norm | agreement first -> last | "
+        "expected reward first -> last | entropy first -> last | ran away |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for v in probe["verdicts"]:
         rows.append(
             f"| {v['lr']:g} | {v['mode']} | {v['steps']} | {fmt(v.get('kl_first'))} -> "
-            f"{fmt(v.get('kl_last'))} | {fmt(v.get('kl_max'))} | "
-            f"{fmt(v.get('grad_norm_first'))} -> {fmt(v.get('grad_norm_last'))} | "
-            f"{fmt(v.get('grad_norm_max'))} | {_pct(v.get('agreement_first'))} -> "
-            f"{_pct(v.get('agreement_last'))} | {'**yes**' if v['ran_away'] else 'no'} |"
+            f"{fmt(v.get('kl_last'))} | {fmt(v.get('grad_norm_first'))} -> "
+            f"{fmt(v.get('grad_norm_last'))} | {fmt(v.get('grad_norm_max'))} | "
+            f"{_pct(v.get('agreement_first'))} -> {_pct(v.get('agreement_last'))} | "
+            f"{fmt(v.get('expected_reward_first'))} -> {fmt(v.get('expected_reward_last'))} | "
+            f"{fmt(v.get('entropy_first'))} -> {fmt(v.get('entropy_last'))} | "
+            f"{'**yes**' if v['ran_away'] else 'no'} |"
         )
     return head + "\n".join(rows) + "\n"
 
@@ -443,8 +474,13 @@ def figure(data: dict[str, Any], out, kind: str = "main", title: str = "") -> No
     if kind == "probe":
         rows = (rows[0], rows[1], ("grad_norm", "gradient norm", True), rows[2])
     columns = [(f, lr) for f in families for lr in lrs]
+    heights = [1.6] + [1.0] * (len(rows) - 1)  # the KL row spans many decades
     fig, axes = plt.subplots(
-        len(rows), len(columns), figsize=(5.5 * len(columns), 2.8 * len(rows)), squeeze=False
+        len(rows),
+        len(columns),
+        figsize=(5.5 * len(columns), 2.8 * sum(heights)),
+        squeeze=False,
+        gridspec_kw={"height_ratios": heights},
     )
     for col, (family, lr) in enumerate(columns):
         for row, (field, label, log) in enumerate(rows):
@@ -474,7 +510,7 @@ def figure(data: dict[str, Any], out, kind: str = "main", title: str = "") -> No
                     mid,
                     color=color,
                     lw=1.2,
-                    label=f"{LABELS[(mode, dtype)]} ({len(mine)} seeds)",
+                    label=f"{LABELS[(mode, dtype)]} ({_count(len(mine), 'seed')})",
                 )
                 if len(mine) > 1:
                     ax.fill_between(x, lo, hi, color=color, alpha=0.2, lw=0)
