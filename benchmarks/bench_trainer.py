@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from benchmarks.common import machine, write_section
+from benchmarks.common import batch_copies, machine, write_section
 
 # Small enough for a CPU step well under a second, with many routers and experts so that
 # per-router costs weigh as much as they can.
@@ -184,14 +184,13 @@ def time_replay(model_dir, groups, lengths, repeats: int):
 def fetch_vs_step(model_dir, built, records, batches: int) -> dict:
     """Fetch + align time per batch against step time, from a real route cache (prefetch on
     and off). ``records`` are one batch's records; each batch gets copies under new ids."""
-    import dataclasses
 
     from route_cache.config import Config
     from route_cache.embedded import start_embedded_redis
     from route_cache.server import RouteCacheServer
     from route_cache.store import RouteStore, connect
     from trainer.config import load_config
-    from trainer.data.source import BatchPlan, CacheSource
+    from trainer.data.source import CacheSource
     from trainer.optim import AdamW
     from trainer.train import train
 
@@ -204,14 +203,7 @@ def fetch_vs_step(model_dir, built, records, batches: int) -> dict:
     out: dict = {"batches": batches, "tokens": int(sum(r.token_ids.size for r in records))}
     try:
         for prefetch in ("on", "off"):
-            plans = []
-            for b in range(batches):
-                ids = []
-                for r in records:
-                    copy = dataclasses.replace(r, sample_id=f"{prefetch}-{b}-{r.sample_id}")
-                    source.client.write(copy)
-                    ids.append(copy.sample_id)
-                plans.append(BatchPlan(ids))
+            plans = batch_copies(source.client, records, batches, prefetch)
             config = load_config(
                 None,
                 [

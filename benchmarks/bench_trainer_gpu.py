@@ -338,11 +338,12 @@ def fetch_loop(replay, size: Size, records: list, clock: Clock, batches: int) ->
     """Per batch, the route cache fetch (in the background with prefetch), the loop's wait for
     it, alignment, the copy to the device and the replayed forward + backward; prefetch on and
     off. Each batch is ``records`` under new sample ids, written first."""
+    from benchmarks.common import batch_copies
     from route_cache.config import Config
     from route_cache.embedded import start_embedded_redis
     from route_cache.server import RouteCacheServer
     from route_cache.store import RouteStore, connect
-    from trainer.data.source import BatchPlan, CacheSource, Prefetcher
+    from trainer.data.source import CacheSource, Prefetcher
     from trainer.layout.align import align_routes
     from trainer.layout.batch import PaddedBatch
 
@@ -361,14 +362,7 @@ def fetch_loop(replay, size: Size, records: list, clock: Clock, batches: int) ->
     }
     try:
         for prefetch in ("on", "off"):
-            plans = []
-            for b in range(batches):
-                ids = []
-                for r in records:
-                    copy = dataclasses.replace(r, sample_id=f"{prefetch}-{b}-{r.sample_id}")
-                    source.client.write(copy)
-                    ids.append(copy.sample_id)
-                plans.append(BatchPlan(ids))
+            plans = batch_copies(source.client, records, batches, prefetch)
             rows: list[dict] = []
             for fetched in Prefetcher(source, plans, missing="error", prefetch=prefetch == "on"):
                 clock.sync()

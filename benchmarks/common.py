@@ -3,6 +3,7 @@ results table into its own section of docs/benchmarks.md."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -50,3 +51,17 @@ def write_section(name: str, markdown: str, results: dict) -> None:
     pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else f"{text}\n{block}\n"
     DOCS.write_text(text)
+
+
+def batch_copies(client, records, batches: int, tag: str) -> list:
+    """``batches`` copies of one batch's ``records`` written to the route cache under new ids
+    (``{tag}-{batch}-{sample id}``), as the trainer's batch plans (one per copy)."""
+    from trainer.data.source import BatchPlan
+
+    plans = []
+    for b in range(batches):
+        copies = [dataclasses.replace(r, sample_id=f"{tag}-{b}-{r.sample_id}") for r in records]
+        for copy in copies:
+            client.write(copy)
+        plans.append(BatchPlan([c.sample_id for c in copies]))
+    return plans
