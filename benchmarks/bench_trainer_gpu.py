@@ -153,24 +153,10 @@ def write_config(out: Path, size: Size) -> Path:
     return out
 
 
-def without_transformer_engine() -> None:
-    """megatron-core 0.16.1's router gate (``moe_utils.RouterGatingLinearFunction``, every
-    router's forward and backward) tests ``te_general_gemm is not None``, a name
-    ``transformer/moe/moe_utils.py`` defines only when TransformerEngine imports: a NameError
-    on any device without it. ``trainer.model.cpu_compat`` defines it only where CUDA is
-    absent; on a GPU without TransformerEngine (this benchmark's machine) it is defined here,
-    as None, so the plain ``torch.mm`` branch runs."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
 def build_pair(model_dir: Path, groups, device: torch.device, dtype: torch.dtype):
     """The same weights built twice: without replay (``disabled``) and with it (R3)."""
     from trainer.model.build import build_model
 
-    without_transformer_engine()
     overrides = {"params_dtype": dtype, "bf16": dtype == torch.bfloat16}
     torch.manual_seed(0)
     kw = dict(pg_collection=groups, load_weights=False, **overrides)

@@ -18,22 +18,19 @@ allgather dispatcher, no expert bias; the multi-rank layouts need more, see docs
 3. ``tensor_parallel/random.py``: ``CheckpointFunction`` (activation recompute) saves and
    restores the "CUDA" generator state through the module functions ``_get_cuda_rng_state`` /
    ``_set_cuda_rng_state``; they read and write the CPU generator instead.
-4. ``transformer/moe/moe_utils.py`` (``RouterGatingLinearFunction``) reads the module global
-   ``te_general_gemm``, which exists only when TransformerEngine imports: define it as None so
-   the plain ``torch.mm`` branch runs.
-5. The load-balancing aux-loss tracker: ``transformer/moe/moe_utils.py``
+4. The load-balancing aux-loss tracker: ``transformer/moe/moe_utils.py``
    (``track_moe_metrics(..., force_initialize=True)``, how a training loop logs the aux loss)
    creates missing tracker entries with ``torch.zeros(num_layers, device="cuda")``. The
    wrapper creates them on the CPU first, so megatron's code finds them and skips that line.
    (``save_to_aux_losses_tracker``, called by the router in every training forward, already
    allocates on the loss's device.)
-6. ``pipeline_parallel/schedules.py``: the schedules (``forward_backward_no_pipelining``,
+5. ``pipeline_parallel/schedules.py``: the schedules (``forward_backward_no_pipelining``,
    ``forward_backward_pipelining_with_interleaving``,
    ``forward_backward_pipelining_without_interleaving`` (1F1B)) create their token counter
    with ``total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")``. The module's
    ``torch`` name is given a thin proxy whose ``zeros`` puts a ``device="cuda"`` tensor on the
    CPU; every other attribute is torch's own.
-7. ``transformer/utils.py``, ``get_sliding_window_causal_mask`` (imported by name into
+6. ``transformer/utils.py``, ``get_sliding_window_causal_mask`` (imported by name into
    ``fusions/fused_softmax.py``, whose ``forward_torch_softmax`` calls it in every
    sliding-window layer: gpt-oss) builds its mask with ``device="cuda"``; the same mask is
    built on the CPU instead.
@@ -67,7 +64,6 @@ def apply() -> bool:
     _patch_current_device()
     _patch_rng_tracker()
     _patch_rng_state_functions()
-    _patch_router_gemm()
     _patch_aux_loss_tracker()
     _patch_schedules_token_counter()
     _patch_sliding_window_mask()
@@ -141,15 +137,6 @@ def _patch_rng_state_functions() -> None:
     # CheckpointFunction.forward/backward -> _get_all_rng_states / _set_all_rng_states.
     mrandom._get_cuda_rng_state = _get_cpu_rng_state
     mrandom._set_cuda_rng_state = _set_cpu_rng_state
-
-
-def _patch_router_gemm() -> None:
-    from megatron.core.transformer.moe import moe_utils
-
-    # RouterGatingLinearFunction.forward/backward test `te_general_gemm is not None`; 0.16.1
-    # defines the name only when TransformerEngine imports (NameError otherwise).
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
 
 
 def _patch_aux_loss_tracker() -> None:

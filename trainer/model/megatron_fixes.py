@@ -25,6 +25,10 @@
    ("Output 0 of _ReduceFromModelParallelRegion is a view and is being modified inplace").
    Experts' ``linear_fc2`` outputs are cloned in forwards with gradients, so the add is on a
    tensor of its own (upstream's fix would be an out-of-place add on that line).
+4. ``transformer/moe/moe_utils.py``, ``RouterGatingLinearFunction`` (every router's forward
+   and backward) tests ``te_general_gemm is not None``, a module global defined only when
+   TransformerEngine imports: a NameError on any device without it (a CPU, or a GPU with
+   megatron-core's local layers). It is defined as None, so the plain ``torch.mm`` branch runs.
 """
 
 from __future__ import annotations
@@ -49,9 +53,17 @@ def apply() -> None:
                 self.local_tokens_per_expert += routing_map.sum(dim=0)
 
     TopKRouter._apply_expert_bias = _apply_expert_bias
+    _router_gemm_without_transformer_engine()
     _keep_the_mask_in_sliding_window_layers()
     _expert_bias_out_of_place()
     _APPLIED = True
+
+
+def _router_gemm_without_transformer_engine() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _keep_the_mask_in_sliding_window_layers() -> None:
