@@ -83,41 +83,36 @@ def moe_columns(
 
 def next_turn(
     sample_id: str,
-    prompt_ids: Sequence[int],
+    tokens: np.ndarray,
+    generated_start: int,
     output: Any,
     geometry: MoEGeometry,
     stored_tokens: int,
     policy_version: int,
-) -> Record | TurnAppend | None:
+) -> Record | TurnAppend:
     """What one ``generate()`` call adds to the sample's record.
 
     Args:
-        prompt_ids: The call's prompt: the whole history (earlier turns included).
+        tokens: int32 ``[T]``: the call's prompt (the whole history, earlier turns included)
+            and the tokens it generated from ``generated_start`` on (at least one).
         output: verl's ``TokenOutput`` (``token_ids``, ``log_probs``, ``routed_experts``).
-        stored_tokens: Tokens the route cache already holds for the sample (0: none).
+        stored_tokens: Tokens the route cache already holds for the sample (0: none), checked
+            to be the prompt's first tokens (``TurnWriter.stored_tokens``).
         policy_version: The version of the weights that served the call.
 
     Returns:
-        The new record (first call), the turn to append, or None when the call added no token.
+        The new record (first call) or the turn to append.
 
     Raises:
-        InvalidArgument: naming the sample: no routes, a history that does not extend the
-            stored tokens, or a capture that does not fit the model.
+        InvalidArgument: naming the sample: no routes, or a capture that does not fit the
+            model.
     """
     if output.routed_experts is None:
         raise InvalidArgument(
             f"sample {sample_id!r}: the rollout returned no routed_experts; set "
             "actor_rollout_ref.rollout.enable_rollout_routing_replay=True"
         )
-    tokens = np.asarray([*prompt_ids, *output.token_ids], dtype=np.int32)
-    total, generated_start = tokens.size, len(prompt_ids)
-    if stored_tokens > generated_start:
-        raise InvalidArgument(
-            f"sample {sample_id!r}: the route cache holds {stored_tokens} tokens but this call's "
-            f"prompt has {generated_start}: a turn must extend the stored history"
-        )
-    if total == stored_tokens:
-        return None
+    total = tokens.size
     logprobs = np.asarray(output.log_probs or [], dtype=np.float32)
     if logprobs.size != total - generated_start:
         logprobs = np.zeros(0, np.float32)  # not reported for every generated token
@@ -173,9 +168,9 @@ class TurnWriter:
         self.remembered = remembered
         self._written: OrderedDict[str, tuple[int, bytes]] = OrderedDict()
 
-    async def stored_tokens(self, sample_id: str, prompt_ids: Sequence[int]) -> int:
+    async def stored_tokens(self, sample_id: str, prompt: np.ndarray) -> int:
         """Tokens the route cache holds for the sample (0: none), checked to be the start of
-        ``prompt_ids``.
+        ``prompt`` (int32 ``[P]``).
 
         Raises:
             InvalidArgument: naming the sample and the first position where the prompt differs
@@ -185,7 +180,6 @@ class TurnWriter:
             stored = (await _value(self.client.stat(sample_id))).num_tokens
         except NotFound:
             return 0
-        prompt = np.asarray(prompt_ids, dtype=np.int32)
         if stored > prompt.size:
             raise InvalidArgument(
                 f"sample {sample_id!r}: the route cache holds {stored} tokens but this call's "
@@ -216,17 +210,18 @@ class TurnWriter:
         """
         if not _stores_anything(output):
             return None
-        stored = await self.stored_tokens(sample_id, prompt_ids)
+        history = np.asarray([*prompt_ids, *output.token_ids], dtype=np.int32)
+        generated_start = len(prompt_ids)
+        stored = await self.stored_tokens(sample_id, history[:generated_start])
+        version = _version(output, policy_version)
         update = next_turn(
-            sample_id, prompt_ids, output, self.geometry, stored, _version(output, policy_version)
+            sample_id, history, generated_start, output, self.geometry, stored, version
         )
-        if update is None:
-            return None
         if isinstance(update, Record):
             result = await _value(self.client.write(update, more_turns=True))
         else:
             result = await _value(self.client.append(update))
-        self._remember(sample_id, np.asarray([*prompt_ids, *output.token_ids], dtype=np.int32))
+        self._remember(sample_id, history)
         return result
 
     def write(self, sample_id: str, prompt_ids: Sequence[int], output: Any, policy_version=None):
