@@ -182,6 +182,70 @@ class Family:
     rope_keys: frozenset[str] = frozenset()
     mtp_layers: bool = False
 
+    def rope(self, config: dict[str, Any]) -> Rope:
+        """The checkpoint's rotary embedding as the megatron mapping reads it; refuses rope
+        types, keys and a partial rotation the family does not map."""
+        params = rope_parameters(config)
+        rope_type = params["rope_type"]
+        allowed = {"rope_type", "rope_theta", "partial_rotary_factor"}
+        if rope_type == "yarn":
+            allowed |= _YARN_KEYS | self.rope_keys
+        unknown = set(params) - allowed
+        if unknown:
+            raise UnsupportedConfig(f"rope_parameters keys {sorted(unknown)} are not mapped")
+        if rope_type not in self.rope_types:
+            raise UnsupportedConfig(f"rope scaling {rope_type!r} is not mapped to megatron yet")
+        if params.get("rope_theta") is None:
+            raise UnsupportedConfig("config.json lacks rope_theta")
+        factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+        percent = 1.0 if factor is None else float(factor)
+        if not self.partial_rotary and percent != 1.0:
+            raise UnsupportedConfig(f"partial_rotary_factor is not mapped for {self.model_type}")
+        return Rope(float(params["rope_theta"]), percent, _yarn(params))
+
+
+# YaRN's rope parameters, as transformers names them.
+_YARN_KEYS = {"factor", "beta_fast", "beta_slow", "truncate", "original_max_position_embeddings"}
+
+
+@dataclass(frozen=True)
+class Rope:
+    """A checkpoint's rotary embedding in megatron's terms.
+
+    Attributes:
+        theta: The rotary base.
+        percent: The share of each head that is rotated (GLM-4.5: 0.5).
+        yarn: The ``yarn_*`` attributes megatron's YaRN rotary reads from the
+            ``TransformerConfig``; None without YaRN.
+    """
+
+    theta: float
+    percent: float
+    yarn: dict[str, Any] | None
+
+
+def _yarn(params: dict[str, Any]) -> dict[str, Any] | None:
+    """``GPTModel(position_embedding_type="yarn")`` reads these with ``getattr`` from the
+    config, but megatron-core 0.16.1 declares them on ``MLATransformerConfig`` only: a plain
+    ``TransformerConfig`` raises ``AttributeError: yarn_rotary_scaling_factor``. The
+    attention applies YaRN's softmax scale (``0.1 ln(factor) + 1``, squared) itself."""
+    if params["rope_type"] != "yarn":
+        return None
+    for key in ("factor", "original_max_position_embeddings"):
+        if key not in params:
+            raise UnsupportedConfig(f"rope_parameters: YaRN without {key}")
+    return dict(
+        yarn_rotary_scaling_factor=float(params["factor"]),
+        yarn_original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        yarn_beta_fast=float(params.get("beta_fast", 32.0)),
+        yarn_beta_slow=float(params.get("beta_slow", 1.0)),
+        # transformers' default attention factor: mscale 1 over mscale_all_dim 0.
+        yarn_mscale=1.0,
+        yarn_mscale_all_dim=0.0,
+        # transformers' truncate (default True) rounds the correction range to integers.
+        yarn_correction_range_round_to_int=bool(params.get("truncate", True)),
+    )
+
 
 def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
     """The rope settings of a ``config.json`` in transformers 5's terms (``rope_parameters``:

@@ -30,7 +30,7 @@ from tests.trainer.multirank_pp import MICRO_BATCH, _micro_batches
 from tests.trainer.multirank_worker import LENGTHS, SEED, _gather_tp
 from tests.trainer.test_model_parity import _hf_reference
 from trainer.model.build import build_model
-from trainer.model.hf_config import read_hf_config
+from trainer.model.hf_config import read_checkpoint_config
 from trainer.model.hf_weights import hf_to_megatron, load_hf_state_dict
 from trainer.model.shard_weights import full_weights
 from trainer.parallel.world import World, init_world, model_overrides
@@ -93,7 +93,7 @@ def run(layout_name: str, model_dir: str, out: str) -> None:
     world = init_world(layout, seed=SEED)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     models, routers = _build(model_dir, layout, world)
-    full = hf_to_megatron(load_hf_state_dict(model_dir), read_hf_config(model_dir))
+    full = hf_to_megatron(load_hf_state_dict(model_dir), read_checkpoint_config(model_dir))
     back = {name: t for model in models for name, t in full_weights(model).items()}
     for model in models:
         model.eval()

@@ -24,7 +24,7 @@ from tests.trainer.helpers import (
     replay_random_routes,
 )
 from trainer.model.build import build_model
-from trainer.model.hf_config import UnsupportedConfig, read_hf_config, transformer_config
+from trainer.model.hf_config import UnsupportedConfig, check_config, read_hf_config
 
 
 def _config(family_model_dir, family, **changes):
@@ -58,7 +58,7 @@ def _config(family_model_dir, family, **changes):
 def test_settings_megatron_cannot_reproduce_are_refused(family_model_dir, family, changes, match):
     config = _config(family_model_dir, family, **changes)
     with pytest.raises(UnsupportedConfig, match=match):
-        transformer_config(config, routing_replay=True)
+        check_config(config)
 
 
 def _kimi_form(src, dst):

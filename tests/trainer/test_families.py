@@ -33,7 +33,7 @@ from tests.trainer.helpers import (
 from trainer.layout.align import align_routes, routes_from_recorded
 from trainer.layout.batch import PaddedBatch
 from trainer.model.build import build_model
-from trainer.model.hf_config import UnsupportedConfig, read_hf_config, transformer_config
+from trainer.model.hf_config import UnsupportedConfig, check_config, read_hf_config
 from trainer.optim import AdamW
 from trainer.rl.schedule import Schedule
 
@@ -205,7 +205,7 @@ def _config(family_model_dir, family, **changes):
 def test_unknown_config_key_is_refused_by_name(family, family_model_dir):
     config = _config(family_model_dir, family, some_new_routing_knob=1)
     with pytest.raises(UnsupportedConfig, match="some_new_routing_knob"):
-        transformer_config(config, routing_replay=True)
+        check_config(config)
 
 
 @pytest.mark.parametrize(
@@ -219,7 +219,7 @@ def test_unknown_config_key_is_refused_by_name(family, family_model_dir):
 def test_glm_settings_megatron_cannot_reproduce_are_refused(family_model_dir, changes, match):
     config = _config(family_model_dir, "glm4_moe", **changes)
     with pytest.raises(UnsupportedConfig, match=match):
-        transformer_config(config, routing_replay=True)
+        check_config(config)
 
 
 def test_refused_before_anything_is_built(family_model_dir, tmp_path, pg_collection):
@@ -235,7 +235,7 @@ def test_refused_before_anything_is_built(family_model_dir, tmp_path, pg_collect
 
 def test_partial_rotary_reaches_megatron(glm):
     # GLM-4.5 rotates half of each head: 16 of 32 channels, 8 frequencies.
-    assert glm.hf_config["rope_parameters"]["partial_rotary_factor"] == 0.5
+    assert glm.checkpoint.raw["rope_parameters"]["partial_rotary_factor"] == 0.5
     assert glm.model.rotary_pos_emb.inv_freq.numel() == glm.model.config.kv_channels // 4
 
 

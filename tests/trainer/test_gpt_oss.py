@@ -24,7 +24,7 @@ from tests.trainer.helpers import (
 )
 from trainer.layout.batch import PaddedBatch
 from trainer.model.build import build_model
-from trainer.model.hf_config import UnsupportedConfig, read_hf_config, transformer_config
+from trainer.model.hf_config import UnsupportedConfig, check_config, read_hf_config
 
 ATOL = 1e-5
 
@@ -141,14 +141,14 @@ def test_settings_megatron_cannot_reproduce_are_refused(model_dir, changes, matc
     config = read_hf_config(model_dir)
     config.update(changes)
     with pytest.raises(UnsupportedConfig, match=match):
-        transformer_config(config, routing_replay=True)
+        check_config(config)
 
 
 # One process per vector width, sharing an inductor cache: the second finds the first's entries.
 _ACTIVATION = """
 import sys, torch
-from trainer.model.hf_config import read_hf_config, transformer_config
-act = transformer_config(read_hf_config(sys.argv[1]), routing_replay=True).activation_func
+from trainer.model.hf_config import read_checkpoint_config, transformer_config
+act = transformer_config(read_checkpoint_config(sys.argv[1]), routing_replay=True).activation_func
 for rows in (1, 5, 17, 33):  # the tokens an expert gets vary, so do the compiled shapes
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)) * 4
     torch.testing.assert_close(act(x), x * torch.sigmoid(1.702 * x), rtol=1e-6, atol=1e-6)

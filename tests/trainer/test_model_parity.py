@@ -95,11 +95,11 @@ def test_hf_megatron_hf_weights_round_trip_is_bitwise(model_dir, pg_collection):
     from trainer.model.hf_weights import load_hf_state_dict, megatron_to_hf, read_mtp_tensors
 
     built = build_model(model_dir, routing_replay=False, pg_collection=pg_collection)
-    back = megatron_to_hf(built.model.state_dict(), built.hf_config)
+    back = megatron_to_hf(built.model.state_dict(), built.checkpoint)
     original = load_hf_state_dict(model_dir)
     # Multi-token-prediction layers (DeepSeek-V3) are no part of the model: all of the rest is.
-    mtp = read_mtp_tensors(model_dir, built.hf_config)
-    assert bool(mtp) == bool(built.hf_config.get("num_nextn_predict_layers"))
+    mtp = read_mtp_tensors(model_dir, built.checkpoint)
+    assert bool(mtp) == bool(built.checkpoint.raw.get("num_nextn_predict_layers"))
     assert sorted(back) == sorted(set(original) - set(mtp))
     for name, tensor in back.items():
         assert torch.equal(original[name], tensor), name

@@ -55,7 +55,7 @@ def test_mtp_layer_is_never_a_decoder_layer(family, family_model_dir, pg_collect
     model_dir = family_model_dir(family)
     built = build_model(model_dir, routing_replay=True, pg_collection=pg_collection)
     hf = load_hf_state_dict(model_dir)
-    config = built.hf_config
+    config = built.checkpoint.raw
     assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == 4
     assert built.geometry.moe_layers == (1, 2, 3)
     assert built.replay.layers == (1, 2, 3)

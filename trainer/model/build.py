@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +12,10 @@ import torch
 from routereplay.domain.record import Geometry
 from trainer.model import cpu_compat, megatron_fixes, mla_compat, replay
 from trainer.model.hf_config import (
+    CheckpointConfig,
     UnsupportedConfig,
     gpt_model_args,
-    model_geometry,
-    mtp_layers,
-    read_hf_config,
+    read_checkpoint_config,
     transformer_config,
 )
 from trainer.model.hf_weights import hf_to_megatron, load_hf_state_dict
@@ -48,7 +47,7 @@ class TrainerModel:
         chunks: This rank's megatron ``GPTModel`` chunks, one per virtual pipeline stage (one
             without virtual stages), in virtual-stage order: the ``model`` list megatron's
             schedules take. Parameters on the CPU without CUDA.
-        hf_config: The checkpoint's parsed ``config.json`` (for exporting weights back).
+        checkpoint: The checkpoint's checked ``config.json`` (for exporting weights back).
         geometry: The routing geometry of the whole model, in the record's terms.
         routers: This rank's routers (its pipeline stage's, every chunk's) in ascending global
             layer order.
@@ -58,7 +57,7 @@ class TrainerModel:
     """
 
     chunks: list[torch.nn.Module]
-    hf_config: dict[str, Any]
+    checkpoint: CheckpointConfig
     geometry: Geometry
     routers: list[replay.ReplayRouter]
     replay: replay.RouterReplayControl | None
@@ -124,10 +123,10 @@ def megatron_config(
     load_weights: bool,
     overrides: dict[str, Any],
     drop_mtp_layers: bool = True,
-) -> tuple[dict[str, Any], Any]:
-    """The checkpoint's ``config.json`` and the ``TransformerConfig`` built from it (with the
-    CPU patches and megatron fixes applied first, the pipeline split and a replay configuration
-    checked).
+) -> tuple[CheckpointConfig, Any]:
+    """The checkpoint's checked ``config.json`` and the ``TransformerConfig`` built from it
+    (with the CPU patches and megatron fixes applied first, the pipeline split and a replay
+    configuration checked).
 
     Raises:
         ParallelismError: A pipeline split that does not place the model's layers.
@@ -135,13 +134,13 @@ def megatron_config(
     """
     cpu_compat.apply()
     megatron_fixes.apply()
-    hf_config = read_hf_config(model_dir)
-    if mtp_layers(hf_config) and not drop_mtp_layers:
+    checkpoint = read_checkpoint_config(model_dir)
+    if checkpoint.mtp_layers and not drop_mtp_layers:
         # megatron's MTP block (mtp_num_layers) needs labels in every forward, then returns
         # the loss instead of the logits and adds its own loss to the gradient: the RL step's
         # forward (logits for the token log-probs) cannot run it.
         raise UnsupportedConfig(
-            f"num_nextn_predict_layers {mtp_layers(hf_config)}: megatron's multi-token-"
+            f"num_nextn_predict_layers {checkpoint.mtp_layers}: megatron's multi-token-"
             "prediction block returns a loss, not the logits the RL step needs; set "
             "model.drop_mtp_layers to train the decoder alone"
         )
@@ -151,13 +150,13 @@ def megatron_config(
     settings.update(overrides)
     # Megatron asserts on a split it cannot build; this names the split in the layout's terms.
     PipelineSplit(
-        num_layers=int(hf_config["num_hidden_layers"]),
+        num_layers=int(checkpoint.raw["num_hidden_layers"]),
         pp=settings.get("pipeline_model_parallel_size", 1),
         vp=settings.get("virtual_pipeline_model_parallel_size"),
         first=settings.get("num_layers_in_first_pipeline_stage"),
         last=settings.get("num_layers_in_last_pipeline_stage"),
     ).chunk_sizes()
-    config = transformer_config(hf_config, routing_replay=routing_replay, **settings)
+    config = transformer_config(checkpoint, routing_replay=routing_replay, **settings)
     if (
         getattr(config, "multi_latent_attention", False)
         and config.tensor_model_parallel_size > 1
@@ -171,7 +170,7 @@ def megatron_config(
         )
     if routing_replay:
         check_replay_config(config)
-    return hf_config, config
+    return checkpoint, config
 
 
 def moe_routers(model: torch.nn.Module) -> list[replay.ReplayRouter]:
@@ -228,16 +227,16 @@ def build_model(
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    hf_config, config = megatron_config(
+    checkpoint, config = megatron_config(
         model_dir, routing_replay, load_weights, config_overrides, drop_mtp_layers
     )
     # The registry is class-level: without a reset, a second build would double-register.
     RouterReplay.clear_global_router_replay_instances()
     pp_rank, pp_size = _pipeline_rank(pg_collection)
     vp = config.virtual_pipeline_model_parallel_size
-    geometry = model_geometry(hf_config, model_id or Path(model_dir).name)
+    geometry = replace(checkpoint.geometry, model_id=model_id or Path(model_dir).name)
     split = PipelineSplit.from_config(config)
-    full = hf_to_megatron(load_hf_state_dict(model_dir), hf_config) if load_weights else None
+    full = hf_to_megatron(load_hf_state_dict(model_dir), checkpoint) if load_weights else None
     chunks, chunk_routers = [], []
     for v in range(vp or 1):
         stage = {} if vp is None else {"vp_stage": v}
@@ -249,7 +248,7 @@ def build_model(
             pre_process=pp_rank == 0 and v == 0,
             post_process=pp_rank == pp_size - 1 and v == (vp or 1) - 1,
             **stage,
-            **gpt_model_args(hf_config).as_kwargs(),
+            **gpt_model_args(checkpoint).as_kwargs(),
         )
         mla_compat.fix_tensor_parallel(model)
         if full is not None:
@@ -265,8 +264,8 @@ def build_model(
         chunk_routers.append(routers)
     routers = [r for rs in chunk_routers for r in rs]
     if not routing_replay:
-        return TrainerModel(chunks, hf_config, geometry, routers, None)
+        return TrainerModel(chunks, checkpoint, geometry, routers, None)
     # One install for every chunk: it resets megatron's class-level registry each time.
     control = replay.install(routers)
     controls = [replay.RouterReplayControl(rs) for rs in chunk_routers]
-    return TrainerModel(chunks, hf_config, geometry, routers, control, controls)
+    return TrainerModel(chunks, checkpoint, geometry, routers, control, controls)

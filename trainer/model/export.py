@@ -63,10 +63,10 @@ def hf_state_dict(
         weights: The whole model under megatron's global names (default: ``built.model``'s
             state dict, the whole model on one rank).
     """
-    dtype = dtype or served_dtype(built.hf_config)
+    dtype = dtype or served_dtype(built.checkpoint.raw)
     if weights is None:
         weights = built.model.state_dict()
-    state = megatron_to_hf(weights, built.hf_config)
+    state = megatron_to_hf(weights, built.checkpoint)
     out = {}
     for name, t in state.items():
         t = t.detach().cpu()
@@ -117,7 +117,7 @@ def export_hf(
     source, out = Path(source_dir), Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     state = hf_state_dict(built, dtype, weights)
-    state.update(read_mtp_tensors(source, built.hf_config))
+    state.update(read_mtp_tensors(source, built.checkpoint))
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         for item in source.iterdir():

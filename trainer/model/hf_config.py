@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from routereplay.domain.model_geometry import geometry_from_config
 from routereplay.domain.record import Geometry
 from routereplay.families import Family, family_of
-from routereplay.families.base import UnsupportedConfig, rope_parameters
+from routereplay.families.base import Rope, UnsupportedConfig
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -31,84 +31,53 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     return json.loads((Path(model_dir) / "config.json").read_text())
 
 
-def _get(config: dict[str, Any], *keys: str) -> Any:
-    for key in keys:
-        if config.get(key) is not None:
-            return config[key]
-    raise UnsupportedConfig(f"config.json lacks all of {keys}")
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """A checkpoint's ``config.json``, checked once against its family (``check_config``):
+    what the megatron mapping (``transformer_config``, ``gpt_model_args``) and the weight
+    tables (``hf_weights``) take, so that none of them parses or checks it again.
 
-
-def num_experts(config: dict[str, Any]) -> int:
-    return model_geometry(config).num_experts
-
-
-# YaRN's rope parameters, as transformers names them.
-_YARN_KEYS = {"factor", "beta_fast", "beta_slow", "truncate", "original_max_position_embeddings"}
-
-
-def rope_theta(config: dict[str, Any]) -> float:
-    """The rotary base, from ``rope_parameters`` (transformers 5) or the top level (4.x);
-    refuses rope types and keys the family does not map."""
-    family = family_of(config)
-    params = rope_parameters(config)
-    rope_type = params["rope_type"]
-    allowed = {"rope_type", "rope_theta", "partial_rotary_factor"}
-    if rope_type == "yarn":
-        allowed |= _YARN_KEYS | family.rope_keys
-    unknown = set(params) - allowed
-    if unknown:
-        raise UnsupportedConfig(f"rope_parameters keys {sorted(unknown)} are not mapped")
-    if rope_type not in family.rope_types:
-        raise UnsupportedConfig(f"rope scaling {rope_type!r} is not mapped to megatron yet")
-    return float(_get(params, "rope_theta"))
-
-
-def yarn_attributes(config: dict[str, Any]) -> dict[str, Any] | None:
-    """The ``yarn_*`` attributes megatron's YaRN rotary reads from the ``TransformerConfig``
-    (None without YaRN).
-
-    ``GPTModel(position_embedding_type="yarn")`` reads them with ``getattr`` from the config,
-    but megatron-core 0.16.1 declares them on ``MLATransformerConfig`` only: a plain
-    ``TransformerConfig`` raises ``AttributeError: yarn_rotary_scaling_factor``. The
-    attention applies YaRN's softmax scale (``0.1 ln(factor) + 1``, squared) itself.
+    Attributes:
+        raw: The parsed ``config.json``.
+        family: Its family (``routereplay.families``).
+        fields: The ``TransformerConfig`` fields particular to the family; the weight tables
+            read from the same fields which tensors exist.
+        geometry: The routing geometry in the record's terms (global MoE layer numbers, no
+            model id), by the rule the rollout server applies.
+        rope: The rotary embedding (base, rotated share, YaRN's attributes).
     """
-    params = rope_parameters(config)
-    if params["rope_type"] != "yarn":
-        return None
-    return dict(
-        yarn_rotary_scaling_factor=float(params["factor"]),
-        yarn_original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-        yarn_beta_fast=float(params.get("beta_fast", 32.0)),
-        yarn_beta_slow=float(params.get("beta_slow", 1.0)),
-        # transformers' default attention factor: mscale 1 over mscale_all_dim 0.
-        yarn_mscale=1.0,
-        yarn_mscale_all_dim=0.0,
-        # transformers' truncate (default True) rounds the correction range to integers.
-        yarn_correction_range_round_to_int=bool(params.get("truncate", True)),
-    )
+
+    raw: dict[str, Any]
+    family: Family
+    fields: dict[str, Any]
+    geometry: Geometry
+    rope: Rope
+
+    @property
+    def moe_pattern(self) -> list[int]:
+        """1 for each MoE decoder layer, 0 for each dense one, in global layer order
+        (megatron's ``moe_layer_freq`` list)."""
+        moe = set(self.geometry.moe_layers)
+        return [int(i in moe) for i in range(int(self.raw["num_hidden_layers"]))]
+
+    @property
+    def mtp_layers(self) -> int:
+        """The multi-token-prediction layers (``model.layers.{num_hidden_layers + i}``), which
+        the trainer's model leaves out (``build.megatron_config``)."""
+        return _mtp_layers(self.raw)
 
 
-def model_geometry(config: dict[str, Any], model_id: str = "") -> Geometry:
-    """The routing geometry of this model, in the record's terms (global MoE layer numbers),
-    by the same per-family rule the rollout server applies."""
-    try:
-        return geometry_from_config(config, model_id).record
-    except ValueError as exc:
-        raise UnsupportedConfig(str(exc)) from None
+def read_checkpoint_config(model_dir: str | Path) -> CheckpointConfig:
+    """The checked ``config.json`` of a local Hugging Face checkpoint folder."""
+    return check_config(read_hf_config(model_dir))
 
 
-def moe_layer_pattern(config: dict[str, Any]) -> list[int]:
-    """1 for each MoE decoder layer, 0 for each dense one, in global layer order (megatron's
-    ``moe_layer_freq`` list)."""
-    moe = set(model_geometry(config).moe_layers)
-    return [int(i in moe) for i in range(int(config["num_hidden_layers"]))]
+def check_config(config: dict[str, Any]) -> CheckpointConfig:
+    """Refuse checkpoints whose features the mapping does not reproduce, naming the key, and
+    derive once what the mapping and the weight tables read.
 
-
-def check_supported(config: dict[str, Any]) -> Family:
-    """Refuse checkpoints whose features the mapping does not reproduce, naming the key.
-
-    Returns:
-        The checkpoint's ``Family``.
+    Raises:
+        UnsupportedConfig: A key or setting the mapping does not reproduce.
     """
     family = family_of(config)
     unknown = sorted(set(config) - family.config_keys)
@@ -128,20 +97,29 @@ def check_supported(config: dict[str, Any]) -> Family:
         raise UnsupportedConfig(f"hidden_act {config['hidden_act']!r}; only silu is mapped")
     if config.get("router_jitter_noise"):
         raise UnsupportedConfig("router_jitter_noise: the engines route without jitter")
-    if mtp_layers(config) and not family.mtp_layers:
+    if _mtp_layers(config) and not family.mtp_layers:
         raise UnsupportedConfig(
             "num_nextn_predict_layers: multi-token-prediction layers are not mapped to megatron"
         )
-    rope_theta(config)  # refuses rope types and keys the family does not map
-    if not family.partial_rotary and _partial_rotary(config) != 1.0:
-        raise UnsupportedConfig(f"partial_rotary_factor is not mapped for {family.model_type}")
     family.refuse(config)
-    return family
+    rope = family.rope(config)
+    return CheckpointConfig(
+        raw=config,
+        family=family,
+        fields=family.megatron_fields(config),
+        geometry=_geometry(config),
+        rope=rope,
+    )
 
 
-def mtp_layers(config: dict[str, Any]) -> int:
-    """The checkpoint's multi-token-prediction layers (``model.layers.{num_hidden_layers + i}``),
-    which the trainer's model leaves out (``build.megatron_config``)."""
+def _geometry(config: dict[str, Any]) -> Geometry:
+    try:
+        return geometry_from_config(config, "").record
+    except ValueError as exc:
+        raise UnsupportedConfig(str(exc)) from None
+
+
+def _mtp_layers(config: dict[str, Any]) -> int:
     return int(config.get("num_nextn_predict_layers") or 0)
 
 
@@ -167,24 +145,23 @@ class GPTModelArgs:
         }
 
 
-def gpt_model_args(config: dict[str, Any]) -> GPTModelArgs:
+def gpt_model_args(checkpoint: CheckpointConfig) -> GPTModelArgs:
+    config = checkpoint.raw
     # Latent attention rotates inside MLASelfAttention (its own YaRN): GPTModel builds no
     # rotary for it with "rope", and one MLA would refuse with "yarn".
-    yarn = yarn_attributes(config) is not None and not family_fields(config).get(
-        "multi_latent_attention"
-    )
+    yarn = checkpoint.rope.yarn is not None and not checkpoint.fields.get("multi_latent_attention")
     return GPTModelArgs(
         vocab_size=int(config["vocab_size"]),
         max_sequence_length=int(config.get("max_position_embeddings") or 4096),
-        rotary_base=rope_theta(config),
-        rotary_percent=_partial_rotary(config),
+        rotary_base=checkpoint.rope.theta,
+        rotary_percent=checkpoint.rope.percent,
         share_embeddings_and_output_weights=bool(config.get("tie_word_embeddings", False)),
         position_embedding_type="yarn" if yarn else "rope",
     )
 
 
 def transformer_config(
-    config: dict[str, Any],
+    checkpoint: CheckpointConfig,
     *,
     routing_replay: bool,
     params_dtype: torch.dtype = torch.float32,
@@ -193,7 +170,7 @@ def transformer_config(
     """Build megatron's ``TransformerConfig`` for a checkpoint of a supported family.
 
     Args:
-        config: The parsed ``config.json``.
+        checkpoint: The checked ``config.json`` (``check_config``).
         routing_replay: Sets ``moe_enable_routing_replay`` (one ``RouterReplay`` per router).
         params_dtype: Parameter dtype (float32 for the parity checks).
         **overrides: Further ``TransformerConfig`` fields (parallel sizes, recompute, aux loss).
@@ -205,7 +182,7 @@ def transformer_config(
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    check_supported(config)
+    config = checkpoint.raw
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
     fields: dict[str, Any] = dict(
@@ -218,7 +195,7 @@ def transformer_config(
         normalization="RMSNorm",
         layernorm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
         gated_linear_unit=True,
-        activation_func=_activation(check_supported(config).activation),
+        activation_func=_activation(checkpoint.family.activation),
         # Biases on the MLPs, router and output projection: only gpt-oss has them (its family
         # sets this; megatron's expert bias path needs megatron_fixes' out-of-place add).
         add_bias_linear=False,
@@ -233,20 +210,20 @@ def transformer_config(
         rotary_interleaved=False,
         params_dtype=params_dtype,
         # MoE.
-        num_moe_experts=num_experts(config),
-        moe_layer_freq=moe_layer_pattern(config),
+        num_moe_experts=checkpoint.geometry.num_experts,
+        moe_layer_freq=checkpoint.moe_pattern,
         moe_router_topk=int(config["num_experts_per_tok"]),
         moe_router_load_balancing_type="none",
         moe_token_dispatcher_type="allgather",
         moe_enable_routing_replay=routing_replay,
     )
-    fields.update(family_fields(config))
+    fields.update(checkpoint.fields)
     fields.update(overrides)
     if fields.get("multi_latent_attention"):
         # MLA's own YaRN fields come with the family's (mla_fields).
         return MLATransformerConfig(**fields)
     transformer = TransformerConfig(**fields)
-    for name, value in (yarn_attributes(config) or {}).items():
+    for name, value in (checkpoint.rope.yarn or {}).items():
         setattr(transformer, name, value)
     return transformer
 
@@ -269,16 +246,3 @@ def _activation(name: str):
     if name == "quick_gelu":  # megatron's fused paths compare with its own; they are off
         return quick_gelu
     raise UnsupportedConfig(f"activation {name!r} is not mapped")
-
-
-def family_fields(config: dict[str, Any]) -> dict[str, Any]:
-    """The ``TransformerConfig`` fields particular to this checkpoint's family (its module in
-    ``routereplay.families``); the weight mapping reads which tensors exist from the same
-    fields."""
-    return check_supported(config).megatron_fields(config)
-
-
-def _partial_rotary(config: dict[str, Any]) -> float:
-    params = config.get("rope_parameters") or {}
-    factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
-    return 1.0 if factor is None else float(factor)

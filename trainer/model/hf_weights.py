@@ -51,13 +51,7 @@ from typing import Any
 import torch
 
 from routereplay.families.base import DENSE_PROJ
-from trainer.model.hf_config import (
-    check_supported,
-    family_fields,
-    moe_layer_pattern,
-    mtp_layers,
-    num_experts,
-)
+from trainer.model.hf_config import CheckpointConfig
 
 
 def load_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
@@ -78,19 +72,20 @@ def _weight_files(folder: Path) -> list[Path]:
     return [folder / "model.safetensors"]
 
 
-def _heads(config: dict[str, Any]) -> tuple[int, int, int]:
+def _heads(checkpoint: CheckpointConfig) -> tuple[int, int, int]:
+    config = checkpoint.raw
     heads = int(config["num_attention_heads"])
     groups = int(config.get("num_key_value_heads") or heads)
     head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
     return heads, groups, head_dim
 
 
-def _qkv_to_megatron(q, k, v, config) -> torch.Tensor:
+def _qkv_to_megatron(q, k, v, checkpoint: CheckpointConfig) -> torch.Tensor:
     """``[heads*d, H]``, ``[groups*d, H]`` x2 -> ``[(heads + 2*groups)*d, H]`` grouped rows
     (biases: the same without the ``H`` dimension)."""
     if q.dim() == 1:
-        return _qkv_to_megatron(q[:, None], k[:, None], v[:, None], config)[:, 0]
-    heads, groups, d = _heads(config)
+        return _qkv_to_megatron(q[:, None], k[:, None], v[:, None], checkpoint)[:, 0]
+    heads, groups, d = _heads(checkpoint)
     hidden = q.shape[1]
     q = q.view(groups, heads // groups * d, hidden)
     k = k.view(groups, d, hidden)
@@ -98,27 +93,29 @@ def _qkv_to_megatron(q, k, v, config) -> torch.Tensor:
     return torch.cat([q, k, v], dim=1).reshape(-1, hidden)
 
 
-def _qkv_to_hf(qkv, config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _qkv_to_hf(
+    qkv, checkpoint: CheckpointConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if qkv.dim() == 1:
-        q, k, v = _qkv_to_hf(qkv[:, None], config)
+        q, k, v = _qkv_to_hf(qkv[:, None], checkpoint)
         return q[:, 0], k[:, 0], v[:, 0]
-    heads, groups, d = _heads(config)
+    heads, groups, d = _heads(checkpoint)
     per_group = heads // groups * d
     grouped = qkv.view(groups, per_group + 2 * d, qkv.shape[1])
     q, k, v = grouped.split([per_group, d, d], dim=1)
     return (q.reshape(-1, qkv.shape[1]), k.reshape(-1, qkv.shape[1]), v.reshape(-1, qkv.shape[1]))
 
 
-def _renamed(config: dict[str, Any]) -> list[tuple[str, str]]:
+def _renamed(checkpoint: CheckpointConfig) -> list[tuple[str, str]]:
     """(megatron name, Hugging Face name) of every tensor that maps one to one."""
-    fields, names = family_fields(config), check_supported(config).weights
+    fields, names = checkpoint.fields, checkpoint.family.weights
     pairs = [
         ("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
         ("decoder.final_layernorm.weight", "model.norm.weight"),
     ]
-    if not config.get("tie_word_embeddings", False):
+    if not checkpoint.raw.get("tie_word_embeddings", False):
         pairs.append(("output_layer.weight", "lm_head.weight"))
-    for layer, is_moe in enumerate(moe_layer_pattern(config)):
+    for layer, is_moe in enumerate(checkpoint.moe_pattern):
         mg, hf = f"decoder.layers.{layer}.", f"model.layers.{layer}."
         pairs += [
             (mg + "input_layernorm.weight", hf + "input_layernorm.weight"),
@@ -151,7 +148,7 @@ def _renamed(config: dict[str, Any]) -> list[tuple[str, str]]:
                 pairs.append(
                     (mg + "mlp.shared_experts.gate_weight", hf + names.shared_gate + "weight")
                 )
-    for mg, hf, (_, _, down) in _mlps(config):
+    for mg, hf, (_, _, down) in _mlps(checkpoint):
         pairs.append((mg + "linear_fc2.weight", f"{hf}{down}.weight"))
     return pairs
 
@@ -177,13 +174,13 @@ def _latent_attention(mg: str, hf: str, fields: dict[str, Any]) -> list[tuple[st
     return [(f"{mg}{m}.weight", f"{hf}{h}.weight") for m, h in query + latent]
 
 
-def _mlps(config: dict[str, Any]) -> list[tuple[str, str, tuple[str, str, str]]]:
+def _mlps(checkpoint: CheckpointConfig) -> list[tuple[str, str, tuple[str, str, str]]]:
     """(megatron prefix, Hugging Face prefix, HF gate/up/down names) of every MLP: the dense
     ones, each expert and the shared expert."""
-    names = check_supported(config).weights
-    shared = "moe_shared_expert_intermediate_size" in family_fields(config)
+    names = checkpoint.family.weights
+    shared = "moe_shared_expert_intermediate_size" in checkpoint.fields
     prefixes = []
-    for layer, is_moe in enumerate(moe_layer_pattern(config)):
+    for layer, is_moe in enumerate(checkpoint.moe_pattern):
         mg, hf = f"decoder.layers.{layer}.mlp.", f"model.layers.{layer}."
         if is_moe and not names.fused_experts:
             # Checkpoints store experts one by one on disk.
@@ -193,7 +190,7 @@ def _mlps(config: dict[str, Any]) -> list[tuple[str, str, tuple[str, str, str]]]
                     f"{hf}{names.moe}experts.{e}.",
                     names.expert_proj,
                 )
-                for e in range(num_experts(config))
+                for e in range(checkpoint.geometry.num_experts)
             ]
             if shared:
                 prefixes.append((f"{mg}shared_experts.", hf + names.shared, DENSE_PROJ))
@@ -202,10 +199,10 @@ def _mlps(config: dict[str, Any]) -> list[tuple[str, str, tuple[str, str, str]]]
     return prefixes
 
 
-def _fused_experts(config: dict[str, Any]) -> list[tuple[str, str]]:
+def _fused_experts(checkpoint: CheckpointConfig) -> list[tuple[str, str]]:
     """(megatron prefix of a layer's experts, Hugging Face prefix of its fused expert tensors)
     for every MoE layer of a family storing its experts fused (gpt-oss); empty otherwise."""
-    names = check_supported(config).weights
+    names = checkpoint.family.weights
     if not names.fused_experts:
         return []
     return [
@@ -213,7 +210,7 @@ def _fused_experts(config: dict[str, Any]) -> list[tuple[str, str]]:
             f"decoder.layers.{layer}.mlp.experts.local_experts.",
             f"model.layers.{layer}.{names.moe}experts.",
         )
-        for layer, is_moe in enumerate(moe_layer_pattern(config))
+        for layer, is_moe in enumerate(checkpoint.moe_pattern)
         if is_moe
     ]
 
@@ -229,8 +226,8 @@ def _interleave(fc1: torch.Tensor) -> torch.Tensor:
     return torch.stack([gate, up], dim=-1).flatten(-2)
 
 
-def _fused_to_megatron(hf, config, out) -> None:
-    for mg, name in _fused_experts(config):
+def _fused_to_megatron(hf, checkpoint: CheckpointConfig, out) -> None:
+    for mg, name in _fused_experts(checkpoint):
         gate_up, gate_up_bias = hf[name + "gate_up_proj"], hf[name + "gate_up_proj_bias"]
         down, down_bias = hf[name + "down_proj"], hf[name + "down_proj_bias"]
         for e in range(gate_up.shape[0]):
@@ -240,9 +237,9 @@ def _fused_to_megatron(hf, config, out) -> None:
             out[f"{mg}{e}.linear_fc2.bias"] = down_bias[e]
 
 
-def _fused_to_hf(mg, config, out) -> None:
-    experts = range(num_experts(config))
-    for name, hf in _fused_experts(config):
+def _fused_to_hf(mg, checkpoint: CheckpointConfig, out) -> None:
+    experts = range(checkpoint.geometry.num_experts)
+    for name, hf in _fused_experts(checkpoint):
         out[hf + "gate_up_proj"] = torch.stack(
             [_interleave(mg[f"{name}{e}.linear_fc1.weight"].T) for e in experts]
         )
@@ -254,60 +251,62 @@ def _fused_to_hf(mg, config, out) -> None:
         out[hf + "down_proj_bias"] = torch.stack([mg[n + "bias"] for n in fc2])
 
 
-def _layers(config: dict[str, Any]) -> list[tuple[str, str]]:
+def _layers(checkpoint: CheckpointConfig) -> list[tuple[str, str]]:
     return [
         (f"decoder.layers.{i}.", f"model.layers.{i}.")
-        for i in range(len(moe_layer_pattern(config)))
+        for i in range(int(checkpoint.raw["num_hidden_layers"]))
     ]
 
 
 def hf_to_megatron(
-    hf: Mapping[str, torch.Tensor], config: dict[str, Any]
+    hf: Mapping[str, torch.Tensor], checkpoint: CheckpointConfig
 ) -> dict[str, torch.Tensor]:
     """Map a Hugging Face MoE state dict to megatron ``GPTModel`` parameter names.
 
     Args:
         hf: Hugging Face tensors by name (as ``load_hf_state_dict`` returns them).
-        config: The parsed ``config.json``.
+        checkpoint: The checked ``config.json``.
 
     Returns:
         Megatron tensors by name, for ``GPTModel.load_state_dict(strict=True)`` (which also
         catches anything this mapping forgot).
     """
-    out = {mg: hf[name] for mg, name in _renamed(config)}
-    for mg, name in _layers(config):
+    out = {mg: hf[name] for mg, name in _renamed(checkpoint)}
+    for mg, name in _layers(checkpoint):
         attn = name + "self_attn."
-        for kind in _qkv_kinds(config):
+        for kind in _qkv_kinds(checkpoint):
             out[f"{mg}self_attention.linear_qkv.{kind}"] = _qkv_to_megatron(
                 hf[f"{attn}q_proj.{kind}"],
                 hf[f"{attn}k_proj.{kind}"],
                 hf[f"{attn}v_proj.{kind}"],
-                config,
+                checkpoint,
             )
-    for mg, name, (gate, up, _) in _mlps(config):
+    for mg, name, (gate, up, _) in _mlps(checkpoint):
         # Megatron's gated linear unit splits fc1's rows as [gate; up].
         out[mg + "linear_fc1.weight"] = torch.cat(
             [hf[f"{name}{gate}.weight"], hf[f"{name}{up}.weight"]], dim=0
         )
-    _fused_to_megatron(hf, config, out)
+    _fused_to_megatron(hf, checkpoint, out)
     return out
 
 
-def _qkv_kinds(config: dict[str, Any]) -> tuple[str, ...]:
-    fields = family_fields(config)
+def _qkv_kinds(checkpoint: CheckpointConfig) -> tuple[str, ...]:
+    fields = checkpoint.fields
     if fields.get("multi_latent_attention"):
         return ()  # no fused qkv: ``_latent_attention`` names its tensors
     return ("weight", "bias") if fields["add_qkv_bias"] else ("weight",)
 
 
-def read_mtp_tensors(model_dir: str | Path, config: dict[str, Any]) -> dict[str, torch.Tensor]:
+def read_mtp_tensors(
+    model_dir: str | Path, checkpoint: CheckpointConfig
+) -> dict[str, torch.Tensor]:
     """The checkpoint's multi-token-prediction tensors (``model.layers.{N + i}.*`` after the
     ``N = num_hidden_layers`` decoder layers), which ``hf_to_megatron`` leaves out; read alone,
     so an export can carry them over unchanged."""
     from safetensors import safe_open
 
-    first = int(config["num_hidden_layers"])
-    prefixes = tuple(f"model.layers.{first + i}." for i in range(mtp_layers(config)))
+    first = int(checkpoint.raw["num_hidden_layers"])
+    prefixes = tuple(f"model.layers.{first + i}." for i in range(checkpoint.mtp_layers))
     if not prefixes:
         return {}
     out = {}
@@ -320,27 +319,27 @@ def read_mtp_tensors(model_dir: str | Path, config: dict[str, Any]) -> dict[str,
 
 
 def megatron_to_hf(
-    mg: Mapping[str, torch.Tensor], config: dict[str, Any]
+    mg: Mapping[str, torch.Tensor], checkpoint: CheckpointConfig
 ) -> dict[str, torch.Tensor]:
     """The inverse of ``hf_to_megatron``: megatron parameters to Hugging Face names.
 
     Args:
         mg: Megatron tensors by name (``GPTModel.state_dict()``; extra entries such as
             ``_extra_state`` are ignored).
-        config: The parsed ``config.json`` of the checkpoint the model was built from.
+        checkpoint: The checked ``config.json`` of the checkpoint the model was built from.
 
     Returns:
         Hugging Face tensors by name, contiguous, ready for ``safetensors.torch.save_file``.
     """
-    out = {hf: mg[name] for name, hf in _renamed(config)}
-    for name, hf in _layers(config):
+    out = {hf: mg[name] for name, hf in _renamed(checkpoint)}
+    for name, hf in _layers(checkpoint):
         attn = hf + "self_attn."
-        for kind in _qkv_kinds(config):
-            q, k, v = _qkv_to_hf(mg[f"{name}self_attention.linear_qkv.{kind}"], config)
+        for kind in _qkv_kinds(checkpoint):
+            q, k, v = _qkv_to_hf(mg[f"{name}self_attention.linear_qkv.{kind}"], checkpoint)
             out[f"{attn}q_proj.{kind}"], out[f"{attn}k_proj.{kind}"] = q, k
             out[f"{attn}v_proj.{kind}"] = v
-    for name, hf, (gate_name, up_name, _) in _mlps(config):
+    for name, hf, (gate_name, up_name, _) in _mlps(checkpoint):
         gate, up = mg[name + "linear_fc1.weight"].chunk(2, dim=0)
         out[f"{hf}{gate_name}.weight"], out[f"{hf}{up_name}.weight"] = gate, up
-    _fused_to_hf(mg, config, out)
+    _fused_to_hf(mg, checkpoint, out)
     return {name: t.detach().contiguous() for name, t in out.items()}
