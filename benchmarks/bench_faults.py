@@ -144,7 +144,7 @@ SCHEDULES = {
         (48, "consumer_stop", 2.0),
         (62, "proxy_delay", 6.0),
         (74, "proxy_drop", 2.0),
-        (82, "wait_only", 1),
+        (82, "wait_only", 0),  # shard 0: records and the ready feed's stream
         (96, "proxy_blackhole", 8.0),
         # The trainer's faults run on a schedule of their own, beside the others.
         (14, "trainer_kill_ack", 0),
@@ -157,7 +157,7 @@ SCHEDULES = {
         (13, "consumer_stop", 1.5),
         (18, "proxy_delay", 2.0),
         (21, "proxy_drop", 1.5),
-        (24, "wait_only", 1),
+        (24, "wait_only", 0),
         (27, "proxy_blackhole", 6.0),
         (4, "trainer_kill_ack", 0),
         (14, "trainer_kill_step", 0),

@@ -17,11 +17,12 @@ pending entries trimmed before their acknowledgement come back as ``trimmed`` co
 With the route cache's ``--wait-replicas``, an announcement is answered only once that many
 replicas hold it (``WAIT``, as for records), so a failover of the stream's master cannot lose
 an announcement the writer was told of; fewer raise Unavailable, and the writer's retry
-announces again. An acknowledgement waits for the replicas too, but is answered with its
-count whatever WAIT says: an Unavailable after Redis applied it would have the consumer's
-retry find nothing pending, and ``ReadyConsumer.settle`` would then drop the group untrained.
-A lost acknowledgement is a redelivery, which consumers already expect. Reads (which move
-entries into a consumer's pending list) are not waited for.
+announces again. An acknowledgement waits for the replicas too, and fewer raise Unavailable:
+a consumer told its group settled commits it, so the acknowledgement must outlive a failover.
+The consumer's retry still counts when Redis had applied the first attempt (the claim names
+it: ``ack``). Reads (which move entries into a consumer's pending list) are not waited for,
+so a consumer can hold an entry that a failover then loses; the sample's next announcement
+(the writer's retry) takes over the lost entry's claim (``_claim``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,15 @@ _ENTRY_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
 
 
 _UINT64_MAX = 2**64 - 1
+
+# KEYS: a sample's settled hash. ARGV: consumer group, the claim seen, the new claim. Hands
+# the claim over only if it is still the one seen (two new entries race for it).
+_TAKE_OVER = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+end
+return redis.call('HGET', KEYS[1], ARGV[1])
+"""
 
 
 def check_entry_id(entry_id: str, name: str) -> None:
@@ -189,8 +199,10 @@ class ReadyFeed:
         alike. The claim comes before the acknowledgement, and a named consumer's retry that
         finds its own claim counts even when XACK finds nothing pending any more (its first
         answer was lost: say, past its deadline while the consumer was paused). Entries
-        trimmed from the stream count on their acknowledgement alone. The count is answered
-        even when fewer replicas than ``wait_replicas`` confirmed it (module docstring).
+        trimmed from the stream count on their acknowledgement alone.
+
+        Raises:
+            Unavailable: Fewer than ``wait_replicas`` replicas confirmed the acknowledgement.
         """
         with domain_errors_from_redis():
             samples = self._samples(entry_ids)
@@ -200,12 +212,9 @@ class ReadyFeed:
                     lambda pipe: [pipe.xack(self.stream, group, e) for e in entry_ids]
                 )
                 if replicas < self.wait_replicas:
-                    log.warning(
-                        "%d of %d replicas confirmed an acknowledgement on %r within %d ms",
-                        replicas,
-                        self.wait_replicas,
-                        group,
-                        self.wait_timeout_ms,
+                    raise Unavailable(
+                        f"{replicas} of {self.wait_replicas} replicas confirmed an "
+                        f"acknowledgement on {group!r} within {self.wait_timeout_ms} ms"
                     )
             else:
                 pipe = self.client.pipeline(transaction=False)
@@ -240,7 +249,12 @@ class ReadyFeed:
         self, group: str, samples: dict[str, str], consumer: str
     ) -> dict[str, tuple[str, str]]:
         """Claim each entry's sample for it (and ``consumer``) in ``group`` unless another
-        entry has; returns the (entry, consumer) that holds each claim."""
+        entry has; returns the (entry, consumer) that holds each claim.
+
+        A claim held by an entry the stream lost (a failover of its master: the entry was
+        read and claimed, but neither it nor its acknowledgement reached a replica) passes to
+        this entry: nobody was told that lost entry settled (``ack`` needs the replicas), and
+        without the handover no announcement of the sample could ever settle it again."""
         pipe = self.client.pipeline(transaction=False)
         for entry_id, sample_id in samples.items():
             key = settled_key(sample_id)
@@ -252,11 +266,40 @@ class ReadyFeed:
         owners = {}
         for entry_id in samples:
             next(results)
-            owner, _, by = _text(next(results)).partition(" ")
-            owners[entry_id] = (owner, by)
+            claim = _text(next(results))
+            owners[entry_id] = claim
             if self.settled_ttl_ms:
                 next(results)
-        return owners
+        lost = self._lost({claim.partition(" ")[0] for claim in owners.values()} - set(samples))
+        for entry_id, claim in owners.items():
+            if claim.partition(" ")[0] in lost:
+                mine = f"{entry_id} {consumer}"
+                key = settled_key(samples[entry_id])
+                owners[entry_id] = _text(self.client.eval(_TAKE_OVER, 1, key, group, claim, mine))
+                log.warning(
+                    "sample %r: its claim in %r by entry %s, which the stream lost, now %s",
+                    samples[entry_id],
+                    group,
+                    claim.partition(" ")[0],
+                    owners[entry_id],
+                )
+        return {entry_id: _owner(claim) for entry_id, claim in owners.items()}
+
+    def _lost(self, entry_ids: set[str]) -> set[str]:
+        """Of ``entry_ids``, those the stream lost: absent, and newer than its first entry
+        (so not trimmed: trimming drops the oldest entries). A stream left with no entry
+        older than them cannot tell; those count as trimmed, and their claims hold."""
+        if not entry_ids:
+            return set()
+        first = self.client.xrange(self.stream, count=1)
+        if not first:
+            return set()
+        oldest = _id(_text(first[0][0]))
+        pipe = self.client.pipeline(transaction=False)
+        ordered = sorted(e for e in entry_ids if _ENTRY_ID.fullmatch(e) and _id(e) > oldest)
+        for entry_id in ordered:
+            pipe.xrange(self.stream, min=entry_id, max=entry_id, count=1)
+        return {e for e, found in zip(ordered, pipe.execute(), strict=True) if not found}
 
     def _replicated(self, queue) -> tuple[object, int]:
         """The one command ``queue(pipe)`` queues, then WAIT, on the stream's master."""
@@ -297,6 +340,17 @@ class ReadyFeed:
 
 def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _owner(claim: str) -> tuple[str, str]:
+    """(entry id, consumer) of a claim."""
+    entry_id, _, consumer = claim.partition(" ")
+    return entry_id, consumer
+
+
+def _id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def _stream_entries(found) -> list:

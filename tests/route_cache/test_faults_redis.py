@@ -413,7 +413,9 @@ def test_with_wait_an_announcement_is_on_the_replica_when_the_write_returns():
     waits for that shard's replica like the record does: while the replica is SIGSTOPped the
     write is not answered; once it resumes, the entry is on the replica as the write returns.
     The record is on another shard, so only the announcement's WAIT holds the write back.
-    An acknowledgement waits too, but is answered with its count when WAIT falls short."""
+    An acknowledgement waits too, and is refused when WAIT falls short (a consumer told its
+    group settled commits it); the consumer's retry, once the replica is back, counts it: the
+    first attempt was applied, and the sample's claim names the consumer."""
     masters, replicas = start_cluster_with_replicas(3, 1, node_timeout_ms=5000)
     client = connect(masters[1].url.rsplit("/", 1)[0], cluster=True)
     store = RouteStore(client, wait_replicas=1, wait_timeout_ms=1500)
@@ -450,8 +452,12 @@ def test_with_wait_an_announcement_is_on_the_replica_when_the_write_returns():
             (entry,) = c.read_ready("trainers", "t0").entries
             replica.proc.send_signal(signal.SIGSTOP)
             started = time.monotonic()
-            assert c.ack_ready("trainers", [entry.entry_id]) == 1
+            with pytest.raises(Unavailable, match="0 of 1 replicas confirmed an acknowledgement"):
+                c.ack_ready("trainers", [entry.entry_id], "t0")
             assert time.monotonic() - started >= 1.4  # it did wait for the replica
+            replica.proc.send_signal(signal.SIGCONT)
+            assert c.ack_ready("trainers", [entry.entry_id], "t0") == 1
+            assert c.ack_ready("trainers", [entry.entry_id], "t1") == 0
     finally:
         if replica.proc.poll() is None:
             replica.proc.send_signal(signal.SIGCONT)

@@ -12,7 +12,7 @@ import pytest
 
 from route_cache.config import Config, parse_config
 from route_cache.server import RouteCacheServer
-from route_cache.store import RouteStore, connect
+from route_cache.store import RouteStore, connect, settled_key
 from routereplay.dev.synthetic import synthetic_record
 from routereplay.domain.record import Turn, TurnAppend
 from routereplay.errors import FailedPrecondition, InvalidArgument
@@ -279,6 +279,47 @@ def test_a_retried_settle_whose_first_answer_was_lost_still_settles(feed, rng, s
     assert feed.client.ack_ready("trainer", group.entry_ids, "c1") == 0
     assert feed.client.ack_ready("trainer", group.entry_ids) == 0  # unnamed: XACK alone
     assert group.sample_ids == [record.sample_id]
+
+
+def test_a_claim_by_an_entry_the_stream_lost_passes_to_the_next_announcement(feed, rng, sid):
+    """Found by the fault run's WAIT-only fault on the feed's shard (issue 29): c0 read an
+    announcement while the stream master's replica was cut off, and its acknowledgement
+    claimed the sample (on the sample's own shard) before the master died with the entry.
+    The writer's retry announced the sample again and c1 trained it, but the claim named the
+    lost entry: c1 was told taken, c0's retry found its entry gone, and nobody trained the
+    sample. Here XACK and XDEL stand in for the failover (the same state: the tail entry and
+    its pending record gone, the earlier entries and the claim kept)."""
+    feed.write(rng, sid())  # an earlier entry, replicated before the cut
+    c0, c1 = feed.consumer("c0"), feed.consumer("c1")
+    c0.next_groups(1, timeout_s=1)
+    record = feed.write(rng, sid())
+    (lost,) = c0.next_groups(1, timeout_s=1)
+    # c0's first acknowledgement: the claim landed, the master died before its XACK.
+    feed.redis.hsetnx(settled_key(record.sample_id), "trainer", f"{lost.entry_ids[0]} c0")
+    feed.redis.xack(feed.stream, "trainer", *lost.entry_ids)  # nor its pending record
+    feed.redis.xdel(feed.stream, *lost.entry_ids)
+    feed.client.write(record)  # the writer's retry announces the sample again
+    (again,) = c1.next_groups(1, timeout_s=1)
+    assert again.sample_ids == lost.sample_ids and again.entry_ids != lost.entry_ids
+    assert c0.settle([lost]) == [] and c0.taken == 1
+    assert c1.settle([again]) == [again] and c1.taken == 0
+    assert c0.settle([lost]) == []  # the lost entry's retry does not take it back
+
+
+def test_a_claim_by_a_trimmed_entry_holds(feed, rng, sid):
+    """A late repeat of a sample whose claiming entry was trimmed (acknowledged long ago, the
+    oldest in the stream) is not trained again: only an entry newer than the stream's first
+    one can have been lost."""
+    record = feed.write(rng, sid())
+    consumer = feed.consumer("c0")
+    (group,) = consumer.next_groups(1, timeout_s=1)
+    assert consumer.settle([group]) == [group]
+    feed.redis.xtrim(feed.stream, maxlen=0, approximate=False)
+    feed.write(rng, sid())
+    feed.client.write(record)  # a late repeat
+    other = feed.consumer("c1", max_entries=2)
+    late = [g for g in other.next_groups(2, timeout_s=1) if g.sample_ids == group.sample_ids]
+    assert other.settle(late) == [] and other.taken == 1
 
 
 def test_a_repeat_settled_with_its_group_counts(feed, rng, sid):
