@@ -109,9 +109,10 @@ def route_reads(model_dir, recs, tmp: Path, layouts: dict, steps: int = 2) -> di
     import dataclasses
 
     from route_cache.config import Config
+    from route_cache.connection import connect
     from route_cache.embedded import start_embedded_redis
     from route_cache.server import RouteCacheServer
-    from route_cache.store import RouteStore, connect
+    from route_cache.store import RouteStore
     from routereplay.rpc.client import RouteCacheClient
 
     valkey, url = start_embedded_redis()

@@ -29,9 +29,10 @@ from rollout_server.config import Config
 from rollout_server.engine import VLLMEngine
 from rollout_server.server import RolloutServer
 from route_cache.config import Config as CacheConfig
+from route_cache.connection import connect
 from route_cache.embedded import start_embedded_redis
 from route_cache.server import RouteCacheServer
-from route_cache.store import RouteStore, connect
+from route_cache.store import RouteStore
 from routereplay.dev.tiny_model import BENCH_SIZE, build_tiny_model
 from routereplay.domain.rollout import SampleDelta, SampleDone, SamplingOptions
 from routereplay.families.base import TINY_SIZE

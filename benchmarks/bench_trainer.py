@@ -186,9 +186,10 @@ def fetch_vs_step(model_dir, built, records, batches: int) -> dict:
     and off). ``records`` are one batch's records; each batch gets copies under new ids."""
 
     from route_cache.config import Config
+    from route_cache.connection import connect
     from route_cache.embedded import start_embedded_redis
     from route_cache.server import RouteCacheServer
-    from route_cache.store import RouteStore, connect
+    from route_cache.store import RouteStore
     from trainer.config import load_config
     from trainer.data.source import CacheSource
     from trainer.optim import AdamW

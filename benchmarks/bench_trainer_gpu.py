@@ -326,9 +326,10 @@ def fetch_loop(replay, size: Size, records: list, clock: Clock, batches: int) ->
     off. Each batch is ``records`` under new sample ids, written first."""
     from benchmarks.common import batch_copies
     from route_cache.config import Config
+    from route_cache.connection import connect
     from route_cache.embedded import start_embedded_redis
     from route_cache.server import RouteCacheServer
-    from route_cache.store import RouteStore, connect
+    from route_cache.store import RouteStore
     from trainer.data.source import CacheSource, Prefetcher
     from trainer.layout.align import align_routes
     from trainer.layout.batch import PaddedBatch

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from route_cache.store import connect
+from route_cache.connection import connect
 from routereplay.allocator import keep_large_buffers
 from routereplay.rpc.grpc_server import (
     ServerLimits,

@@ -6,9 +6,10 @@ import logging
 import sys
 
 from route_cache.config import parse_config
+from route_cache.connection import connect
 from route_cache.embedded import start_embedded_redis
 from route_cache.server import RouteCacheServer
-from route_cache.store import RouteStore, connect
+from route_cache.store import RouteStore
 from routereplay.allocator import keep_large_buffers
 
 

@@ -33,12 +33,8 @@ from collections.abc import Callable, Sequence
 
 import redis
 
-from route_cache.store import (
-    WAIT_TIMEOUT_MS,
-    domain_errors_from_redis,
-    replicated,
-    settled_key,
-)
+from route_cache.connection import WAIT_TIMEOUT_MS, domain_errors_from_redis, replicated
+from route_cache.store import settled_key
 from routereplay.domain.feed import ReadyEntry, ReadyPage, ReadyRead
 from routereplay.errors import InvalidArgument, Unavailable
 
@@ -198,7 +194,8 @@ class ReadyFeed:
         Entries of one sample acknowledged in one call (a repeat filed with its group) count
         alike. The claim comes before the acknowledgement, and a named consumer's retry that
         finds its own claim counts even when XACK finds nothing pending any more (its first
-        answer was lost: say, past its deadline while the consumer was paused). Entries
+        answer was lost: say, past its deadline while the consumer was paused); a named
+        consumer counts only its own claims. Entries
         trimmed from the stream count on their acknowledgement alone.
 
         Raises:
@@ -228,7 +225,13 @@ class ReadyFeed:
                 settled += bool(n)
                 continue
             owner, by = owners[entry_id]
-            settled += owner in ours and (bool(n) or (bool(consumer) and by == consumer))
+            if consumer:
+                # The claim names who settled: its retries count, and nobody else, even one
+                # whose XACK counts (the entry delivered again after a failover lost the
+                # first consumer's delivery and acknowledgement).
+                settled += owner in ours and by == consumer
+            else:
+                settled += owner in ours and bool(n)
         return settled
 
     def _samples(self, entry_ids: Sequence[str]) -> dict[str, str]:

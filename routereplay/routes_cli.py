@@ -129,6 +129,35 @@ def plot(records: list[Record], out: Path, against: list[Record] | None) -> Path
     return out
 
 
+def _inspect(args) -> str:
+    return inspect(load_source(args.source, args.ids))
+
+
+def _compare(args) -> str:
+    return compare(load_source(args.source, args.ids), load_source(args.other, args.ids))
+
+
+def _export(args) -> str:
+    records = load_source(args.source, args.ids)
+    return f"wrote {len(records)} records to {save_records(args.file, records)}"
+
+
+def _import(args) -> str:
+    if not args.target.startswith(CACHE):
+        raise SystemExit("routes: import into cache:HOST:PORT")
+    records = load_records(args.file)
+    with RouteCacheClient(args.target[len(CACHE) :]) as client:
+        results = [client.write(r) for r in records]
+    dup = sum(r.duplicate for r in results)
+    return f"stored {len(results)} records ({dup} were already there)"
+
+
+def _plot(args) -> str:
+    records = load_source(args.source, args.ids)
+    against = load_source(args.against, args.ids) if args.against else None
+    return f"wrote {plot(records, args.out, against)}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="routes", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -137,43 +166,30 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("inspect")
     p.add_argument("source")
     p.add_argument("ids", nargs="*")
+    p.set_defaults(run=_inspect)
     p = sub.add_parser("compare")
     p.add_argument("source")
     p.add_argument("other")
     p.add_argument("ids", nargs="*")
+    p.set_defaults(run=_compare)
     p = sub.add_parser("export")
     p.add_argument("source")
     p.add_argument("file", type=Path)
     p.add_argument("ids", nargs="+")
+    p.set_defaults(run=_export)
     p = sub.add_parser("import")
     p.add_argument("file", type=Path)
     p.add_argument("target")
+    p.set_defaults(run=_import)
     p = sub.add_parser("plot")
     p.add_argument("source")
     p.add_argument("ids", nargs="*")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--against", default="")
+    p.set_defaults(run=_plot)
     args = parser.parse_args(argv)
     try:
-        if args.command == "inspect":
-            print(inspect(load_source(args.source, args.ids)))
-        elif args.command == "compare":
-            print(compare(load_source(args.source, args.ids), load_source(args.other, args.ids)))
-        elif args.command == "export":
-            records = load_source(args.source, args.ids)
-            print(f"wrote {len(records)} records to {save_records(args.file, records)}")
-        elif args.command == "import":
-            if not args.target.startswith(CACHE):
-                raise SystemExit("routes: import into cache:HOST:PORT")
-            records = load_records(args.file)
-            with RouteCacheClient(args.target[len(CACHE) :]) as client:
-                results = [client.write(r) for r in records]
-            dup = sum(r.duplicate for r in results)
-            print(f"stored {len(results)} records ({dup} were already there)")
-        elif args.command == "plot":
-            records = load_source(args.source, args.ids)
-            against = load_source(args.against, args.ids) if args.against else None
-            print(f"wrote {plot(records, args.out, against)}")
+        print(args.run(args))
     except RouteReplayError as exc:
         print(f"routes: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

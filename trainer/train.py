@@ -29,6 +29,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 
@@ -139,14 +140,17 @@ def train(
         for last, fetched in enumerate(fetcher, start):
             started = time.perf_counter()
             result = stepper.run(fetched, last)
+            report = result.report
             norms = optimizer.take_grad_norms()
             if dp.model is None:  # every rank holds the whole model: the whole gradient's norm
-                result.report.grad_norm = norms
+                report = replace(report, grad_norm=norms)
             seconds = time.perf_counter() - started + fetched.wait_s
-            done = StepDone(last, result.report, seconds, result.routes_used)
-            reports.append(result.report)
+            done = StepDone(last, report, seconds, result.routes_used)
             for output in outputs:
-                output.after_step(done)
+                learned = output.after_step(done)
+                if learned:  # for the outputs after it, and the run's reports
+                    done = replace(done, report=replace(done.report, **learned))
+            reports.append(done.report)
         for output in outputs:
             output.finish(last, reports)
     finally:

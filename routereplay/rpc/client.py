@@ -16,9 +16,10 @@ The ready feed (``read_ready``, ``ack_ready``) is read through ``routereplay.rpc
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 from routereplay.domain.codec import Encoding, encode_layer_parts
 from routereplay.domain.feed import ReadyPage, ReadyRead
@@ -306,6 +307,34 @@ class AsyncRouteCacheClient(_RouteCacheCalls):
 
     _transport_of = AsyncIO
     _open_channel = staticmethod(secure_aio_channel)
+
+    if TYPE_CHECKING:  # the shared calls' types here: awaitables, and an async iterator
+
+        async def write(self, record: Record, more_turns: bool = False) -> WriteResult: ...
+        async def append(self, append: TurnAppend, final: bool = False) -> WriteResult: ...
+        async def read(self, sample_id: str, layers: Sequence[int] | None = None) -> Record: ...
+        def read_batch(
+            self,
+            sample_ids: Sequence[str],
+            skip_missing: bool = False,
+            layers: Sequence[int] | None = None,
+        ) -> AsyncIterator[Record | Missing]: ...
+        async def stat(self, sample_id: str) -> RecordInfo: ...
+        async def delete(self, sample_id: str) -> None: ...
+        async def read_ready(
+            self,
+            consumer_group: str,
+            consumer: str,
+            max_entries: int = 256,
+            block_ms: int = 0,
+            pending_cursor: str = "",
+            claim_idle_ms: int = 0,
+            claim_cursor: str = "",
+            start_from_latest: bool = False,
+        ) -> ReadyPage: ...
+        async def ack_ready(
+            self, consumer_group: str, entry_ids: Sequence[str], consumer: str = ""
+        ) -> int: ...
 
     async def close(self) -> None:
         await self.channel.close()

@@ -82,7 +82,8 @@ class CacheProcess:
     """An in-process route cache over a real redis-server, restartable on the same port."""
 
     def __init__(self, redis_url: str):
-        from route_cache.store import RouteStore, connect
+        from route_cache.connection import connect
+        from route_cache.store import RouteStore
         from routereplay.dev.launch import free_port
 
         self.port = free_port()

@@ -8,8 +8,9 @@ import pytest
 
 from rollout_server.server import RolloutServer
 from route_cache.config import Config as CacheConfig
+from route_cache.connection import connect
 from route_cache.server import RouteCacheServer
-from route_cache.store import RouteStore, connect
+from route_cache.store import RouteStore
 from routereplay.dev.devcerts import generate
 from routereplay.domain.rollout import SampleDone, SamplingOptions
 from routereplay.errors import InvalidArgument, ResourceExhausted, RouteReplayError

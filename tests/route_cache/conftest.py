@@ -7,8 +7,9 @@ import pytest
 import redis
 
 from route_cache.config import Config
+from route_cache.connection import connect
 from route_cache.server import RouteCacheServer
-from route_cache.store import RouteStore, connect
+from route_cache.store import RouteStore
 from routereplay.domain.record import Geometry
 from routereplay.rpc.client import RouteCacheClient
 

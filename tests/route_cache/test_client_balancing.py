@@ -12,8 +12,9 @@ import time
 import numpy as np
 
 from route_cache.config import Config
+from route_cache.connection import connect
 from route_cache.server import RouteCacheServer
-from route_cache.store import RouteStore, connect
+from route_cache.store import RouteStore
 from routereplay.dev.synthetic import synthetic_record
 from routereplay.rpc.client import RetryPolicy, RouteCacheClient
 from tests.route_cache.conftest import SMALL

@@ -40,8 +40,9 @@ from benchmarks.fault_history import (
     load_history,
 )
 from route_cache.config import Config
+from route_cache.connection import connect
 from route_cache.server import RouteCacheServer
-from route_cache.store import RouteStore, connect
+from route_cache.store import RouteStore
 from routereplay.dev.fault_proxy import FaultProxy
 from routereplay.dev.redis_nodes import RedisProcess
 from routereplay.rpc.client import RouteCacheClient

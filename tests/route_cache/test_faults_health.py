@@ -12,8 +12,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from route_cache.config import Config
+from route_cache.connection import connect
 from route_cache.server import SERVICE_NAME, RouteCacheServer
-from route_cache.store import RouteStore, connect
+from route_cache.store import RouteStore
 from routereplay.dev.launch import start_service, stop_process
 from routereplay.dev.redis_nodes import RedisProcess, start_cluster
 from routereplay.dev.synthetic import synthetic_record

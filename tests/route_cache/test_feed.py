@@ -11,8 +11,9 @@ import uuid
 import pytest
 
 from route_cache.config import Config, parse_config
+from route_cache.connection import connect
 from route_cache.server import RouteCacheServer
-from route_cache.store import RouteStore, connect, settled_key
+from route_cache.store import RouteStore, settled_key
 from routereplay.dev.synthetic import synthetic_record
 from routereplay.domain.record import Turn, TurnAppend
 from routereplay.errors import FailedPrecondition, InvalidArgument
@@ -304,6 +305,25 @@ def test_a_claim_by_an_entry_the_stream_lost_passes_to_the_next_announcement(fee
     assert c0.settle([lost]) == [] and c0.taken == 1
     assert c1.settle([again]) == [again] and c1.taken == 0
     assert c0.settle([lost]) == []  # the lost entry's retry does not take it back
+
+
+def test_an_entry_delivered_again_after_a_failover_is_settled_by_the_first_claim(feed, rng, sid):
+    """Found by the full fault run (issue 29): c1 read an entry, and its acknowledgement
+    claimed the sample, but the stream's master died before the XACK (and the delivery)
+    reached its replica. The promoted replica delivered the entry again, to c0, whose XACK
+    then counted: c0 was told settled, and so was c1's retry (its own claim). Both trained it.
+    XCLAIM stands in for the new delivery; the claim is kept on the sample's own shard."""
+    record = feed.write(rng, sid())
+    c0, c1 = feed.consumer("c0"), feed.consumer("c1")
+    (first,) = c1.next_groups(1, timeout_s=1)
+    # c1's first acknowledgement: the claim landed; the XACK went down with the master.
+    feed.redis.hsetnx(settled_key(record.sample_id), "trainer", f"{first.entry_ids[0]} c1")
+    feed.redis.xclaim(feed.stream, "trainer", "c0", 0, first.entry_ids)
+    c0._pending_cursor = "0"  # read its pending entries again, as a fresh read would
+    (again,) = c0.next_groups(1, timeout_s=1)
+    assert again.entry_ids == first.entry_ids
+    assert c0.settle([again]) == [] and c0.taken == 1
+    assert c1.settle([first]) == [first]  # c1's retry: its own claim
 
 
 def test_a_claim_by_a_trimmed_entry_holds(feed, rng, sid):

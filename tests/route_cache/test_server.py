@@ -332,8 +332,9 @@ def test_batch_request_limits(stub):
 def test_redis_down_is_unavailable_and_not_serving(rng, sid):
     """Its own Redis, stopped and restarted on the same port."""
     from route_cache.config import Config
+    from route_cache.connection import connect
     from route_cache.server import RouteCacheServer
-    from route_cache.store import RouteStore, connect
+    from route_cache.store import RouteStore
     from routereplay.dev.redis_nodes import RedisProcess
     from routereplay.errors import Unavailable
     from routereplay.rpc.client import RetryPolicy

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import redis
 
-from route_cache.store import RouteStore, StoredBlock, connect, record_key, routes_key
+from route_cache.connection import connect
+from route_cache.store import RouteStore, StoredBlock, record_key, routes_key
 from routereplay.dev.synthetic import synthetic_routes
 from routereplay.domain.codec import encode_routes, join_layers
 from routereplay.domain.record import Turn

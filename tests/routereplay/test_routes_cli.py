@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from route_cache.config import Config
+from route_cache.connection import connect
 from route_cache.server import RouteCacheServer
-from route_cache.store import RouteStore, connect
+from route_cache.store import RouteStore
 from routereplay.dev.synthetic import synthetic_record
 from routereplay.domain.record import Geometry
 from routereplay.domain.record_file import load_records, save_records

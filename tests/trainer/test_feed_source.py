@@ -22,8 +22,9 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from route_cache.config import Config
+from route_cache.connection import connect
 from route_cache.server import RouteCacheServer
-from route_cache.store import RouteStore, connect
+from route_cache.store import RouteStore
 from routereplay.errors import RouteReplayError
 from routereplay.rpc.client import RouteCacheClient
 from routereplay.rpc.ready import ReadyConsumer

@@ -171,8 +171,9 @@ def test_replay_file_and_record_file_round_trip(
 @pytest.fixture
 def route_cache(redis_node, rollout):
     from route_cache.config import Config
+    from route_cache.connection import connect
     from route_cache.server import RouteCacheServer
-    from route_cache.store import RouteStore, connect
+    from route_cache.store import RouteStore
 
     client = connect(redis_node.url, cluster=False)
     server = RouteCacheServer(

@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from route_cache.config import Config
+from route_cache.connection import connect
 from route_cache.server import RouteCacheServer
-from route_cache.store import RouteStore, connect
+from route_cache.store import RouteStore
 from routereplay.domain.record import Geometry, Record, Turn
 from routereplay.domain.record_file import load_records
 from routereplay.rpc.client import RouteCacheClient

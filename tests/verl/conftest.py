@@ -34,8 +34,9 @@ def pg_collection(tmp_path_factory):
 def route_cache(redis_node):
     """``host:port`` of a route cache server over a real redis-server."""
     from route_cache.config import Config
+    from route_cache.connection import connect
     from route_cache.server import RouteCacheServer
-    from route_cache.store import RouteStore, connect
+    from route_cache.store import RouteStore
 
     store = RouteStore(connect(redis_node.url, cluster=False), ttl_ms=600_000)
     server = RouteCacheServer(Config(host="127.0.0.1", port=0, grace_s=1), store).start()

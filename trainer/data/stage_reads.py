@@ -100,7 +100,7 @@ def stage_reads(source, dp, moe_layers: Sequence[int], router_layers: Sequence[i
     positions = [moe_layers.index(layer) for layer in sorted(router_layers)]
     layers = None if len(positions) == len(moe_layers) else positions
     mp = dp.model
-    if mp is None or mp.layout.tp * mp.layout.cp == 1:
+    if mp is None or mp.parallelism.tp * mp.parallelism.cp == 1:
         return StageReads(source, layers)
     coords = mp.coords
     return group_reads(source, layers, (dp.rank, coords.pp_rank, coords.tp_rank, coords.cp_rank))

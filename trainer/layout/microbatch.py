@@ -102,7 +102,7 @@ def step_micro_batches(
     advantages: np.ndarray,
     train: TrainConfig,
     dp: DataParallel,
-    layout: Parallelism,
+    parallelism: Parallelism,
 ) -> list[list[MicroBatch]]:
     """This rank's mini-batches, each a list of micro-batches (fixed size, or filled up to
     ``train.max_tokens_per_micro_batch`` with the same count on every DP rank).
@@ -111,7 +111,7 @@ def step_micro_batches(
         samples / records / advantages: This DP rank's share of the step's batch.
         train: The step's sizes (mini- and micro-batch, budget, padding or packing).
         dp: The data-parallel group (every rank runs as many mini- and micro-batches).
-        layout: The parallel layout (its padding multiple; pipeline stages need one shape).
+        parallelism: The parallel sizes (its padding multiple; pipeline stages need one shape).
 
     Raises:
         ParallelismError: On every rank, when any rank cannot lay its samples out under the budget.
@@ -119,7 +119,7 @@ def step_micro_batches(
     local_mini = train.mini_batch_size_or_micro // dp.size
     local_micro = max(train.micro_batch_size // dp.size, 1)
     side = PACKED if train.packing else train.padding_side
-    multiple = layout.multiple
+    multiple = parallelism.multiple
     minis = [
         list(range(lo, min(lo + local_mini, len(samples))))
         for lo in range(0, len(samples), local_mini)
@@ -131,12 +131,12 @@ def step_micro_batches(
             groups.append([mine[lo : lo + local_micro] for lo in range(0, len(mine), local_micro)])
         else:
             lengths = [samples[j].token_ids.size for j in mine]
-            plan, problem = _budget(lengths, train.max_tokens_per_micro_batch, dp, layout)
+            plan, problem = _budget(lengths, train.max_tokens_per_micro_batch, dp, parallelism)
             error = error or problem
             groups.append([[mine[g] for g in group] for group in plan])
     raise_everywhere(error)
     shape = None
-    if layout.pp > 1:
+    if parallelism.pp > 1:
         # Megatron's pipeline schedules exchange activations of one shape: every
         # micro-batch of the step gets the largest (rows, seq) among them.
         padded = [
@@ -155,14 +155,14 @@ def step_micro_batches(
 
 
 def _budget(
-    lengths: list[int], budget: int, dp: DataParallel, layout: Parallelism
+    lengths: list[int], budget: int, dp: DataParallel, parallelism: Parallelism
 ) -> tuple[list[tuple[int, ...]], str]:
     """One mini-batch's micro-batches under the token budget (positions in ``lengths``), as
     many on every DP rank (a multiple of pp under virtual stages: the interleaved schedule runs
     no other counts), and the error that prevents it, if any. Every rank takes part in the
     count's collective, error or not."""
-    multiple = layout.multiple
-    step = layout.pp if layout.vp is not None else 1
+    multiple = parallelism.multiple
+    step = parallelism.pp if parallelism.vp is not None else 1
     count, error = 0, ""
     if lengths:
         try:

@@ -74,7 +74,7 @@ def plan_step(
         ParallelismError: On every rank, when any rank cannot lay its samples out.
         InvalidArgument: A record that does not match its sample or the model.
     """
-    minis = step_micro_batches(samples, records, advantages, train, dp, share.layout)
+    minis = step_micro_batches(samples, records, advantages, train, dp, share.parallelism)
     ids, replayed, replayable = [], [], []
     for mb in itertools.chain.from_iterable(minis):
         aligned = align_routes(

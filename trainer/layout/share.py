@@ -20,20 +20,20 @@ class RankShare:
 
     def __init__(self, mp: ModelParallel | None):
         self.mp = mp
-        self.layout = mp.layout if mp is not None else Parallelism()
+        self.parallelism = mp.parallelism if mp is not None else Parallelism()
 
     def positions(self, batch: PaddedBatch) -> np.ndarray | None:
         """The sequence positions whose rows this rank keeps (None: every one)."""
         if self.mp is None:
             return None
-        return rank_positions(batch.seq_len, self.layout, self.mp.coords)
+        return rank_positions(batch.seq_len, self.parallelism, self.mp.coords)
 
     def rows(self, batch: PaddedBatch, x):
         """This rank's rows of a micro-batch's rows in megatron order ``[seq * rows, ...]``
         (its sequence shard)."""
         if self.mp is None:
             return x
-        return shard_padded(x, batch.seq_len, self.layout, self.mp.coords)
+        return shard_padded(x, batch.seq_len, self.parallelism, self.mp.coords)
 
     def replayable(self, batch: PaddedBatch) -> torch.Tensor:
         """bool ``[local tokens]``: this rank's rows that have a route (a real token followed
@@ -53,9 +53,11 @@ class RankShare:
         route through it, independently of the replay ids."""
         if self.mp is None:
             return x
-        if self.layout.cp > 1:
-            x = x[torch.from_numpy(cp_index(x.shape[0], self.layout.cp, self.mp.coords.cp_rank))]
-        if self.layout.sequence_parallel and self.layout.tp > 1:
+        if self.parallelism.cp > 1:
+            x = x[
+                torch.from_numpy(cp_index(x.shape[0], self.parallelism.cp, self.mp.coords.cp_rank))
+            ]
+        if self.parallelism.sequence_parallel and self.parallelism.tp > 1:
             from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
 
             x = scatter_to_sequence_parallel_region(x, group=self.mp.tp_group)

@@ -41,7 +41,7 @@ class ModelParallel:
     """This rank's tensor-, pipeline- and expert-parallel place, for the step's collectives.
 
     Attributes:
-        layout: The parallel layout (``sharding.Parallelism``; context parallel 1).
+        parallelism: The parallel sizes (``sharding.Parallelism``; context parallel 1).
         coords: This rank's coordinates (its TP rank shards the replayed routes, its pipeline
             rank owns a stage's layers).
         tp_group: The TP group: logits are gathered over it.
@@ -51,7 +51,7 @@ class ModelParallel:
         pp_group: The pipeline group: the last stage's log-probs are broadcast over it.
     """
 
-    layout: Parallelism
+    parallelism: Parallelism
     coords: RankCoords
     tp_group: object
     expert_dp_group: object
@@ -60,7 +60,7 @@ class ModelParallel:
 
     @property
     def tp(self) -> int:
-        return self.layout.tp
+        return self.parallelism.tp
 
 
 class DataParallel:
@@ -188,7 +188,7 @@ class DataParallel:
         """(parameters, the group of ranks holding the same copy) with more than one rank."""
         params = [p for p in model.parameters() if p.requires_grad]
         expert_group = self.model.expert_dp_group if self.model is not None else None
-        if expert_group is None or self.model.layout.ep == 1:
+        if expert_group is None or self.model.parallelism.ep == 1:
             return [(params, self.group)] if self.enabled else []
         dense = [p for p in params if getattr(p, "allreduce", True)]
         experts = [p for p in params if not getattr(p, "allreduce", True)]
@@ -235,15 +235,15 @@ def from_world(world) -> DataParallel:
     """The DP group of a ``world.World``."""
     from megatron.core import parallel_state
 
-    layout = world.layout
+    parallelism = world.parallelism
     model = None
-    if layout.tp > 1 or layout.ep > 1 or layout.pp > 1:
+    if parallelism.tp > 1 or parallelism.ep > 1 or parallelism.pp > 1:
         ep_rank = parallel_state.get_expert_model_parallel_rank()
         coords = world.coords
         # Names without a pipeline stage keep the files of layouts without one readable.
-        stage = f"pp{coords.pp_rank}-" if layout.pp > 1 else ""
+        stage = f"pp{coords.pp_rank}-" if parallelism.pp > 1 else ""
         model = ModelParallel(
-            layout,
+            parallelism,
             coords,
             parallel_state.get_tensor_model_parallel_group(),
             parallel_state.get_expert_data_parallel_group(),

@@ -103,11 +103,11 @@ def _patch_alltoall_dispatcher() -> None:
 
 @dataclass(frozen=True)
 class World:
-    """This process's place in the layout.
+    """This process's place in the parallel world.
 
     Attributes:
         rank, world_size: Global rank and size.
-        layout: The parallel layout.
+        parallelism: The parallel sizes.
         dp_size, dp_rank: Data-parallel size and this rank's DP index.
         coords: TP / CP / PP ranks (``vp_stage`` left None: a rank holds every virtual stage).
         pg_collection: megatron's ``ProcessGroupCollection`` for the model builder.
@@ -115,15 +115,15 @@ class World:
 
     rank: int
     world_size: int
-    layout: Parallelism
+    parallelism: Parallelism
     dp_size: int
     dp_rank: int
     coords: RankCoords
     pg_collection: object
 
 
-def init_world(layout: Parallelism, seed: int = 1234, backend: str | None = None) -> World:
-    """Join the torchrun world and build megatron's groups for ``layout`` over it.
+def init_world(parallelism: Parallelism, seed: int = 1234, backend: str | None = None) -> World:
+    """Join the torchrun world and build megatron's groups for ``parallelism`` over it.
 
     Refuses a world size that does not divide as configured before any collective runs (every
     rank raises the same ``ParallelismError``, so nothing hangs).
@@ -132,18 +132,18 @@ def init_world(layout: Parallelism, seed: int = 1234, backend: str | None = None
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    dp = layout.dp(world_size)  # raises before the first collective
+    dp = parallelism.dp(world_size)  # raises before the first collective
     apply_multirank_cpu_patches()
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         dist.init_process_group(backend)
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vp,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.expert_tp,
+        tensor_model_parallel_size=parallelism.tp,
+        pipeline_model_parallel_size=parallelism.pp,
+        virtual_pipeline_model_parallel_size=parallelism.vp,
+        context_parallel_size=parallelism.cp,
+        expert_model_parallel_size=parallelism.ep,
+        expert_tensor_parallel_size=parallelism.expert_tp,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     coords = RankCoords(
@@ -154,7 +154,7 @@ def init_world(layout: Parallelism, seed: int = 1234, backend: str | None = None
     return World(
         rank=dist.get_rank(),
         world_size=world_size,
-        layout=layout,
+        parallelism=parallelism,
         dp_size=dp,
         dp_rank=parallel_state.get_data_parallel_rank(),
         coords=coords,
@@ -162,30 +162,30 @@ def init_world(layout: Parallelism, seed: int = 1234, backend: str | None = None
     )
 
 
-def model_overrides(layout: Parallelism) -> dict:
-    """``TransformerConfig`` fields for ``layout`` (pass to ``build_model``)."""
-    if layout.cp > 1 and not _has_transformer_engine():
+def model_overrides(parallelism: Parallelism) -> dict:
+    """``TransformerConfig`` fields for ``parallelism`` (pass to ``build_model``)."""
+    if parallelism.cp > 1 and not _has_transformer_engine():
         raise ParallelismError(
             "context parallel needs TransformerEngine attention (not installed): only the CP "
             "split itself runs here (trainer.sharding.cp_index)"
         )
     out = dict(
-        tensor_model_parallel_size=layout.tp,
-        sequence_parallel=layout.sequence_parallel and layout.tp > 1,
-        pipeline_model_parallel_size=layout.pp,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.expert_tp,
+        tensor_model_parallel_size=parallelism.tp,
+        sequence_parallel=parallelism.sequence_parallel and parallelism.tp > 1,
+        pipeline_model_parallel_size=parallelism.pp,
+        context_parallel_size=parallelism.cp,
+        expert_model_parallel_size=parallelism.ep,
+        expert_tensor_parallel_size=parallelism.expert_tp,
     )
-    if layout.ep > 1:
+    if parallelism.ep > 1:
         # The EP group spans DP ranks, each with its own samples, so each rank dispatches its
         # own number of tokens: the allgather dispatcher gathers equal shapes over the TP x EP
         # group (gloo: "Received data size doesn't match" on 13 against 16 tokens); alltoall
         # exchanges per-expert split sizes first (the CPU patch above makes them lists).
         out["moe_token_dispatcher_type"] = "alltoall"
-    if layout.vp is not None:
-        out["virtual_pipeline_model_parallel_size"] = layout.vp
-    if layout.pp > 1:
+    if parallelism.vp is not None:
+        out["virtual_pipeline_model_parallel_size"] = parallelism.vp
+    if parallelism.pp > 1:
         # The schedules' p2p buffers need a dtype: the activations' (transformer_config's
         # params_dtype default; the trainer sets bf16 with its dtype). Every micro-batch of a
         # step has one shape (RLStep pads them): megatron's interleaved schedule with

@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from routereplay.domain.record import Record
 from routereplay.domain.record_file import save_records
@@ -58,8 +59,10 @@ class StepDone:
 class Output:
     """After each step, when the run ends, and on the way out (also after an error)."""
 
-    def after_step(self, done: StepDone) -> None:
-        """Step ``done.step`` is trained."""
+    def after_step(self, done: StepDone) -> dict[str, Any] | None:
+        """Step ``done.step`` is trained. Returns the ``StepReport`` fields this output
+        learned (the policy versions a push made, the feed batch acknowledged), which the
+        outputs after it and the run's reports see; None when it learned none."""
 
     def finish(self, last_step: int | None, reports: list[StepReport]) -> None:
         """The run ended; ``last_step`` is None when it ran no step."""
@@ -93,24 +96,29 @@ class ExportAndPush(Output):
         self.run = run
         self.exported = -1
 
-    def after_step(self, done: StepDone) -> None:
+    def after_step(self, done: StepDone) -> dict[str, Any] | None:
         if (done.step + 1) % self.run.config.train.export_every == 0:
-            self._export(done.step, done.report)
+            versions = self._export(done.step)
+            return None if versions is None else {"policy_versions": versions}
+        return None
 
     def finish(self, last_step: int | None, reports: list[StepReport]) -> None:
         if last_step is not None and self.exported != last_step:
-            self._export(last_step, None)
+            self._export(last_step)
 
-    def _export(self, step: int, report: StepReport | None) -> None:
+    def _export(self, step: int) -> list[int] | None:
+        """Export, and push where configured; the rollout servers' new policy versions."""
         run = self.run
         folder = export_after_step(run.model, run.config, step, run.dp)
         self.exported = step
         push = run.config.push
-        if folder is not None and push.targets and report is not None:
-            from trainer.policy_sync import push_weights
+        if folder is None or not push.targets:
+            return None
+        from trainer.policy_sync import push_weights
 
-            report.policy_versions = push_weights(push.targets, folder, push.security())
-            log.info("rollout servers now at policy versions %s", report.policy_versions)
+        versions = push_weights(push.targets, folder, push.security())
+        log.info("rollout servers now at policy versions %s", versions)
+        return versions
 
 
 class Console(Output):
@@ -163,10 +171,9 @@ class FeedAck(Output):
     def __init__(self, run: Run):
         self.feed, self.lead = run.feed, run.dp.lead
 
-    def after_step(self, done: StepDone) -> None:
+    def after_step(self, done: StepDone) -> dict[str, Any] | None:
         groups = self.feed.ack()
-        if self.lead:
-            done.report.feed = feed_batch(groups)
+        return {"feed": feed_batch(groups)} if self.lead else None
 
     def close(self) -> None:
         self.feed.close()

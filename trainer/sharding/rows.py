@@ -10,25 +10,27 @@ from trainer.sharding.packing import cp_index, sp_slice
 from trainer.sharding.parallel import Parallelism, ParallelismError, RankCoords
 
 
-def rank_positions(seq: int, layout: Parallelism, coords: RankCoords) -> np.ndarray:
+def rank_positions(seq: int, parallelism: Parallelism, coords: RankCoords) -> np.ndarray:
     """The sequence positions whose rows this rank keeps, in its order: its CP chunks, then
     its SP share of them. Whole positions: ``seq`` is a multiple of the layout's multiple, so
     megatron's scatter of the seq-major ``[seq / cp * batch]`` rows cuts between positions."""
-    if seq % layout.multiple:
-        raise ParallelismError(f"seq={seq} must be a multiple of {layout.multiple} for {layout}")
-    positions = cp_index(seq, layout.cp, coords.cp_rank)
-    if layout.sequence_parallel and layout.tp > 1:
-        positions = positions[sp_slice(len(positions), layout.tp, coords.tp_rank)]
+    if seq % parallelism.multiple:
+        raise ParallelismError(
+            f"seq={seq} must be a multiple of {parallelism.multiple} for {parallelism}"
+        )
+    positions = cp_index(seq, parallelism.cp, coords.cp_rank)
+    if parallelism.sequence_parallel and parallelism.tp > 1:
+        positions = positions[sp_slice(len(positions), parallelism.tp, coords.tp_rank)]
     return positions
 
 
-def shard_padded(x, seq: int, layout: Parallelism, coords: RankCoords):
+def shard_padded(x, seq: int, parallelism: Parallelism, coords: RankCoords):
     """A padded batch's rows in megatron order ``[seq * batch, ...]`` -> this rank's rows (those
     of its ``rank_positions``; a view where they are one run)."""
     batch = x.shape[0] // seq
     if seq * batch != x.shape[0]:
         raise ParallelismError(f"{x.shape[0]} rows are not seq={seq} x a batch size")
-    positions = rank_positions(seq, layout, coords)
+    positions = rank_positions(seq, parallelism, coords)
     view = x.reshape(seq, batch, *x.shape[1:])
     first = int(positions[0])
     if np.array_equal(positions, np.arange(first, first + len(positions))):

@@ -15,8 +15,9 @@ pytest.importorskip("megatron.core")
 @pytest.fixture
 def cache(redis_node, rollout):
     from route_cache.config import Config
+    from route_cache.connection import connect
     from route_cache.server import RouteCacheServer
-    from route_cache.store import RouteStore, connect
+    from route_cache.store import RouteStore
     from trainer.data.source import CacheSource
 
     client = connect(redis_node.url, cluster=False)
