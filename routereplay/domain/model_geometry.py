@@ -19,7 +19,6 @@ from typing import Any
 
 from routereplay.domain.record import Geometry
 from routereplay.families import family_of
-from routereplay.families.base import first_of
 
 
 @dataclass(frozen=True)
@@ -52,17 +51,8 @@ def geometry_from_config(config: dict[str, Any], model_id: str) -> MoEGeometry:
         ValueError: Unknown ``model_type`` (``UnsupportedConfig``, naming the supported ones),
             missing keys, or no MoE layer.
     """
-    layers, num_experts = family_of(config).moe_layers(config)
-    if not layers:
-        raise ValueError(f"{model_id}: config describes no MoE layer")
-    record = Geometry(
-        moe_layers=tuple(layers),
-        topk=int(first_of(config, "num_experts_per_tok")),
-        num_experts=num_experts,
-        model_id=model_id,
-    )
-    record.validate()
-    return MoEGeometry(record, num_hidden_layers=int(config["num_hidden_layers"]))
+    geometry = family_of(config).geometry(config, model_id)
+    return MoEGeometry(geometry, num_hidden_layers=int(config["num_hidden_layers"]))
 
 
 def load_geometry(model_dir: str | Path, model_id: str | None = None) -> MoEGeometry:

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from routereplay.domain.record import Geometry
+
 
 class UnsupportedConfig(ValueError):
     """The checkpoint or a trainer setting cannot be run (or replayed) faithfully."""
@@ -181,6 +183,25 @@ class Family:
     tiny_init: Callable[[Any], None] | None = None
     rope_keys: frozenset[str] = frozenset()
     mtp_layers: bool = False
+
+    def geometry(self, config: dict[str, Any], model_id: str = "") -> Geometry:
+        """The routing geometry of a ``config.json`` of this family, in the record's terms
+        (global MoE layer numbers; ``model_id`` stored in it).
+
+        Raises:
+            ValueError: Missing keys, or no MoE layer.
+        """
+        layers, num_experts = self.moe_layers(config)
+        if not layers:
+            raise ValueError(f"{model_id or self.model_type}: config describes no MoE layer")
+        geometry = Geometry(
+            moe_layers=tuple(layers),
+            topk=int(first_of(config, "num_experts_per_tok")),
+            num_experts=num_experts,
+            model_id=model_id,
+        )
+        geometry.validate()
+        return geometry
 
     def rope(self, config: dict[str, Any]) -> Rope:
         """The checkpoint's rotary embedding as the megatron mapping reads it; refuses rope

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from routereplay.domain.model_geometry import geometry_from_config
 from routereplay.domain.record import Geometry
 from routereplay.families import Family, family_of
 from routereplay.families.base import Rope, UnsupportedConfig
@@ -103,20 +102,17 @@ def check_config(config: dict[str, Any]) -> CheckpointConfig:
         )
     family.refuse(config)
     rope = family.rope(config)
+    try:
+        geometry = family.geometry(config)
+    except ValueError as exc:  # a key missing, or no MoE layer
+        raise UnsupportedConfig(str(exc)) from None
     return CheckpointConfig(
         raw=config,
         family=family,
         fields=family.megatron_fields(config),
-        geometry=_geometry(config),
+        geometry=geometry,
         rope=rope,
     )
-
-
-def _geometry(config: dict[str, Any]) -> Geometry:
-    try:
-        return geometry_from_config(config, "").record
-    except ValueError as exc:
-        raise UnsupportedConfig(str(exc)) from None
 
 
 def _mtp_layers(config: dict[str, Any]) -> int:
