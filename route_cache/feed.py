@@ -195,8 +195,8 @@ class ReadyFeed:
         alike. The claim comes before the acknowledgement, and a named consumer's retry that
         finds its own claim counts even when XACK finds nothing pending any more (its first
         answer was lost: say, past its deadline while the consumer was paused); a named
-        consumer counts only its own claims. Entries
-        trimmed from the stream count on their acknowledgement alone.
+        consumer counts only its own claims. Entries trimmed from the stream count on their
+        acknowledgement alone.
 
         Raises:
             Unavailable: Fewer than ``wait_replicas`` replicas confirmed the acknowledgement.
@@ -273,9 +273,9 @@ class ReadyFeed:
             owners[entry_id] = claim
             if self.settled_ttl_ms:
                 next(results)
-        lost = self._lost({claim.partition(" ")[0] for claim in owners.values()} - set(samples))
+        lost = self._lost({_owner(claim)[0] for claim in owners.values()} - set(samples))
         for entry_id, claim in owners.items():
-            if claim.partition(" ")[0] in lost:
+            if _owner(claim)[0] in lost:
                 mine = f"{entry_id} {consumer}"
                 key = settled_key(samples[entry_id])
                 owners[entry_id] = _text(self.client.eval(_TAKE_OVER, 1, key, group, claim, mine))
@@ -283,7 +283,7 @@ class ReadyFeed:
                     "sample %r: its claim in %r by entry %s, which the stream lost, now %s",
                     samples[entry_id],
                     group,
-                    claim.partition(" ")[0],
+                    _owner(claim)[0],
                     owners[entry_id],
                 )
         return {entry_id: _owner(claim) for entry_id, claim in owners.items()}

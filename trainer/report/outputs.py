@@ -98,25 +98,26 @@ class ExportAndPush(Output):
 
     def after_step(self, done: StepDone) -> dict[str, Any] | None:
         if (done.step + 1) % self.run.config.train.export_every == 0:
-            versions = self._export(done.step)
+            versions = self._export(done.step, push=True)
             return None if versions is None else {"policy_versions": versions}
         return None
 
     def finish(self, last_step: int | None, reports: list[StepReport]) -> None:
         if last_step is not None and self.exported != last_step:
-            self._export(last_step)
+            self._export(last_step, push=False)  # no step report left to name the versions
 
-    def _export(self, step: int) -> list[int] | None:
-        """Export, and push where configured; the rollout servers' new policy versions."""
+    def _export(self, step: int, push: bool) -> list[int] | None:
+        """Export, and with ``push`` load it on the configured rollout servers; their new
+        policy versions (None without a push)."""
         run = self.run
         folder = export_after_step(run.model, run.config, step, run.dp)
         self.exported = step
-        push = run.config.push
-        if folder is None or not push.targets:
+        servers = run.config.push
+        if folder is None or not push or not servers.targets:
             return None
         from trainer.policy_sync import push_weights
 
-        versions = push_weights(push.targets, folder, push.security())
+        versions = push_weights(servers.targets, folder, servers.security())
         log.info("rollout servers now at policy versions %s", versions)
         return versions
 
