@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,15 +23,44 @@ def free_port() -> int:
 
 def free_ports(count: int) -> list[int]:
     """``count`` distinct loopback ports that were free a moment ago (all sockets are held
-    open together, so the kernel cannot hand out one port twice)."""
-    sockets = [socket.socket() for _ in range(count)]
+    open together, so no port is handed out twice), below the kernel's ephemeral range.
+
+    Not from the ephemeral range (what binding port 0 gives): ``wait_serving`` connects while
+    the service is still loading, and the kernel may give such a client that very port as its
+    own source port; with nothing listening yet, the socket connects to itself (TCP
+    self-connect) and holds the port, and the service's bind then fails with "address already
+    in use" (seen once in CI, a rollout server loading vLLM for 20 s). A port below the range
+    is never a source port.
+    """
+    low = _ephemeral_low()
+    ports: list[int] = []
+    sockets = []
     try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
+        while len(ports) < count:
+            s = socket.socket()
+            sockets.append(s)
+            port = random.randrange(_LOWEST_PORT, low) if low > _LOWEST_PORT + 1000 else 0
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # taken: draw again
+                continue
+            ports.append(s.getsockname()[1])
+        return ports
     finally:
         for s in sockets:
             s.close()
+
+
+_LOWEST_PORT = 20_000  # well above the registered services' usual ports
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel gives as a source port (Linux; 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def wait_serving(
