@@ -82,7 +82,7 @@ lint: setup
 
 bench: setup verl mooncake
 	VERL_PYTHON=$(VERL_VENV)/bin/python MOONCAKE_PYTHON=$(MOONCAKE_VENV)/bin/python \
-		$(PY) benchmarks/run_all.py $(BENCH_ARGS)
+		$(PY) -m benchmarks.run_all $(BENCH_ARGS)
 
 # The wheels the GPU machine's prepared command carries (tools/gpu_bench.sh; docs/benchmarks.md,
 # "Replay on a GPU"): megatron-core and the route cache's packages for its Python 3.12.

@@ -9,7 +9,7 @@ uint8 bytes as the floor. Bytes per token are set beside the information limit
 entropy of the measured routes (k x each layer's entropy of expert frequencies, which bounds
 the entropy of the sets from above).
 
-Usage: python benchmarks/bench_alternatives.py [--quick]
+Usage: python -m benchmarks.bench_alternatives [--quick]
 """
 
 from __future__ import annotations
@@ -19,17 +19,14 @@ import io
 import math
 import pickle
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, median_time, write_section  # noqa: E402
-
-from routereplay.dev.synthetic import DEEPSEEK_V3, QWEN3_30B_A3B, synthetic_routes  # noqa: E402
-from routereplay.domain.codec import Encoding, decode_routes, encode_routes  # noqa: E402
-from routereplay.domain.route_stats import expert_load  # noqa: E402
+from benchmarks.common import machine, median_time, write_section
+from routereplay.dev.synthetic import DEEPSEEK_V3, QWEN3_30B_A3B, synthetic_routes
+from routereplay.domain.codec import Encoding, decode_routes, encode_routes
+from routereplay.domain.route_stats import expert_load
 
 MIB = 2**20
 
@@ -142,7 +139,7 @@ def main() -> int:
         results += bench(geometry, args.samples, args.tokens, args.repeats, rng)
     markdown = (
         "## Against the alternatives: a batch's routes in and out of bytes\n\n"
-        f"`python benchmarks/bench_alternatives.py` ({machine()}; torch {torch.__version__}, "
+        f"`python -m benchmarks.bench_alternatives` ({machine()}; torch {torch.__version__}, "
         f"one thread): {args.samples} samples x {args.tokens} tokens of Zipf-like routes, "
         f"{args.repeats} repeats, medians. Round trip = serialize + deserialize (the codec "
         "also computes and verifies its checksum). x memcpy: against a plain copy of the "

@@ -41,7 +41,7 @@ history alone, as ``fault_check.py`` does from the file; the figures: write avai
 the longest write gap per shard, p50/p99 latency outside and during each fault, recovery
 time per fault, and a PNG timeline.
 
-Usage: python benchmarks/bench_faults.py [--short | --soak] [--wait-replicas N] [--drop-ack]
+Usage: python -m benchmarks.bench_faults [--short | --soak] [--wait-replicas N] [--drop-ack]
                     [--mutate early-ack|commit-before-settle|no-aof|trainer-early-ack]
 """
 
@@ -69,10 +69,7 @@ from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.retry import Retry
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT)] if str(ROOT) not in sys.path else []
-
-from benchmarks.fault_history import (  # noqa: E402
+from benchmarks.fault_history import (
     WRITES,
     History,
     check,
@@ -85,13 +82,15 @@ from benchmarks.fault_history import (  # noqa: E402
     on_component,
     write_gaps,
 )
-from route_cache.store import record_key  # noqa: E402
-from routereplay.dev.fault_proxy import FaultProxy  # noqa: E402
-from routereplay.dev.launch import free_ports, stop_process, wait_serving  # noqa: E402
-from routereplay.dev.redis_nodes import RedisProcess, start_cluster_with_replicas  # noqa: E402
-from routereplay.domain.record import Record  # noqa: E402
-from routereplay.errors import RouteReplayError  # noqa: E402
-from routereplay.rpc.client import RetryPolicy, RouteCacheClient  # noqa: E402
+from route_cache.record_format import record_key
+from routereplay.dev.fault_proxy import FaultProxy
+from routereplay.dev.launch import free_ports, stop_process, wait_serving
+from routereplay.dev.redis_nodes import RedisProcess, start_cluster_with_replicas
+from routereplay.domain.record import Record
+from routereplay.errors import RouteReplayError
+from routereplay.rpc.client import RetryPolicy, RouteCacheClient
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # The writers' retry budget: the client's defaults (9.4-18.7 s of backoff, pauses of at most
 # 0.5 s), what a caller that names none gets.
@@ -265,7 +264,7 @@ class Environment:
         seed = self.proxies[self.masters[1].port].port
         module = ["-m", "route_cache"]
         if self.config.mutate == "early-ack":
-            module = [str(ROOT / "benchmarks" / "fault_mutants.py"), "early-ack"]
+            module = ["-m", "benchmarks.fault_mutants", "early-ack"]
         args = [
             sys.executable,
             *module,
@@ -284,7 +283,9 @@ class Environment:
             "0.2",
         ]
         with open(self.workdir / f"cache{i}.log", "ab") as log:
-            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, process_group=0)
+            proc = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, process_group=0, cwd=ROOT
+            )
         wait_serving(f"127.0.0.1:{self.cache_ports[i]}", proc, 30)
         self.caches[i] = proc
 
@@ -292,7 +293,8 @@ class Environment:
         for i in range(2):
             args = [
                 sys.executable,
-                str(ROOT / "benchmarks" / "fault_consumer.py"),
+                "-m",
+                "benchmarks.fault_consumer",
                 "--target",
                 self.target,
                 "--name",
@@ -311,13 +313,16 @@ class Environment:
             if self.config.mutate == "commit-before-settle":
                 args += ["--commit-before-settle"]
             with open(self.workdir / f"c{i}.log", "ab") as log:
-                self.consumers.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT))
+                self.consumers.append(
+                    subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+                )
 
     def start_trainer(self) -> None:
         """The trainer's feed path (``fault_trainer.py``), resuming from its checkpoints."""
         args = [
             sys.executable,
-            str(ROOT / "benchmarks" / "fault_trainer.py"),
+            "-m",
+            "benchmarks.fault_trainer",
             "--target",
             self.target,
             "--history",
@@ -336,7 +341,7 @@ class Environment:
         if self.config.mutate == "trainer-early-ack":
             args += ["--mutate", "early-ack"]
         with open(self.workdir / "trainer.log", "ab") as log:
-            self.trainer = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+            self.trainer = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
     def pair(self, shard: int) -> tuple[RedisProcess, RedisProcess]:
         return self.masters[shard], self.replicas[shard]
@@ -1336,8 +1341,7 @@ def main(argv: list[str] | None = None) -> int:
         schedule="soak" if args.soak else "",
         max_ops=30_000 if args.soak else FaultConfig.max_ops,  # 8000 ends a soak's writes early
     )
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from common import RESULTS, machine, write_section
+    from benchmarks.common import RESULTS, machine, write_section
 
     name = (
         ("faults_soak" if args.soak else "faults")
@@ -1353,11 +1357,11 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     print(
         f"history: {RESULTS / name / 'faults-history.jsonl'} (check it again: "
-        f"python benchmarks/fault_check.py {RESULTS / name / 'faults-history.jsonl'})"
+        f"python -m benchmarks.fault_check {RESULTS / name / 'faults-history.jsonl'})"
     )
     results["machine"] = machine()
     command = (
-        "python benchmarks/bench_faults.py"
+        "python -m benchmarks.bench_faults"
         + " --short" * short
         + " --soak" * args.soak
         + (f" --seed {args.seed}" if args.seed else "")

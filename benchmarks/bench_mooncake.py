@@ -23,7 +23,7 @@ Prints MiB/s of route bytes (medians of ``--repeats``) and route cache / Mooncak
 Target: the route cache reads a pipeline stage at least as fast as Mooncake serves the same
 bytes.
 
-Usage: python benchmarks/bench_mooncake.py [--quick] [--repeats N] [--mooncake-python PATH]
+Usage: python -m benchmarks.bench_mooncake [--quick] [--repeats N] [--mooncake-python PATH]
 """
 
 from __future__ import annotations
@@ -43,16 +43,15 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from common import machine, median_time, write_section  # noqa: E402
+from benchmarks.common import machine, median_time, write_section
+from route_cache.embedded import start_embedded_redis
+from routereplay.allocator import keep_large_buffers
+from routereplay.dev.launch import free_ports, start_service, stop_process
+from routereplay.dev.synthetic import DEEPSEEK_V3, QWEN3_30B_A3B, synthetic_record
+from routereplay.domain.codec import contiguous, encode_layer_parts
+from routereplay.rpc.client import RouteCacheClient
 
-from route_cache.embedded import start_embedded_redis  # noqa: E402
-from routereplay.allocator import keep_large_buffers  # noqa: E402
-from routereplay.dev.launch import free_ports, start_service, stop_process  # noqa: E402
-from routereplay.dev.synthetic import DEEPSEEK_V3, QWEN3_30B_A3B, synthetic_record  # noqa: E402
-from routereplay.domain.codec import contiguous, encode_layer_parts  # noqa: E402
-from routereplay.rpc.client import RouteCacheClient  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 MIB = 2**20
 DEFAULT_PYTHON = HERE.parent / ".venv-mooncake" / "bin" / "python"
@@ -264,7 +263,7 @@ def main() -> int:
     version = next((v.split()[-1] for v in version.splitlines() if v.startswith("Version")), "?")
     markdown = (
         "## Against Mooncake's store: the same records\n\n"
-        f"`python benchmarks/bench_mooncake.py{' --quick' if args.quick else ''}`, "
+        f"`python -m benchmarks.bench_mooncake{' --quick' if args.quick else ''}`, "
         f"{args.repeats} repeats, medians. Machine: {machine()}; "
         f"mooncake-transfer-engine-non-cuda {version} (master with its HTTP metadata server, "
         f"a holder process mounting a segment of {args.segment_mib} MiB, the measuring client; "

@@ -20,7 +20,7 @@ the machine's drift); and, a second engine loaded afterwards (skipped by ``--qui
 loads one engine), the engine alone with capture off (vLLM's
 ``enable_return_routed_experts=False``): capture and moving together, but not interleaved.
 
-Usage: python benchmarks/bench_pipeline.py [--quick] [--size bench|tiny] [--prompts 8 --n 4]
+Usage: python -m benchmarks.bench_pipeline [--quick] [--size bench|tiny] [--prompts 8 --n 4]
 """
 
 from __future__ import annotations
@@ -36,21 +36,20 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
-from benchmarks.bench_rollout import prompts, start_engine  # noqa: E402
-from benchmarks.common import machine, write_section  # noqa: E402
-from rollout_server.config import Config  # noqa: E402
-from rollout_server.engine import VLLMEngine  # noqa: E402
-from rollout_server.server import RolloutServer  # noqa: E402
-from routereplay.dev.launch import start_service, stop_process  # noqa: E402
-from routereplay.dev.tiny_model import BENCH_SIZE, build_tiny_model  # noqa: E402
-from routereplay.domain.rollout import SampleDelta, SampleDone, SampleFailed, SamplingOptions  # noqa: E402
-from routereplay.families.base import TINY_SIZE  # noqa: E402
-from routereplay.rpc.rollout_client import AsyncRolloutClient  # noqa: E402
-from trainer.config import TrainConfig  # noqa: E402
-from trainer.data.source import CacheSource, Sample  # noqa: E402
-from trainer.layout import RankShare, plan_step  # noqa: E402
-from trainer.parallel.dp import DataParallel  # noqa: E402
+from benchmarks.bench_rollout import prompts, start_engine
+from benchmarks.common import machine, write_section
+from rollout_server.config import Config
+from rollout_server.engine import VLLMEngine
+from rollout_server.server import RolloutServer
+from routereplay.dev.launch import start_service, stop_process
+from routereplay.dev.tiny_model import BENCH_SIZE, build_tiny_model
+from routereplay.domain.rollout import SampleDelta, SampleDone, SampleFailed, SamplingOptions
+from routereplay.families.base import TINY_SIZE
+from routereplay.rpc.rollout_client import AsyncRolloutClient
+from trainer.config import TrainConfig
+from trainer.data.source import CacheSource, Sample
+from trainer.layout import RankShare, plan_step
+from trainer.parallel.dp import DataParallel
 
 MIB = 2**20
 STAGE_NAMES = {
@@ -232,7 +231,7 @@ def markdown(results: dict, args) -> str:
     )
     return f"""## End to end: rollout -> route cache -> trainer fetch + reshard
 
-`python benchmarks/bench_pipeline.py{" --quick" if args.quick else ""}`: {args.prompts} prompts x {args.n} samples of {args.max_tokens} tokens per batch ({s["tokens_per_batch"]} generated tokens; {s["route_bytes_per_batch"] / 1024:.0f} KiB of routes for {s["record_tokens_per_batch"]} record tokens); medians over {args.repeats} batches after a warm-up.
+`python -m benchmarks.bench_pipeline{" --quick" if args.quick else ""}`: {args.prompts} prompts x {args.n} samples of {args.max_tokens} tokens per batch ({s["tokens_per_batch"]} generated tokens; {s["route_bytes_per_batch"] / 1024:.0f} KiB of routes for {s["record_tokens_per_batch"]} record tokens); medians over {args.repeats} batches after a warm-up.
 Model: generated Qwen3-MoE, {size["num_hidden_layers"]} layers (layer 0 dense), hidden {size["hidden_size"]}, top-{size["num_experts_per_tok"]} of {size["num_experts"]} experts, float32. The rollout server (vLLM CPU build) and the trainer's fetch + reshard run in one process, the route cache in its own over a Redis-compatible server.
 Machine: {results["machine"]}.
 

@@ -10,7 +10,7 @@ the device), then cut to this rank's CP chunks and SP share. The baseline is a
 plain copy of the same route bytes (the rank's records' routes, one ``np.copyto`` per record)
 in the same run.
 
-Run: ``python benchmarks/bench_reshard.py`` (writes the ``reshard`` section of
+Run: ``python -m benchmarks.bench_reshard`` (writes the ``reshard`` section of
 docs/benchmarks.md and results/reshard.json; ``--dry-run`` only prints).
 """
 

@@ -26,7 +26,7 @@ service/gRPC + Redis ratio (what the route cache's own work costs), and bytes pe
 the routes as int32, int16, raw uint8 and this project's stored forms (target: at most raw
 uint8).
 
-Usage: python benchmarks/bench_route_cache.py [--quick] [--redis-url URL] [--pin-service CPU]
+Usage: python -m benchmarks.bench_route_cache [--quick] [--redis-url URL] [--pin-service CPU]
 """
 
 from __future__ import annotations
@@ -43,18 +43,16 @@ from dataclasses import replace
 import numpy as np
 import redis
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from common import machine, median_time, write_section  # noqa: E402
-from raw_grpc import RawClient  # noqa: E402
-
-from route_cache.embedded import start_embedded_redis  # noqa: E402
-from route_cache.store import record_key  # noqa: E402
-from routereplay.allocator import keep_large_buffers  # noqa: E402
-from routereplay.dev.launch import start_service, stop_process  # noqa: E402
-from routereplay.dev.synthetic import DEEPSEEK_V3, QWEN3_30B_A3B, synthetic_record  # noqa: E402
-from routereplay.domain.codec import Encoding, encode_routes  # noqa: E402
-from routereplay.rpc.client import RouteCacheClient  # noqa: E402
-from routereplay.rpc.wire import DEFAULT_CHUNK_BYTES  # noqa: E402
+from benchmarks.common import machine, median_time, write_section
+from benchmarks.raw_grpc import RawClient
+from route_cache.embedded import start_embedded_redis
+from route_cache.record_format import record_key
+from routereplay.allocator import keep_large_buffers
+from routereplay.dev.launch import start_service, stop_process
+from routereplay.dev.synthetic import DEEPSEEK_V3, QWEN3_30B_A3B, synthetic_record
+from routereplay.domain.codec import Encoding, encode_routes
+from routereplay.rpc.client import RouteCacheClient
+from routereplay.rpc.wire import DEFAULT_CHUNK_BYTES
 
 MIB = 2**20
 # Of the gRPC + Redis floor (the same bytes through a bare gRPC service keeping them in Redis):
@@ -345,7 +343,7 @@ def main() -> int:
     markdown = (
         f"## Route cache against raw redis-py and raw gRPC"
         f"{' (service pinned to its own core)' if args.pin_service is not None else ''}\n\n"
-        f"`make bench` (`python benchmarks/bench_route_cache.py{' --quick' if args.quick else ''}"
+        f"`make bench` (`python -m benchmarks.bench_route_cache{' --quick' if args.quick else ''}"
         f"`), {args.repeats} repeats, medians. Machine: {machine()}; Redis-compatible server "
         f"{redis_version}. Throughput in MiB/s of route bytes; bytes per token of routes."
         f"{pinned}\n"

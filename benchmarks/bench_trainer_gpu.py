@@ -15,7 +15,7 @@ CPU with ``--device cpu --tiny``, which a test runs in CI):
    of the micro-batch, as the trainer holds them: int16 on the host).
 3. **Replay checked**: every replayed router row uses exactly the recorded experts (megatron's
    routing map against the record: the check of
-   ``tests/trainer/test_replay.py::test_forced_routes_are_followed_and_masked_rows_route_natively``),
+   ``tests/trainer/model/test_replay.py::test_forced_routes_are_followed_and_masked_rows_route_natively``),
    rows without a route route natively, for the natural routes the timing replays and for
    random forced routes (which differ from the natural ones). The script fails if any row
    differs.

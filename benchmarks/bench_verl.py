@@ -16,7 +16,7 @@ Qwen3-30B-A3B samples (48 MoE layers, top-8 of 128 experts), in one run:
 
 Runs in the verl environment (``make verl``; ``run_all.py`` uses ``$VERL_PYTHON``).
 
-Usage: python benchmarks/bench_verl.py [--samples 4] [--tokens 32768] [--repeats 5] [--quick]
+Usage: python -m benchmarks.bench_verl [--samples 4] [--tokens 32768] [--repeats 5] [--quick]
 """
 
 from __future__ import annotations
@@ -25,19 +25,15 @@ import argparse
 import shutil
 import statistics
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import machine, median_time, write_section  # noqa: E402
-from routereplay.dev.launch import free_port, start_service, stop_process  # noqa: E402
-from routereplay.dev.synthetic import QWEN3_30B_A3B, synthetic_record  # noqa: E402
-from routereplay.domain.model_geometry import MoEGeometry  # noqa: E402
+from benchmarks.common import machine, median_time, write_section
+from routereplay.dev.launch import free_port, start_service, stop_process
+from routereplay.dev.synthetic import QWEN3_30B_A3B, synthetic_record
+from routereplay.domain.model_geometry import MoEGeometry
 
 GEOMETRY = MoEGeometry(QWEN3_30B_A3B, num_hidden_layers=48)
 STAGE_LAYERS = list(range(12))  # one PP4 stage's MoE layers

@@ -5,7 +5,7 @@ held and digest per sample) and the ready feed's final state, so nothing else is
 cluster, no route cache. Prints the same verdict as the run, with the traffic floor per
 fault; exit code 0 only when it passes.
 
-Usage: python benchmarks/fault_check.py results/faults/faults-history.jsonl
+Usage: python -m benchmarks.fault_check results/faults/faults-history.jsonl
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
-
-from benchmarks.fault_history import check_file  # noqa: E402
+from benchmarks.fault_history import check_file
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ consumer claimed and trained meanwhile.
 ``--drop-ack-step N``, the deliberate failure: step N commits without acknowledging, so its
 samples stay pending, another consumer claims them once idle, and trains them again.
 
-Usage: python benchmarks/fault_consumer.py --target T --name c0 --history H --stop-file F
+Usage: python -m benchmarks.fault_consumer --target T --name c0 --history H --stop-file F
 """
 
 from __future__ import annotations
@@ -24,13 +24,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
-
-from benchmarks.fault_history import History, digest  # noqa: E402
-from routereplay.domain.record import Record  # noqa: E402
-from routereplay.errors import RouteReplayError  # noqa: E402
-from routereplay.rpc.client import RetryPolicy, RouteCacheClient  # noqa: E402
-from routereplay.rpc.ready import ReadyConsumer  # noqa: E402
+from benchmarks.fault_history import History, digest
+from routereplay.domain.record import Record
+from routereplay.errors import RouteReplayError
+from routereplay.rpc.client import RetryPolicy, RouteCacheClient
+from routereplay.rpc.ready import ReadyConsumer
 
 
 def train(client: RouteCacheClient, history: History, sample_ids: list[str], step_s: float):

@@ -23,7 +23,7 @@ Ops (``op``), with their fields besides ``t`` (seconds since the run's start), `
     final_read: ``sample``, ``turns``, ``digest`` (None: no record), read after the run
     feed_state: ``groups`` (per consumer group: ``name``, ``pending``, ``lag``, ...), after it
 
-``python benchmarks/fault_check.py HISTORY`` prints the verdict from the file alone.
+``python -m benchmarks.fault_check HISTORY`` prints the verdict from the file alone.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ deferred 1 s to a background thread and the write is acknowledged at once, befor
 confirms it. A route cache killed in that second, or a Redis master failing, loses writes it
 acknowledged.
 
-Usage: python benchmarks/fault_mutants.py early-ack [route cache flags...]
+Usage: python -m benchmarks.fault_mutants early-ack [route cache flags...]
 """
 
 from __future__ import annotations
@@ -14,9 +14,6 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from pathlib import Path
-
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
 
 DEFER_S = 1.0
 

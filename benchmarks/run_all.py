@@ -61,7 +61,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-HERE = ROOT / "benchmarks"
 
 
 @dataclass(frozen=True)
@@ -168,18 +167,14 @@ BENCHMARKS = (
 )
 
 
-def run_one(docs: str, results: str, script: str, *args: str) -> None:
-    """In a child process: run ``script`` as ``__main__`` with its sections written to
+def run_one(docs: str, results: str, module: str, *args: str) -> None:
+    """In a child process: run ``module`` as ``__main__`` with its sections written to
     ``docs`` and its JSON to ``results``."""
-    sys.path[:0] = [str(ROOT), str(HERE)]
-    import common  # bench_route_cache imports it under this name
-
     import benchmarks.common
 
-    for module in (common, benchmarks.common):
-        module.DOCS, module.RESULTS = Path(docs), Path(results)
-    sys.argv = [script, *args]
-    runpy.run_path(script, run_name="__main__")
+    benchmarks.common.DOCS, benchmarks.common.RESULTS = Path(docs), Path(results)
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def rollout_section(path: Path, machine: str) -> tuple[str, dict]:
@@ -246,17 +241,17 @@ def main(argv: list[str] | None = None) -> int:
             python = os.environ.get("VERL_PYTHON", str(ROOT / ".venv-verl" / "bin" / "python"))
         command = [
             python,
-            str(Path(__file__).resolve()),
+            "-m",
+            "benchmarks.run_all",
             "_one",
             str(docs),
             str(results),
-            str(HERE / bench.script),
+            "benchmarks." + Path(bench.script).stem,
             *extra,
         ]
         start = time.perf_counter()
         code = subprocess.run(command, cwd=ROOT, env=os.environ.copy()).returncode
         if code == 0 and bench.name == "rollout":
-            sys.path[:0] = [str(ROOT)]
             import benchmarks.common as common
 
             common.DOCS, common.RESULTS = docs, results

@@ -26,7 +26,7 @@ figure is arithmetic on those, nothing is measured here:
   as int16 (the trainer's replay ids on the host, ``replay_dtype``) and megatron's per-router
   int64 tensors (on the device).
 
-Usage: python benchmarks/scaling_model.py [--tokens-per-s N] [--rollout-gpus 64] [...]
+Usage: python -m benchmarks.scaling_model [--tokens-per-s N] [--rollout-gpus 64] [...]
 """
 
 from __future__ import annotations
@@ -35,14 +35,12 @@ import argparse
 import json
 import math
 import statistics
-import sys
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
-import benchmarks.common as common  # noqa: E402  (run_all points RESULTS elsewhere)
-from routereplay.dev.synthetic import DEEPSEEK_V3, QWEN3_30B_A3B  # noqa: E402
-from routereplay.domain.record import Geometry  # noqa: E402
+import benchmarks.common as common  # run_all points RESULTS elsewhere
+from routereplay.dev.synthetic import DEEPSEEK_V3, QWEN3_30B_A3B
+from routereplay.domain.record import Geometry
 
 MIB = 2**20
 GIB = 2**30
@@ -206,7 +204,7 @@ def markdown(rows: list[dict], fleet: Fleet, measured: Measured, models) -> str:
     lines = [
         "## Scaling model: from these figures to a fleet",
         "",
-        "`python benchmarks/scaling_model.py` (arithmetic, nothing measured): the measured "
+        "`python -m benchmarks.scaling_model` (arithmetic, nothing measured): the measured "
         f"throughput of one process ({m.source}): route cache write {m.cache_write:.0f}, "
         f"batch read {m.cache_read:.0f} and layer-selected batch read {m.stage_read:.0f} "
         f"MiB/s, raw redis-py SET {m.redis_write:.0f} and GET "

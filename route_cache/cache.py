@@ -20,7 +20,8 @@ from prometheus_client.core import GaugeMetricFamily
 
 from route_cache.config import Config
 from route_cache.feed import ReadyFeed, check_entry_id
-from route_cache.store import RecordStat, RouteStore, StoredBlock, StoredRecord
+from route_cache.record_format import RecordStat, StoredBlock, StoredRecord
+from route_cache.store import RouteStore
 from routereplay.domain import idcheck
 from routereplay.domain.codec import (
     BlockHeader,

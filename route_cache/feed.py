@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 import redis
 
 from route_cache.connection import WAIT_TIMEOUT_MS, domain_errors_from_redis, replicated
-from route_cache.store import settled_key
+from route_cache.record_format import settled_key
 from routereplay.domain.feed import ReadyEntry, ReadyPage, ReadyRead
 from routereplay.errors import InvalidArgument, Unavailable
 

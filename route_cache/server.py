@@ -14,7 +14,8 @@ from google.protobuf.message_factory import GetMessageClass
 from route_cache.cache import NAMESPACE, BlockWrite, RouteCache, Stored
 from route_cache.config import Config
 from route_cache.feed import ReadyFeed
-from route_cache.store import RouteStore, StoredRecord
+from route_cache.record_format import StoredRecord
+from route_cache.store import RouteStore
 from routereplay.domain.codec import LayerParts, join_layers
 from routereplay.domain.record import Missing
 from routereplay.errors import InvalidArgument

@@ -261,6 +261,16 @@ def test_compose_trainer_pushes_weights_its_rollout_server_reads():
         assert secrets[config.push.token_file] == server_token, profile
 
 
+def env_names(config_class, env_prefix: str) -> set[str]:
+    """Every environment variable ``parse_service_config`` reads for ``config_class``."""
+    from routereplay.rpc import service_config
+
+    defaults = config_class()
+    names = [name.upper() for name, *_ in service_config._flat_fields(defaults)]
+    names += [name for name, *_ in service_config._secret_fields(defaults)]
+    return {env_prefix + name for name in names}
+
+
 def deployed_settings(text: str) -> set[str]:
     return set(re.findall(r"\b(?:ROUTE_CACHE|ROLLOUT_SERVER)_[A-Z0-9_]+\b", text))
 
@@ -272,7 +282,6 @@ def test_service_settings_match_the_code():
     from rollout_server.config import Config as RolloutConfig
     from route_cache.config import ENV_PREFIX as CACHE_PREFIX
     from route_cache.config import Config as CacheConfig
-    from routereplay.rpc.service_config import env_names
 
     known = env_names(CacheConfig, CACHE_PREFIX) | env_names(RolloutConfig, ROLLOUT_PREFIX)
     files = [ROOT / "docker-compose.yml", *manifests()]

@@ -337,8 +337,7 @@ def test_route_cache_speaks_cluster_to_the_cluster_service():
     headless Service's client port, wait for no more replicas than each master gets, and sign
     in with the Secret the nodes take their password from."""
     from route_cache.config import ENV_PREFIX, Config
-    from routereplay.rpc.service_config import env_names
-    from tests.test_deploy import deployed_settings
+    from tests.test_deploy import deployed_settings, env_names
 
     rendered = objects(CLUSTER)
     nodes, service, job = cluster_parts(rendered)
@@ -501,7 +500,7 @@ def test_redis_cluster_nodes_and_job_make_a_cluster_the_route_cache_uses(tmp_pat
     and the record reads back."""
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         pytest.skip("redis-server and redis-cli are not installed")
-    from route_cache.store import record_key
+    from route_cache.record_format import record_key
     from routereplay.dev.launch import start_service, stop_process
     from routereplay.dev.synthetic import synthetic_record
     from routereplay.rpc.client import RouteCacheClient

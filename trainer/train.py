@@ -35,7 +35,7 @@ import torch
 
 from trainer import checkpoint
 from trainer.config import Dtype, TrainerConfig
-from trainer.data.source import BatchPlan, CacheSource, FeedPlans, FileSource, Prefetcher
+from trainer.data.source import BatchPlan, CacheSource, FeedPlans, Prefetcher, open_source
 from trainer.data.stage_reads import stage_reads
 from trainer.model.build import TrainerModel, build_model
 from trainer.optim import AdamW
@@ -48,14 +48,6 @@ from trainer.rl.step import RLStep
 log = logging.getLogger(__name__)
 
 RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-
-
-def open_source(config: TrainerConfig):
-    """The records' source: a file (``replay_file`` or ``data.records_file``) or the cache."""
-    path = config.router_replay.replay_file or config.data.records_file
-    if path:
-        return FileSource(path)
-    return CacheSource(config.route_cache.target, security=config.route_cache.security())
 
 
 def build(config: TrainerConfig, pg_collection=None) -> tuple[TrainerModel, AdamW]:
@@ -103,7 +95,7 @@ def train(
         plans: The batches, in order (ids, or ids with samples); None with
             ``data.source=feed`` (read from the feed, ``FeedPlans``).
         pg_collection: megatron's process groups (``single_process.init_single_process``).
-        source: The records' source (default: ``open_source(config)``).
+        source: The records' source (default: ``trainer.data.source.open_source(config)``).
         built: A model and optimizer to reuse (default: ``build(config)``).
         dp: The data-parallel group (default: one rank).
     """

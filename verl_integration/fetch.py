@@ -29,7 +29,6 @@ from routereplay.domain.record_checks import (
 )
 from routereplay.errors import NotFound
 
-MISSING_RECORD = ("error", "native")
 logger = logging.getLogger(__name__)
 
 

@@ -64,14 +64,6 @@ def _secret_fields(config) -> list[tuple[str, str, str]]:
     return out
 
 
-def env_names(config_class, env_prefix: str) -> set[str]:
-    """Every environment variable ``parse_service_config`` reads for ``config_class``."""
-    defaults = config_class()
-    names = [name.upper() for name, *_ in _flat_fields(defaults)]
-    names += [name for name, *_ in _secret_fields(defaults)]
-    return {env_prefix + name for name in names}
-
-
 def parse_service_config(
     config_class: type[C],
     *,

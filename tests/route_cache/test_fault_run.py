@@ -240,9 +240,10 @@ def test_the_checker_command_reads_the_verdict_from_the_file_alone(tmp_path):
     found, _ = check_file(path)
     assert found.lost == ["b"] and found.never_trained == ["b"]
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "fault_check.py"), str(path)],
+        [sys.executable, "-m", "benchmarks.fault_check", str(path)],
         capture_output=True,
         text=True,
+        cwd=ROOT,
     )
     assert done.returncode == 1 and "verdict: FAIL" in done.stdout, done.stdout + done.stderr
     assert "lost: 1" in done.stdout
@@ -418,7 +419,8 @@ def test_the_checker_catches_a_dropped_acknowledgement(redis_node, tmp_path, dro
             for name in ("c1", "c0"):  # c1 first: it reads all 8 entries, c0 can only claim
                 args = [
                     sys.executable,
-                    str(ROOT / "benchmarks" / "fault_consumer.py"),
+                    "-m",
+                    "benchmarks.fault_consumer",
                     "--target",
                     target,
                     "--name",
@@ -443,7 +445,7 @@ def test_the_checker_catches_a_dropped_acknowledgement(redis_node, tmp_path, dro
                 ]
                 if drop_ack and name == "c1":
                     args += ["--drop-ack-step", "1"]
-                consumers.append(subprocess.Popen(args))
+                consumers.append(subprocess.Popen(args, cwd=ROOT))
                 deadline = time.monotonic() + 30
                 while (
                     name == "c1"

@@ -13,8 +13,9 @@ import redis
 
 from route_cache.config import Config
 from route_cache.connection import connect
+from route_cache.record_format import record_key
 from route_cache.server import RouteCacheServer
-from route_cache.store import STAGING_TTL_MS, RouteStore, record_key
+from route_cache.store import STAGING_TTL_MS, RouteStore
 from routereplay.dev.redis_nodes import RedisProcess, start_cluster_with_replicas
 from routereplay.dev.synthetic import synthetic_record
 from routereplay.domain.record import Missing

@@ -12,8 +12,9 @@ import pytest
 
 from route_cache.config import Config, parse_config
 from route_cache.connection import connect
+from route_cache.record_format import settled_key
 from route_cache.server import RouteCacheServer
-from route_cache.store import RouteStore, settled_key
+from route_cache.store import RouteStore
 from routereplay.dev.synthetic import synthetic_record
 from routereplay.domain.record import Turn, TurnAppend
 from routereplay.errors import FailedPrecondition, InvalidArgument

@@ -23,8 +23,9 @@ from hypothesis import strategies as st
 
 from route_cache.config import Config
 from route_cache.connection import connect
+from route_cache.record_format import record_key
 from route_cache.server import RouteCacheServer
-from route_cache.store import RouteStore, record_key
+from route_cache.store import RouteStore
 from routereplay.dev.synthetic import synthetic_record, synthetic_routes
 from routereplay.domain.codec import EncodedRoutes, Encoding, checksum, decode_routes, encode_routes
 from routereplay.domain.record import Geometry, Turn, TurnAppend

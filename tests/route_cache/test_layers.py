@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from route_cache.store import record_key, routes_key
+from route_cache.record_format import record_key, routes_key
 from routereplay.dev.synthetic import synthetic_record
 from routereplay.domain.codec import Encoding, encode_layer_parts, encode_routes, split_layers
 from routereplay.domain.record import Record, Turn, TurnAppend

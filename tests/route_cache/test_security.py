@@ -19,8 +19,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from route_cache.config import Config, RedisSecurity
 from route_cache.connection import connect
+from route_cache.record_format import record_key
 from route_cache.server import RouteCacheServer
-from route_cache.store import RouteStore, record_key
+from route_cache.store import RouteStore
 from routereplay.dev.devcerts import generate
 from routereplay.dev.launch import free_port, start_service, stop_process
 from routereplay.dev.redis_nodes import RedisProcess, start_cluster

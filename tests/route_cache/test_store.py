@@ -9,7 +9,8 @@ import pytest
 import redis
 
 from route_cache.connection import connect
-from route_cache.store import RouteStore, StoredBlock, record_key, routes_key
+from route_cache.record_format import StoredBlock, record_key, routes_key
+from route_cache.store import RouteStore
 from routereplay.dev.synthetic import synthetic_routes
 from routereplay.domain.codec import encode_routes, join_layers
 from routereplay.domain.record import Turn
@@ -212,9 +213,9 @@ def _between_the_steps(monkeypatch, action):
     """Run ``action`` between a layer-selected read's two steps (the small fields, then the
     ranges): the interleaving of a concurrent writer, injected at the one point where it
     matters."""
-    from route_cache import store as store_module
+    from route_cache import record_format
 
-    head = store_module._head
+    head = record_format.stage_head
     done = []
 
     def interleaved(sample_id, fields, layers):
@@ -222,7 +223,7 @@ def _between_the_steps(monkeypatch, action):
             done.append(action())
         return head(sample_id, fields, layers)
 
-    monkeypatch.setattr(store_module, "_head", interleaved)
+    monkeypatch.setattr(record_format, "stage_head", interleaved)
 
 
 def test_a_layer_read_sees_the_record_as_it_was_when_an_append_lands_midway(
@@ -276,7 +277,7 @@ def test_a_whole_read_leaves_out_blocks_appended_after_its_get_and_retries_a_rew
 ):
     """A whole read's three commands (gen, the routes, the small fields) see the routes
     before an append's small fields, or the id rewritten in between."""
-    from route_cache import store as store_module
+    from route_cache import record_format
 
     sample = sid()
     store.write(sample, "", SMALL, block(rng, 0, 10))
@@ -285,12 +286,12 @@ def test_a_whole_read_leaves_out_blocks_appended_after_its_get_and_retries_a_rew
     value = client.get(routes_key(sample))
     store.append(sample, SMALL, block(rng, 9, 4))
     fields = client.hgetall(record_key(sample))
-    record = store_module._whole_record(sample, gen, value, fields)
+    record = record_format.whole_record(sample, gen, value, fields)
     assert record.num_rows == 9 and [b.row_start for b in record.blocks] == [0]
-    assert store_module._whole_record(sample, b"another", value, fields) is store_module._CHANGED
-    assert store_module._whole_record(sample, gen, None, fields) is None  # routes expired
+    assert record_format.whole_record(sample, b"another", value, fields) is record_format.CHANGED
+    assert record_format.whole_record(sample, gen, None, fields) is None  # routes expired
     with pytest.raises(DataLoss, match="its routes hold"):
-        store_module._whole_record(sample, gen, value[:-1], fields)
+        record_format.whole_record(sample, gen, value[:-1], fields)
 
 
 def test_stat_and_delete(store, rng, sid):

@@ -1,4 +1,4 @@
-"""One rank of a multi-rank replay check; launched by tests/trainer/test_multirank.py as
+"""One rank of a multi-rank replay check; launched by tests/trainer/parallel/test_multirank.py as
 
     torchrun --standalone --nproc-per-node N -m tests.trainer.multirank_worker \
         --layout dp2 --model-dir DIR --out FILE

@@ -1,4 +1,4 @@
-"""One rank of a sharded-weights check; launched by tests/trainer/test_sharded_weights.py as
+"""One rank of a sharded-weights check; launched by tests/trainer/model/test_sharded_weights.py as
 
     torchrun --standalone --nproc-per-node N -m tests.trainer.sharded_worker \
         --layout tp2sp --model-dir DIR --out FILE
@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from tests.trainer.helpers import capture_routing, one_hot
+from tests.trainer.model.test_model_parity import _hf_reference
 from tests.trainer.multirank_pp import MICRO_BATCH, _micro_batches
 from tests.trainer.multirank_worker import LENGTHS, SEED, _gather_tp
-from tests.trainer.test_model_parity import _hf_reference
 from trainer.model.build import build_model
 from trainer.model.hf_config import read_checkpoint_config
 from trainer.model.hf_weights import hf_to_megatron, load_hf_state_dict

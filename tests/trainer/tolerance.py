@@ -24,13 +24,13 @@ differ too (AdamW turns rounding noise on near-zero gradient entries into steps 
 but those entries barely move a log-prob, and the ratio divides out what both passes of a step
 share: step 1, on weights 4 AdamW steps apart, differed less than step 0 in every run below.
 
-Measured, PP2 x VP2 with recompute against one rank (tests/trainer/test_rl_layouts.py,
+Measured, PP2 x VP2 with recompute against one rank (tests/trainer/parallel/test_rl_layouts.py,
 N = 16, n = 2, V = 512: atol 2.74e-6): |d loss| 3.3e-7 with this machine's AVX-512 kernels,
 6.2e-7 with ``ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2`` (the value a fresh clone
 failed with against the former, unstated 5e-7), the same on repeated runs. A fault stays far
 outside: leaving out the TP gradient sum of the sequence-parallel norms moved step 0's loss by
 3.6e-6; training without replay (``disabled`` against R3, one rank) by 1.6e-5 at step 0 and
-6.5e-4 at step 1; replay ids one token off the records by 3.7e-4 (tests/trainer/test_rl.py).
+6.5e-4 at step 1; replay ids one token off the records by 3.7e-4 (tests/trainer/rl/test_rl.py).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def loss_atol(tokens: int, group_size: int, vocab: int, logprob_noise: float = 0
 
 
 # Families whose log-probs move by more than one spacing between summation orders, as measured
-# against transformers (tests/trainer/test_model_parity.py, max |logit difference|, right
+# against transformers (tests/trainer/model/test_model_parity.py, max |logit difference|, right
 # padding): gpt-oss's tiny model runs its experts with weights large enough for the SwiGLU
 # clamp to act, and its activations, so their rounding, are larger: 2.44e-6, where the other
 # families stay at 3.9e-7 to 6.0e-7 (within the spacing above). Measured between TP2+SP x EP2

@@ -26,7 +26,7 @@ import numpy as np
 from routereplay.domain.record import Record
 from routereplay.domain.record_file import load_records
 from routereplay.errors import InvalidArgument
-from trainer.config import MissingRecord
+from trainer.config import MissingRecord, TrainerConfig
 from trainer.data.feed_log import FeedLog, steps_checkpointed
 
 log = logging.getLogger(__name__)
@@ -136,6 +136,14 @@ class FileSource:
 
     def close(self) -> None:
         pass
+
+
+def open_source(config: TrainerConfig) -> CacheSource | FileSource:
+    """The records' source: a file (``replay_file`` or ``data.records_file``) or the cache."""
+    path = config.router_replay.replay_file or config.data.records_file
+    if path:
+        return FileSource(path)
+    return CacheSource(config.route_cache.target, security=config.route_cache.security())
 
 
 def resolve(plan: BatchPlan, records: list[Record | None], missing: str) -> FetchedBatch:
@@ -269,6 +277,13 @@ class FeedPlans:
             from routereplay.rpc.client import RouteCacheClient
             from routereplay.rpc.ready import ReadyConsumer
 
+            checkpoints = config.train.checkpoint_dir
+            if checkpoints:  # what a killed job handed out, read before the feed is opened
+                self.log = FeedLog(checkpoints)
+                done = steps_checkpointed(checkpoints) if config.train.resume else 0
+                self.resumed = self.log.resume(done)
+                self.discarded_steps = self.resumed.discarded_steps
+                self.step = self._reported = self._acked = done
             if client is None:
                 client = self._own_client = RouteCacheClient(
                     config.route_cache.target, security=config.route_cache.security()
@@ -280,15 +295,9 @@ class FeedPlans:
                 data.group_size,
                 start_from_latest=data.start_from_latest,
             )
-            checkpoints = config.train.checkpoint_dir
-            if checkpoints:
-                self.log = FeedLog(checkpoints)
-                done = steps_checkpointed(checkpoints) if config.train.resume else 0
-                resumed = self.log.resume(done)
+            if self.resumed is not None:
+                resumed = self.resumed
                 self.consumer.covered(resumed.entries, resumed.samples, resumed.groups)
-                self.discarded_steps = resumed.discarded_steps
-                self.resumed = resumed
-                self.step = self._reported = self._acked = done
 
     def __iter__(self) -> Iterator[BatchPlan]:
         while (plan := self.next_plan()) is not None:

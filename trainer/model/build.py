@@ -14,7 +14,6 @@ from trainer.model import cpu_compat, megatron_fixes, mla_compat, replay
 from trainer.model.hf_config import (
     CheckpointConfig,
     UnsupportedConfig,
-    gpt_model_args,
     read_checkpoint_config,
     transformer_config,
 )
@@ -248,7 +247,7 @@ def build_model(
             pre_process=pp_rank == 0 and v == 0,
             post_process=pp_rank == pp_size - 1 and v == (vp or 1) - 1,
             **stage,
-            **gpt_model_args(checkpoint).as_kwargs(),
+            **checkpoint.model_args.as_kwargs(),
         )
         mla_compat.fix_tensor_parallel(model)
         if full is not None:

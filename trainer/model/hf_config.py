@@ -31,9 +31,31 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class GPTModelArgs:
+    """The ``GPTModel`` constructor arguments that come from the checkpoint, not the config."""
+
+    vocab_size: int
+    max_sequence_length: int
+    rotary_base: float
+    rotary_percent: float  # the share of each head that is rotated (GLM-4.5: 0.5)
+    share_embeddings_and_output_weights: bool
+    position_embedding_type: str = "rope"  # "yarn": YaRN-scaled rope (gpt-oss)
+
+    def as_kwargs(self) -> dict[str, Any]:
+        return {
+            "vocab_size": self.vocab_size,
+            "max_sequence_length": self.max_sequence_length,
+            "position_embedding_type": self.position_embedding_type,
+            "rotary_base": self.rotary_base,
+            "rotary_percent": self.rotary_percent,
+            "share_embeddings_and_output_weights": self.share_embeddings_and_output_weights,
+        }
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     """A checkpoint's ``config.json``, checked once against its family (``check_config``):
-    what the megatron mapping (``transformer_config``, ``gpt_model_args``) and the weight
+    what the megatron mapping (``transformer_config``, ``model_args``) and the weight
     tables (``hf_weights``) take, so that none of them parses or checks it again.
 
     Attributes:
@@ -44,6 +66,7 @@ class CheckpointConfig:
         geometry: The routing geometry in the record's terms (global MoE layer numbers, no
             model id), by the rule the rollout server applies.
         rope: The rotary embedding (base, rotated share, YaRN's attributes).
+        model_args: The ``GPTModel`` arguments it sets.
     """
 
     raw: dict[str, Any]
@@ -51,6 +74,7 @@ class CheckpointConfig:
     fields: dict[str, Any]
     geometry: Geometry
     rope: Rope
+    model_args: GPTModelArgs
 
     @property
     def moe_pattern(self) -> list[int]:
@@ -106,54 +130,33 @@ def check_config(config: dict[str, Any]) -> CheckpointConfig:
         geometry = family.geometry(config)
     except ValueError as exc:  # a key missing, or no MoE layer
         raise UnsupportedConfig(str(exc)) from None
+    fields = family.megatron_fields(config)
     return CheckpointConfig(
         raw=config,
         family=family,
-        fields=family.megatron_fields(config),
+        fields=fields,
         geometry=geometry,
         rope=rope,
+        model_args=_model_args(config, fields, rope),
+    )
+
+
+def _model_args(config: dict[str, Any], fields: dict[str, Any], rope: Rope) -> GPTModelArgs:
+    # Latent attention rotates inside MLASelfAttention (its own YaRN): GPTModel builds no
+    # rotary for it with "rope", and one MLA would refuse with "yarn".
+    yarn = rope.yarn is not None and not fields.get("multi_latent_attention")
+    return GPTModelArgs(
+        vocab_size=int(config["vocab_size"]),
+        max_sequence_length=int(config.get("max_position_embeddings") or 4096),
+        rotary_base=rope.theta,
+        rotary_percent=rope.percent,
+        share_embeddings_and_output_weights=bool(config.get("tie_word_embeddings", False)),
+        position_embedding_type="yarn" if yarn else "rope",
     )
 
 
 def _mtp_layers(config: dict[str, Any]) -> int:
     return int(config.get("num_nextn_predict_layers") or 0)
-
-
-@dataclass(frozen=True)
-class GPTModelArgs:
-    """The ``GPTModel`` constructor arguments that come from the checkpoint, not the config."""
-
-    vocab_size: int
-    max_sequence_length: int
-    rotary_base: float
-    rotary_percent: float  # the share of each head that is rotated (GLM-4.5: 0.5)
-    share_embeddings_and_output_weights: bool
-    position_embedding_type: str = "rope"  # "yarn": YaRN-scaled rope (gpt-oss)
-
-    def as_kwargs(self) -> dict[str, Any]:
-        return {
-            "vocab_size": self.vocab_size,
-            "max_sequence_length": self.max_sequence_length,
-            "position_embedding_type": self.position_embedding_type,
-            "rotary_base": self.rotary_base,
-            "rotary_percent": self.rotary_percent,
-            "share_embeddings_and_output_weights": self.share_embeddings_and_output_weights,
-        }
-
-
-def gpt_model_args(checkpoint: CheckpointConfig) -> GPTModelArgs:
-    config = checkpoint.raw
-    # Latent attention rotates inside MLASelfAttention (its own YaRN): GPTModel builds no
-    # rotary for it with "rope", and one MLA would refuse with "yarn".
-    yarn = checkpoint.rope.yarn is not None and not checkpoint.fields.get("multi_latent_attention")
-    return GPTModelArgs(
-        vocab_size=int(config["vocab_size"]),
-        max_sequence_length=int(config.get("max_position_embeddings") or 4096),
-        rotary_base=checkpoint.rope.theta,
-        rotary_percent=checkpoint.rope.percent,
-        share_embeddings_and_output_weights=bool(config.get("tie_word_embeddings", False)),
-        position_embedding_type="yarn" if yarn else "rope",
-    )
 
 
 def transformer_config(
@@ -231,7 +234,7 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     cache (one per user by default) is not keyed by the vector width that
     ``ATEN_CPU_CAPABILITY`` selects. A kernel generated for AVX-512 (16 floats a step) and
     compiled again for AVX2 (8 a step) leaves half its outputs unwritten (NaN losses); the
-    reverse writes past its buffer (heap corruption). tests/trainer/test_gpt_oss.py shows it.
+    reverse writes past its buffer (heap corruption). tests/trainer/model/test_gpt_oss.py shows it.
     """
     return x * torch.sigmoid(1.702 * x)
 

@@ -23,19 +23,19 @@ TransformerEngine; each failed the build without its fix (docs/trainer.md has th
 
 Under tensor parallelism one more, a megatron bug that is not about TransformerEngine:
 
-3. ``MLASelfAttention.get_query_key_value_tensors``: the local spec's ``linear_kv_down_proj``
-   is column-parallel, so MLA gathers its output columns
-   (``gather_from_tensor_model_parallel_region``) and takes the shared rotary key from them.
-   Every rank uses that key for its own heads, but the gather's backward keeps each rank's own
-   columns of the gradient: the rotary key's gradient (and through it the down projection's
-   and the hidden states') lacks the other ranks' heads. Measured under TP2 + SP x EP2 against one
-   rank (tests/trainer/test_family_layouts.py): the first RL step's loss 3.2e-5 off, natural
-   routing after the update different on 1 row of 84; with the fix, equal as for the other
-   families. TransformerEngine's spec replicates that projection instead, and MLA's branch for a
-   full-width output gathers the rotary key from the sequence shards, whose backward sums the
-   ranks' gradients. ``fix_tensor_parallel(model)`` makes the local projection take that
-   branch: a forward hook gathers its output columns and scatters the sequence back to this
-   rank's shard (requires sequence parallelism, which the trainer's TP layouts turn on).
+3. ``MLASelfAttention.get_query_key_value_tensors``: the local spec's ``linear_kv_down_proj`` is
+   column-parallel, so MLA gathers its output columns (``gather_from_tensor_model_parallel_region``)
+   and takes the shared rotary key from them. Every rank uses that key for its own heads, but the
+   gather's backward keeps each rank's own columns of the gradient: the rotary key's gradient (and
+   through it the down projection's and the hidden states') lacks the other ranks' heads. Measured
+   under TP2 + SP x EP2 against one rank (tests/trainer/parallel/test_family_layouts.py): the first
+   RL step's loss 3.2e-5 off, natural routing after the update different on 1 row of 84; with the
+   fix, equal as for the other families. TransformerEngine's spec replicates that projection
+   instead, and MLA's branch for a full-width output gathers the rotary key from the sequence
+   shards, whose backward sums the ranks' gradients. ``fix_tensor_parallel(model)`` makes the local
+   projection take that branch: a forward hook gathers its output columns and scatters the sequence
+   back to this rank's shard (requires sequence parallelism, which the trainer's TP layouts turn
+   on).
 
 DeepSeek's ``q_a_layernorm`` / ``kv_a_layernorm`` are the spec's ``q_layernorm`` /
 ``kv_layernorm``, RMSNorms when the config sets ``qk_layernorm`` (the family fields do); the

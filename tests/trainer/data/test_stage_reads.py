@@ -30,7 +30,7 @@ from tests.trainer.helpers import assert_same_step
 from trainer.data.stage_reads import pack_records, unpack_records
 from trainer.report.step_report import StepReport, reports_from_json
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SERVED = "route_cache_route_bytes_served_total"
 
 

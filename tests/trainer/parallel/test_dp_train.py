@@ -27,7 +27,7 @@ from trainer.report.step_report import reports_from_json
 
 pytest.importorskip("megatron.core")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.slow
 # AdamW divides by sqrt(v): on gradient entries near zero, rounding noise (summation order)
 # becomes a step of up to lr. Measured: mean |diff| 8e-11 over 1M weights, 4 entries above 1e-6,

@@ -173,7 +173,7 @@ def test_the_expert_activation_is_right_whatever_vector_width_ran_before(
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     env = dict(os.environ, PYTHONPATH=str(root), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
     for capability in order:
         env["ATEN_CPU_CAPABILITY"] = capability

@@ -21,7 +21,7 @@ from tests.trainer.ranks import run_each_rank
 
 pytest.importorskip("megatron.core")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.slow
 
 

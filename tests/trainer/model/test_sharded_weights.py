@@ -4,7 +4,7 @@ Each layout runs ``tests/trainer/sharded_worker.py`` on every rank under torchru
 rank loads only its share of the weights (``trainer.model.shard_weights``), the model runs 4 samples
 through megatron's schedule, and rank 0 compares the logits (gathered over TP, from the last
 pipeline stage) and the natural top-k of every MoE layer with transformers running each sample
-alone. Same tolerance as the single-rank parity test (tests/trainer/test_model_parity.py):
+alone. Same tolerance as the single-rank parity test (tests/trainer/model/test_model_parity.py):
 max |logit difference| <= 1e-5, argmax equal, top-k expert set equal on 100% of tokens.
 
 Then ``python -m trainer``'s RL steps under TP2 + SP and EP2 against one rank (below).
@@ -24,17 +24,17 @@ import torch
 
 from routereplay.domain.record_file import load_records, save_records
 from tests.trainer.helpers import assert_same_counts, assert_same_step
+from tests.trainer.model.test_model_parity import LOGIT_ATOL
+from tests.trainer.parallel.test_dp_train import records  # noqa: F401 (fixture)
+from tests.trainer.parallel.test_multirank import _torchrun, tiny8_model_dir  # noqa: F401 (fixture)
 from tests.trainer.ranks import run_each_rank
-from tests.trainer.test_dp_train import records  # noqa: F401 (fixture)
-from tests.trainer.test_model_parity import LOGIT_ATOL
-from tests.trainer.test_multirank import _torchrun, tiny8_model_dir  # noqa: F401 (fixture)
 from tests.trainer.tolerance import LAYOUT_LOSS_ATOL
 from trainer.model.shard_weights import tp_slice
 from trainer.report.step_report import StepReport, reports_from_json
 
 pytest.importorskip("megatron.core")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.slow
 
 

@@ -24,10 +24,7 @@ import torch
 
 from routereplay.domain.record_file import load_records, save_records
 from tests.trainer.helpers import assert_same_counts
-from tests.trainer.ranks import run_each_rank
-from tests.trainer.test_dp_train import records  # noqa: F401 (fixture)
-from tests.trainer.test_multirank import tiny8_model_dir  # noqa: F401 (fixture)
-from tests.trainer.test_sharded_weights import (
+from tests.trainer.model.test_sharded_weights import (
     GAP_ATOL,
     LOSS_ATOL,
     WEIGHT_ATOL,
@@ -35,6 +32,9 @@ from tests.trainer.test_sharded_weights import (
     _exported,
     _trainer,
 )
+from tests.trainer.parallel.test_dp_train import records  # noqa: F401 (fixture)
+from tests.trainer.parallel.test_multirank import tiny8_model_dir  # noqa: F401 (fixture)
+from tests.trainer.ranks import run_each_rank
 from trainer.report.step_report import StepReport
 
 pytest.importorskip("megatron.core")

@@ -38,7 +38,7 @@ from trainer.report.step_report import reports_from_json
 from trainer.sharding import Parallelism, RankCoords
 from trainer.train import train
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 class Cache:

@@ -1,8 +1,8 @@
 """Every family's RL steps under TP2 + SP with experts over EP2 (2 ranks, expert TP 1) against
-one rank: ``python -m trainer`` under torchrun (gloo), R3 on a transformers rollout of the
-family's tiny model, 2 steps. The same checks and tolerances as the Qwen3-MoE layouts
-(tests/trainer/test_sharded_weights.py): the same rows, routing agreement, update agreement and
-``replay_followed``, loss and gap within float summation noise, and the lead's export (the
+one rank: ``python -m trainer`` under torchrun (gloo), R3 on a transformers rollout of the family's
+tiny model, 2 steps. The same checks and tolerances as the Qwen3-MoE layouts
+(tests/trainer/model/test_sharded_weights.py): the same rows, routing agreement, update agreement
+and ``replay_followed``, loss and gap within float summation noise, and the lead's export (the
 shards gathered) equal to one rank's within ``WEIGHT_ATOL`` / ``WEIGHT_MEAN_ATOL``. Under TP
 each rank holds half of the attention heads, the dense and shared-expert MLPs, and (SP) half
 of the tokens: a router sees only its rank's tokens, so GLM-4.5's expert-bias counts must be
@@ -17,7 +17,7 @@ import torch
 from routereplay.domain.record_file import save_records
 from tests.conftest import OTHER_FAMILIES
 from tests.trainer.helpers import assert_same_counts
-from tests.trainer.test_sharded_weights import (
+from tests.trainer.model.test_sharded_weights import (
     GAP_ATOL,
     LOSS_ATOL,
     _check_export,

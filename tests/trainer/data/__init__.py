@@ -1,0 +1,1 @@
+"""Trainer tests: the step's records: sources, the ready feed, stage reads (trainer/data/)."""

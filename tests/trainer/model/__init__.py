@@ -1,0 +1,1 @@
+"""Trainer tests: megatron-core model mapping, weights and router replay (trainer/model/)."""

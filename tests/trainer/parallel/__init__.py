@@ -1,0 +1,1 @@
+"""Trainer tests: layouts across ranks: data, tensor, context, pipeline and expert parallelism."""

@@ -1,0 +1,1 @@
+"""Trainer tests: the RL step (trainer/rl/) and its optimizer."""
