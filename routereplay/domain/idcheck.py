@@ -25,23 +25,13 @@ the common case (nothing wrong) is the single pass.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
+
+from routereplay.domain.jit import HAVE_NUMBA, numba
 
 # Rows per stretch: the kernel checks a stretch in one call; a failing one is scanned again
 # row by row for the first bad row. 64K top-8 rows are 512 KiB.
 _STRETCH_ROWS = 1 << 16
-
-try:  # pragma: no cover - exercised through both paths in the tests
-    if os.environ.get("ROUTEREPLAY_NO_NUMBA"):
-        raise ImportError("disabled by ROUTEREPLAY_NO_NUMBA")
-    import numba
-
-    HAVE_NUMBA = True
-except ImportError:  # pragma: no cover
-    numba = None
-    HAVE_NUMBA = False
 
 
 def _numpy_first_bad(ids: np.ndarray, num_experts: int) -> int | None:

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from routereplay.dev.synthetic import synthetic_routes
+from routereplay.domain import codec
 from routereplay.domain.codec import (
     EncodedRoutes,
     Encoding,
@@ -208,3 +209,20 @@ def test_repeated_ids_are_found_in_every_block_of_a_long_record(row):
     routes[row, layer, 7] = routes[row, layer, 2]
     with pytest.raises(InvalidArgument, match=rf"routes\[{row}\] layer {layer + 1}: "):
         check_routes(routes, geometry, routes.shape[0])
+
+
+@pytest.mark.parametrize("use_numba", [False, True] if codec.HAVE_NUMBA else [False])
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(0, 2100),  # across the kernel's 1024-row tiles
+    layers=st.integers(1, 7),
+    k=st.sampled_from([1, 2, 3, 4, 6, 8]),
+    dtype=st.sampled_from([np.uint8, np.dtype("<u2")]),
+)
+def test_the_layer_swap_is_numpys_transpose(use_numba, rows, layers, k, dtype):
+    """Oracle: numpy's own element-wise transpose; both paths (numba's tiled kernel where a
+    top-k is one wide item, numpy's strided copy elsewhere)."""
+    routes = np.random.default_rng(rows).integers(0, 250, (rows, layers, k)).astype(dtype)
+    swapped = codec.swap_first_axes(routes, use_numba)
+    assert swapped.flags.c_contiguous and swapped.dtype == routes.dtype
+    np.testing.assert_array_equal(swapped, routes.transpose(1, 0, 2))
