@@ -187,11 +187,11 @@ class RouteStore:
             AlreadyExists: a different record has this id.
         """
         desc, tokens, value = record_format.block_fields(block, geometry)
-        key, geometry = record_key(sample_id), record_format.geometry_json(geometry)
+        key, geometry_field = record_key(sample_id), record_format.geometry_json(geometry)
         staging = f"{key}:stage:{secrets.token_hex(8)}"
         keys = [key, routes_key(sample_id), staging]
         args = [
-            geometry,
+            geometry_field,
             group_id,
             f"b@{block.row_start}",
             desc,
