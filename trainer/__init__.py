@@ -16,8 +16,8 @@ Arranged by concern, in the order a step uses them:
 - ``model``: the Hugging Face checkpoint as a megatron-core ``GPTModel`` (``hf_config``,
   ``hf_weights``, ``build``), router replay installed (``replay``), and the weights back out
   (``export``: a step's export on any layout, the weights gathered to the lead;
-  ``shard_weights``); ``cpu_compat`` and ``mla_compat`` let megatron-core run on a CPU-only
-  torch, ``megatron_fixes`` mends its bugs the trainer meets.
+  ``shard_weights``); ``patches``: ``cpu_compat`` and ``mla_compat`` let megatron-core run
+  on a CPU-only torch (one rank or many), ``megatron_fixes`` mends its bugs the trainer meets.
 - ``rl``: one RL step (``step``: ``RLStep.run``, a short list of stages), what its stages hand
   each other (``stages``: ``PASSES`` and each stage's frozen result), the objective
   (``objective``), the passes on megatron's schedules (``schedule``), what a step measures and

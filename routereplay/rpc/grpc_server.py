@@ -387,8 +387,7 @@ def make_server(
     )
     health_servicer = health.HealthServicer()
     names = _add_health_and_reflection(server, health_servicer, service_names)
-    for name in ["", *names]:
-        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    set_serving(health_servicer, names, False)
     health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer
 
@@ -418,27 +417,25 @@ async def make_aio_server(
     return server, health_servicer
 
 
-def set_serving(health_servicer: health.HealthServicer, names: Iterable[str], serving: bool):
-    status = (
+def _serving(serving: bool) -> int:
+    return (
         health_pb2.HealthCheckResponse.SERVING
         if serving
         else health_pb2.HealthCheckResponse.NOT_SERVING
     )
+
+
+def set_serving(health_servicer: health.HealthServicer, names: Iterable[str], serving: bool):
     for name in ["", *names]:
-        health_servicer.set(name, status)
+        health_servicer.set(name, _serving(serving))
 
 
 async def set_serving_aio(
     health_servicer: health.aio.HealthServicer, names: Iterable[str], serving: bool
 ) -> None:
     """``set_serving`` for the asyncio health servicer."""
-    status = (
-        health_pb2.HealthCheckResponse.SERVING
-        if serving
-        else health_pb2.HealthCheckResponse.NOT_SERVING
-    )
     for name in ["", *names]:
-        await health_servicer.set(name, status)
+        await health_servicer.set(name, _serving(serving))
 
 
 def wait_for_termination(server: grpc.Server, grace_s: float, on_stop=None) -> None:

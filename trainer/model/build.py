@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from routereplay.domain.record import Geometry
-from trainer.model import cpu_compat, megatron_fixes, mla_compat, replay
+from trainer.model import replay
 from trainer.model.hf_config import (
     CheckpointConfig,
     UnsupportedConfig,
@@ -18,6 +18,7 @@ from trainer.model.hf_config import (
     transformer_config,
 )
 from trainer.model.hf_weights import hf_to_megatron, load_hf_state_dict
+from trainer.model.patches import cpu_compat, megatron_fixes, mla_compat
 from trainer.model.shard_weights import local_weights
 from trainer.sharding import PipelineSplit, check_stage_routers, stage_moe_layers
 

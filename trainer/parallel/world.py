@@ -1,104 +1,20 @@
-"""Multi-rank trainer processes: megatron's parallel groups over a real world, and the extra
-CPU patches that more than one rank needs.
+"""Multi-rank trainer processes: megatron's parallel groups over a real world.
 
 Launch one process per rank with ``torchrun`` (gloo on the CPU, NCCL on GPUs); ``init_world``
 reads the usual ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` variables that
-torchrun sets.
-
-``apply_multirank_cpu_patches`` lives here rather than in ``trainer/model/cpu_compat.py`` only
-because that file was being edited concurrently; it is meant to move there (see
-docs/resharding.md). Like ``cpu_compat.apply`` it patches only when CUDA is absent.
+torchrun sets, and applies ``cpu_compat.apply_multirank`` (only without CUDA).
 """
 
 from __future__ import annotations
 
-import copy
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from trainer.model import cpu_compat
+from trainer.model.patches import cpu_compat
 from trainer.sharding import Parallelism, ParallelismError, RankCoords
-
-_PATCHED = False
-
-
-def apply_multirank_cpu_patches() -> bool:
-    """Patch megatron-core 0.16.1 for more than one rank on a CPU-only torch (no-op with CUDA).
-
-    1. ``transformer/torch_norm.py``: ``WrappedTorchNorm`` (the norm of the local layer spec
-       without TransformerEngine or apex) asserts ``not config.sequence_parallel``. RMSNorm is
-       per token, so under sequence parallelism each rank normalises its own sequence shard
-       with the same (replicated) weight: the norm is built from a copy of the config without
-       the flag, and its parameters get ``sequence_parallel = True``, the attribute megatron's
-       ``finalize_model_grads`` uses to all-reduce their gradients over the TP group. Only
-       norms over ``hidden_size`` are in the sequence-parallel region (the q/k norms run after
-       the gather, per head), and latent attention's ``q_layernorm`` / ``kv_layernorm``
-       (widths ``q_lora_rank`` / ``kv_lora_rank``: ``MLASelfAttention`` scatters the latents
-       back to the sequence shard before them; without the all-reduce, DeepSeek-V3's second
-       TP2 + SP step's loss was 2.2e-6 off one rank's and natural routing after the update
-       differed on 1 row of 84).
-    2. ``transformer/moe/token_dispatcher.py``: ``MoEAlltoAllTokenDispatcher`` creates a
-       ``torch.cuda.Stream`` at construction and, in ``_maybe_dtoh_and_synchronize``, copies
-       the split sizes to the host on it. On the CPU the sizes are already host tensors, but
-       ``all_to_all_single`` wants lists of ints: the patched method turns them into lists at
-       the same point and records no event. The class's stream slot gets a placeholder so the
-       constructor does not build a CUDA stream.
-
-    Returns:
-        True when patched (now or before), False with CUDA.
-    """
-    global _PATCHED
-    if not cpu_compat.apply():
-        return False
-    if _PATCHED:
-        return True
-    from megatron.core.transformer import torch_norm
-
-    original_new = torch_norm.WrappedTorchNorm.__new__
-
-    def new(cls, config, hidden_size, *args, **kwargs):
-        if not config.sequence_parallel:
-            return original_new(cls, config, hidden_size, *args, **kwargs)
-        plain = copy.copy(config)
-        plain.sequence_parallel = False
-        norm = original_new(cls, plain, hidden_size, *args, **kwargs)
-        if hidden_size in _sequence_parallel_widths(config):
-            for p in norm.parameters():
-                p.sequence_parallel = True
-        return norm
-
-    torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
-    _patch_alltoall_dispatcher()
-    _PATCHED = True
-    return True
-
-
-def _sequence_parallel_widths(config) -> set[int]:
-    """The widths of the norms that run on a sequence-parallel shard (patch 1 above)."""
-    widths = {config.hidden_size}
-    if getattr(config, "multi_latent_attention", False):
-        widths.add(config.kv_lora_rank)
-        if config.q_lora_rank is not None:
-            widths.add(config.q_lora_rank)
-    return widths
-
-
-def _patch_alltoall_dispatcher() -> None:
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-
-    def host_splits(self, point, tokens_per_expert=None):
-        if not self.drop_and_pad and point == self.cuda_dtoh_point:
-            for name in ("input_splits", "output_splits"):
-                value = getattr(self, name)
-                if torch.is_tensor(value):
-                    setattr(self, name, value.tolist())
-        return tokens_per_expert
-
-    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu: no stream"
-    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = host_splits
 
 
 @dataclass(frozen=True)
@@ -133,7 +49,7 @@ def init_world(parallelism: Parallelism, seed: int = 1234, backend: str | None =
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dp = parallelism.dp(world_size)  # raises before the first collective
-    apply_multirank_cpu_patches()
+    cpu_compat.apply_multirank()
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         dist.init_process_group(backend)

@@ -6,7 +6,7 @@ touched. It is idempotent and must be called before a model is built (the traine
 is patched at import time).
 
 The patches, each with the megatron code that needs it (single process, local layer spec,
-allgather dispatcher, no expert bias; the multi-rank layouts need more, see docs/trainer.md):
+allgather dispatcher, no expert bias; more than one rank needs two more, ``apply_multirank``):
 
 1. ``torch.cuda.current_device`` answers the CPU device. Megatron moves tensors "to the GPU"
    with it in ``transformer/moe/router.py`` (``Router.gating`` moves the router weight),
@@ -39,6 +39,7 @@ allgather dispatcher, no expert bias; the multi-rank layouts need more, see docs
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 
@@ -204,3 +205,82 @@ def _patch_sliding_window_mask() -> None:
 
     # fused_softmax.py: `from megatron.core.transformer.utils import ...` (a name of its own).
     fused_softmax.get_sliding_window_causal_mask = sliding_window_mask
+
+
+_MULTIRANK_APPLIED = False
+
+
+def apply_multirank() -> bool:
+    """Patch megatron-core 0.16.1 for more than one rank on a CPU-only torch (no-op with CUDA).
+
+    1. ``transformer/torch_norm.py``: ``WrappedTorchNorm`` (the norm of the local layer spec
+       without TransformerEngine or apex) asserts ``not config.sequence_parallel``. RMSNorm is
+       per token, so under sequence parallelism each rank normalises its own sequence shard
+       with the same (replicated) weight: the norm is built from a copy of the config without
+       the flag, and its parameters get ``sequence_parallel = True``, the attribute megatron's
+       ``finalize_model_grads`` uses to all-reduce their gradients over the TP group. Only
+       norms over ``hidden_size`` are in the sequence-parallel region (the q/k norms run after
+       the gather, per head), and latent attention's ``q_layernorm`` / ``kv_layernorm``
+       (widths ``q_lora_rank`` / ``kv_lora_rank``: ``MLASelfAttention`` scatters the latents
+       back to the sequence shard before them; without the all-reduce, DeepSeek-V3's second
+       TP2 + SP step's loss was 2.2e-6 off one rank's and natural routing after the update
+       differed on 1 row of 84).
+    2. ``transformer/moe/token_dispatcher.py``: ``MoEAlltoAllTokenDispatcher`` creates a
+       ``torch.cuda.Stream`` at construction and, in ``_maybe_dtoh_and_synchronize``, copies
+       the split sizes to the host on it. On the CPU the sizes are already host tensors, but
+       ``all_to_all_single`` wants lists of ints: the patched method turns them into lists at
+       the same point and records no event. The class's stream slot gets a placeholder so the
+       constructor does not build a CUDA stream.
+
+    Returns:
+        True when patched (now or before), False with CUDA.
+    """
+    global _MULTIRANK_APPLIED
+    if not apply():
+        return False
+    if _MULTIRANK_APPLIED:
+        return True
+    from megatron.core.transformer import torch_norm
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = original_new(cls, plain, hidden_size, *args, **kwargs)
+        if hidden_size in _sequence_parallel_widths(config):
+            for p in norm.parameters():
+                p.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
+    _patch_alltoall_dispatcher()
+    _MULTIRANK_APPLIED = True
+    return True
+
+
+def _sequence_parallel_widths(config) -> set[int]:
+    """The widths of the norms that run on a sequence-parallel shard (patch 1 above)."""
+    widths = {config.hidden_size}
+    if getattr(config, "multi_latent_attention", False):
+        widths.add(config.kv_lora_rank)
+        if config.q_lora_rank is not None:
+            widths.add(config.q_lora_rank)
+    return widths
+
+
+def _patch_alltoall_dispatcher() -> None:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    def host_splits(self, point, tokens_per_expert=None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits"):
+                value = getattr(self, name)
+                if torch.is_tensor(value):
+                    setattr(self, name, value.tolist())
+        return tokens_per_expert
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu: no stream"
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = host_splits
