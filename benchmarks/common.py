@@ -18,16 +18,19 @@ DOCS = ROOT / "docs" / "benchmarks.md"
 RESULTS = ROOT / "results"
 
 
-def median_time(fn, repeats: int, setup=None) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` runs (these machines are noisy);
-    ``setup()``, untimed, before each."""
+def median_time(fn, repeats: int, setup=None, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs (these machines are noisy), after
+    ``warmup`` untimed runs (connections, numba's kernels, Redis's first touch of its memory:
+    with ``--quick``'s 2 repeats, a cold first write put the first case at 0.18-0.22 of its
+    floor in 5 of 5 runs, the others at 0.48-0.64); ``setup()``, untimed, before each."""
     times = []
-    for _ in range(repeats):
+    for i in range(warmup + repeats):
         if setup is not None:
             setup()
         start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
