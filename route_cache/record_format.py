@@ -222,7 +222,7 @@ def parse_head(sample_id: str, fields: dict, payload: bool = True) -> Head:
     record = StoredRecord(sample_id, fields[b"group"].decode(), geometry)
     layers = tuple(range(geometry.num_moe_layers))
     offsets, all_sizes, offset = [], [], 0
-    for row_start in sorted(int(name[2:]) for name in fields if name.startswith(b"b@")):
+    for row_start in _block_starts(fields):
         desc = json.loads(fields[b"b@%d" % row_start])
         token_ids, turns = _tokens_and_turns(sample_id, fields, row_start, desc, payload)
         sizes = tuple(size for size, _ in desc["parts"])
@@ -238,6 +238,11 @@ def parse_head(sample_id: str, fields: dict, payload: bool = True) -> Head:
         all_sizes.append(sizes)
         offset += sum(sizes)
     return Head(record, offsets, all_sizes, fields.get(b"gen"))
+
+
+def _block_starts(fields: dict) -> list[int]:
+    """The first rows of a record's blocks, in order (each has a descriptor ``b@<row>``)."""
+    return sorted(int(name[2:]) for name in fields if name.startswith(b"b@"))
 
 
 def _tokens_and_turns(
@@ -362,7 +367,7 @@ def stage_record(head: Head, layers: tuple[int, ...], ranges: list[bytes], gen):
     return record
 
 
-def legacy_stat(sample_id: str, fields: dict, usage: int, ttl: int) -> RecordStat:
+def _legacy_stat(sample_id: str, fields: dict, usage: int, ttl: int) -> RecordStat:
     """StatRecord of a record in storage format 1 or 2 (one hash, fetched whole)."""
     record = _parse_legacy(sample_id, fields, payload=False)
     block_sizes = []
@@ -395,8 +400,7 @@ def _parse_legacy(
     if layers is not None:
         check_layer_selection(layers, record.geometry.num_moe_layers, "layers.indices")
     selected = layers or tuple(range(record.geometry.num_moe_layers))
-    starts = sorted(int(name[2:]) for name in fields if name.startswith(b"b@"))
-    for row_start in starts:
+    for row_start in _block_starts(fields):
         desc = json.loads(fields[b"b@%d" % row_start])
         token_ids, turns = _tokens_and_turns(sample_id, fields, row_start, desc, payload)
         encoding, rows = Encoding(desc["encoding"]), desc["num_rows"]
@@ -418,7 +422,7 @@ def stat_record(sample_id: str, fields: dict, usage: int, ttl: int) -> RecordSta
     takes ``usage`` bytes in Redis."""
     _, version = _geometry_of(fields)
     if version in LEGACY_FORMATS:
-        return legacy_stat(sample_id, fields, usage, ttl)
+        return _legacy_stat(sample_id, fields, usage, ttl)
     head = parse_head(sample_id, fields, payload=False)
     return RecordStat(head.record, int(fields[b"tokens"]), usage, ttl, head.sizes)
 

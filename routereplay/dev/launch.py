@@ -16,6 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from routereplay.rpc.security import PLAINTEXT, ClientSecurity, secure_channel
 
+_LOWEST_PORT = 20_000  # well above the registered services' usual ports
+
 
 def free_port() -> int:
     return free_ports(1)[0]
@@ -49,9 +51,6 @@ def free_ports(count: int) -> list[int]:
     finally:
         for s in sockets:
             s.close()
-
-
-_LOWEST_PORT = 20_000  # well above the registered services' usual ports
 
 
 def _ephemeral_low() -> int:

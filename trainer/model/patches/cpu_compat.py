@@ -44,6 +44,7 @@ import copy
 import torch
 
 _APPLIED = False
+_MULTIRANK_APPLIED = False
 
 
 def needed() -> bool:
@@ -207,9 +208,6 @@ def _patch_sliding_window_mask() -> None:
     fused_softmax.get_sliding_window_causal_mask = sliding_window_mask
 
 
-_MULTIRANK_APPLIED = False
-
-
 def apply_multirank() -> bool:
     """Patch megatron-core 0.16.1 for more than one rank on a CPU-only torch (no-op with CUDA).
 
@@ -262,7 +260,8 @@ def apply_multirank() -> bool:
 
 
 def _sequence_parallel_widths(config) -> set[int]:
-    """The widths of the norms that run on a sequence-parallel shard (patch 1 above)."""
+    """The widths of the norms that run on a sequence-parallel shard (``apply_multirank``'s
+    patch 1)."""
     widths = {config.hidden_size}
     if getattr(config, "multi_latent_attention", False):
         widths.add(config.kv_lora_rank)
