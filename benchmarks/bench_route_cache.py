@@ -46,7 +46,7 @@ import redis
 from benchmarks.common import machine, median_time, write_section
 from benchmarks.raw_grpc import RawClient
 from route_cache.embedded import start_embedded_redis
-from route_cache.record_format import record_key
+from route_cache.record_format import record_key, routes_key
 from routereplay.allocator import keep_large_buffers
 from routereplay.dev.launch import start_service, stop_process
 from routereplay.dev.synthetic import DEEPSEEK_V3, QWEN3_30B_A3B, synthetic_record
@@ -121,9 +121,10 @@ def bench_case(
             # Redis reuses the memory of deleted records, as it does in a fleet at steady
             # state where records expire; ever new records would have it fault in fresh pages
             # (a 12 MB SET: 2-4 ms into reused memory, up to 37 ms into fresh), which the
-            # baselines, overwriting their keys, never do.
+            # baselines, overwriting their keys, never do. Both keys of each record: the
+            # routes value is the large one.
             if ids:
-                raw_client.delete(*(record_key(i) for i in ids))
+                raw_client.delete(*(k for i in ids for k in (record_key(i), routes_key(i))))
 
         def service_write():
             # The batch's records in flight together, as a rollout fleet writes them.

@@ -208,22 +208,25 @@ class RouteCache:
         return stored
 
     def _store(self, write: BlockWrite, data: Iterable[bytes]) -> Stored:
+        # A duplicate is announced again: the first announcement may have been lost. The
+        # writer hears back only after the announcement, so its retries make delivery at
+        # least once.
         block = self._receive(write, data)
+        announce = self.feed is not None and write.announce
         if write.append:
             duplicate, rows = self.store.append(write.sample_id, write.geometry, block)
-        else:
-            rows = block.routes.num_rows
-            duplicate = self.store.write(write.sample_id, write.group_id, write.geometry, block)
-        if self.feed is not None and write.announce:
-            # A duplicate is announced again: the first announcement may have been lost. The
-            # writer hears back only after this, so its retries make delivery at least once.
-            if write.append:  # the whole record's turns: one more read, on final appends
-                record = self.store.stat(write.sample_id).record
-                group_id, turns = record.group_id, record.turns
-            else:
-                group_id, turns = write.group_id, write.turns
-            versions = tuple(t.policy_version for t in turns)
-            self.feed.publish(ReadyEntry("", write.sample_id, group_id, rows + 1, versions))
+            if announce:  # the whole record's turns: one more read, on final appends
+                held = self.store.stat(write.sample_id).record
+                self.feed.publish(_ready_entry(write.sample_id, held.group_id, rows, held.turns))
+            return Stored(write.sample_id, rows, duplicate)
+        rows = block.routes.num_rows
+        entry = _ready_entry(write.sample_id, write.group_id, rows, write.turns)
+        announcement = self.feed.announcement(entry) if announce else None
+        duplicate = self.store.write(
+            write.sample_id, write.group_id, write.geometry, block, announcement
+        )
+        if announce and announcement is None:  # the stream has its own server (a Cluster)
+            self.feed.publish(entry)
         return Stored(write.sample_id, rows, duplicate)
 
     def _receive(self, write: BlockWrite, data: Iterable[bytes]) -> StoredBlock:
@@ -414,6 +417,11 @@ def _received_parts(header: BlockHeader, joined: bytes, geometry: Geometry) -> L
         routes = decode_layer_parts(received, geometry)  # inflates each frame, size-checked
         check_routes(routes, geometry, rows, header.row_start)
     return received
+
+
+def _ready_entry(sample_id: str, group_id: str, rows: int, turns: Sequence[Turn]) -> ReadyEntry:
+    versions = tuple(t.policy_version for t in turns)
+    return ReadyEntry("", sample_id, group_id, rows + 1, versions)
 
 
 def _selection(layers: Sequence[int] | None) -> tuple[int, ...] | None:

@@ -1,13 +1,16 @@
 """The ready feed: committed records announced on a Redis Stream, read through consumer groups.
 
-After a ``WriteRecord`` commits (a duplicate write too: the retry of a write whose announcement
-may have been lost), the servicer ``publish``es one entry, and answers the writer only after
-that, so with the writer's retries every committed record is announced at least once.
+A ``WriteRecord`` that commits (a duplicate write too: the retry of a write whose announcement
+may have been lost) adds one entry, and the writer is answered only after that, so with the
+writer's retries every committed record is announced at least once.
 
-The stream is one key (``--ready-stream``, default ``rr:ready``). In Redis Cluster it lives in
-its own slot, not the record's, so the announcement cannot join the record's Lua commit: it is
-a second command after it. A route cache that dies between the two leaves the record committed
-but unannounced until the writer's retry (a duplicate write) announces it.
+The stream is one key (``--ready-stream``, default ``rr:ready``). On a single Redis the entry
+is added by the record's own commit script (``announcement``: one round trip, and no record
+committed unannounced). In Redis Cluster the stream lives in its own slot, not the record's,
+so the announcement cannot join the commit: it is a second command after it (``publish``; an
+append marked final is announced that way everywhere). A route cache that dies between the
+two leaves the record committed but unannounced until the writer's retry (a duplicate write)
+announces it.
 
 Entries hold ``sample_id``, ``group_id``, ``num_tokens`` and ``policy_versions`` (the turns'
 versions, comma-separated). The stream is capped near ``maxlen`` entries (``XADD MAXLEN ~``):
@@ -32,9 +35,11 @@ import re
 from collections.abc import Callable, Sequence
 
 import redis
+import redis.cluster
 
 from route_cache.connection import WAIT_TIMEOUT_MS, domain_errors_from_redis, replicated
 from route_cache.record_format import settled_key
+from route_cache.store import Announcement
 from routereplay.domain.feed import ReadyEntry, ReadyPage, ReadyRead
 from routereplay.errors import InvalidArgument, Unavailable
 
@@ -54,6 +59,15 @@ if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
 end
 return redis.call('HGET', KEYS[1], ARGV[1])
 """
+
+
+def _entry_fields(entry: ReadyEntry) -> dict[str, str | int]:
+    return {
+        "sample_id": entry.sample_id,
+        "group_id": entry.group_id,
+        "num_tokens": entry.num_tokens,
+        "policy_versions": ",".join(str(v) for v in entry.policy_versions),
+    }
 
 
 def check_entry_id(entry_id: str, name: str) -> None:
@@ -94,14 +108,16 @@ class ReadyFeed:
         self.wait_timeout_ms = wait_timeout_ms
         self.settled_ttl_ms = settled_ttl_ms
 
+    def announcement(self, entry: ReadyEntry) -> Announcement | None:
+        """``entry`` for a record's commit to add, where the stream shares the record's
+        server (a single Redis); None in a Cluster (``publish`` it after the commit)."""
+        if isinstance(self.client, redis.cluster.RedisCluster):
+            return None
+        return Announcement(self.stream, self.maxlen, _entry_fields(entry))
+
     def publish(self, entry: ReadyEntry) -> str:
         """Append ``entry`` (its ``entry_id`` is ignored). Returns the new entry id."""
-        fields = {
-            "sample_id": entry.sample_id,
-            "group_id": entry.group_id,
-            "num_tokens": entry.num_tokens,
-            "policy_versions": ",".join(str(v) for v in entry.policy_versions),
-        }
+        fields = _entry_fields(entry)
         maxlen = self.maxlen or None
         with domain_errors_from_redis():
             if not self.wait_replicas:

@@ -44,6 +44,7 @@ import hashlib
 import secrets
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import redis
 import redis.cluster
@@ -72,17 +73,29 @@ from routereplay.errors import (
     Unavailable,
 )
 
-# KEYS: record, routes, staging. ARGV: geometry JSON, group, block field, block descriptor,
-# tokens field, tokens, rows, ttl, gen. The small fields go first: HSET is the only command
-# Redis may refuse at its memory limit, and then nothing has changed.
+# KEYS: record, routes, staging, and the ready stream when the commit announces the record.
+# ARGV: geometry JSON, group, block field, block descriptor, tokens field, tokens, rows, ttl,
+# gen, then the stream's maxlen (0: untrimmed) and the entry's fields and values. The small
+# fields go first: HSET is the only command Redis may refuse at its memory limit, and then
+# nothing has changed (a script that has written may go on writing: the XADD too).
 _COMMIT = """
+local function announce(result)
+  if KEYS[4] then
+    local args = {}
+    if tonumber(ARGV[10]) > 0 then args = {'MAXLEN', '~', ARGV[10]} end
+    table.insert(args, '*')
+    for i = 11, #ARGV do table.insert(args, ARGV[i]) end
+    redis.call('XADD', KEYS[4], unpack(args))
+  end
+  return result
+end
 if redis.call('EXISTS', KEYS[3]) == 0 then return -2 end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   redis.call('DEL', KEYS[3])
   if redis.call('HGET', KEYS[1], 'geometry') == ARGV[1]
       and redis.call('HGET', KEYS[1], 'group') == ARGV[2]
       and redis.call('HGET', KEYS[1], ARGV[3]) == ARGV[4] then
-    return 1
+    return announce(1)
   end
   return -1
 end
@@ -97,7 +110,7 @@ if tonumber(ARGV[8]) > 0 then
 else
   redis.call('PERSIST', KEYS[2])
 end
-return 0
+return announce(0)
 """
 
 STAGING_TTL_MS = 600_000
@@ -128,6 +141,17 @@ if offset < rows and redis.call('HGET', KEYS[1], ARGV[5]) == ARGV[6] then
 end
 return {-1, rows}
 """
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """A stream entry for a write's commit to add: ``fields`` to ``stream``, trimmed near
+    ``maxlen`` entries (0: untrimmed). All its keys must share the record's server."""
+
+    stream: str
+    maxlen: int
+    fields: dict[str, str | int]
+
 
 # Times a read starts again when another record was committed under its id while it read
 # (a delete and a new write between its two ends: gen changed).
@@ -179,9 +203,19 @@ class RouteStore:
                 return False
             raise
 
-    def write(self, sample_id: str, group_id: str, geometry: Geometry, block: StoredBlock) -> bool:
+    def write(
+        self,
+        sample_id: str,
+        group_id: str,
+        geometry: Geometry,
+        block: StoredBlock,
+        announcement: Announcement | None = None,
+    ) -> bool:
         """Store a new record made of ``block``. Returns True when an identical record was
         already stored (a retry).
+
+        ``announcement``: a stream entry added by the commit itself when it stores the record
+        or finds it stored (the ready feed on a single Redis: no second round trip).
 
         Raises:
             AlreadyExists: a different record has this id.
@@ -201,6 +235,10 @@ class RouteStore:
             self.ttl_ms,
             secrets.token_hex(8),
         ]
+        if announcement is not None:
+            keys.append(announcement.stream)
+            args.append(announcement.maxlen)
+            args.extend(part for item in announcement.fields.items() for part in item)
 
         def queue(pipe):
             # The routes go as the value of a plain SET, born with the staging expiry: Redis

@@ -17,7 +17,7 @@ from route_cache.server import RouteCacheServer
 from route_cache.store import RouteStore
 from routereplay.dev.synthetic import synthetic_record
 from routereplay.domain.record import Turn, TurnAppend
-from routereplay.errors import FailedPrecondition, InvalidArgument
+from routereplay.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from routereplay.rpc.client import AsyncRouteCacheClient, RouteCacheClient
 from routereplay.rpc.ready import ReadyConsumer
 from tests.route_cache.conftest import SMALL
@@ -106,6 +106,29 @@ def test_commit_announces_the_record(feed, rng, sid):
     assert feed.redis.xlen(feed.stream) == 2
     assert feed.client.ack_ready("trainer", [page.entries[0].entry_id]) == 1
     assert feed.client.ack_ready("trainer", [page.entries[0].entry_id]) == 0  # idempotent
+
+
+def test_a_refused_write_announces_nothing(feed, rng, sid):
+    """On a single Redis the commit script adds the entry (on a cluster, the server after
+    the commit): a write refused as a conflict leaves the stream as it was."""
+    record = feed.write(rng, sid())
+    other = synthetic_record(record.sample_id, SMALL, 12, rng)
+    with pytest.raises(AlreadyExists):
+        feed.client.write(other)
+    entries = feed.redis.xrange(feed.stream)
+    assert [fields[b"sample_id"].decode() for _, fields in entries] == [record.sample_id]
+    assert entries[0][1][b"num_tokens"] == b"8"
+
+
+def test_announcements_keep_the_stream_near_maxlen(store, rng, sid):
+    """Each announcement trims the stream (approximately: whole nodes of entries)."""
+    feed = Feed(store, ready_maxlen=10)
+    try:
+        for _ in range(250):
+            feed.write(rng, sid())
+        assert 10 <= feed.redis.xlen(feed.stream) < 250
+    finally:
+        feed.close()
 
 
 def test_a_multi_turn_sample_is_announced_when_complete(feed, rng, sid):
