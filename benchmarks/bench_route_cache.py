@@ -43,7 +43,7 @@ from dataclasses import replace
 import numpy as np
 import redis
 
-from benchmarks.common import machine, median_time, write_section
+from benchmarks.common import machine, median_time, timed_with_cpu, write_section
 from benchmarks.raw_grpc import RawClient
 from route_cache.embedded import start_embedded_redis
 from route_cache.record_format import record_key, routes_key
@@ -62,8 +62,10 @@ DISTRIBUTIONS = {"uniform": 0.0, "zipf": 1.0}
 
 
 def bench_case(
-    args, raw_client, grpc_client, floor_client, cache, writers, geometry, tokens, dist, rng
+    args, raw_client, grpc_client, floor_client, cache, writers, pids, geometry, tokens, dist, rng
 ):
+    """One case's figures. ``pids``: the processes whose CPU is counted (this client, the
+    route cache, the gRPC + Redis floor, Redis; None where unknown)."""
     batch = 8 if tokens <= 4096 else 4
     # Two distinct records, cycled: generating 32K-token routes is slower than storing them.
     pool = [synthetic_record("x", geometry, tokens, rng, skew=DISTRIBUTIONS[dist]) for _ in (0, 1)]
@@ -100,6 +102,17 @@ def bench_case(
 
     grpc_keys = [str(i) for i in range(batch)]  # reused by every case: bounded server memory
 
+    def timed(key: str, fn, server: str, setup=None) -> float:
+        """Seconds per call of ``fn`` (median), and in ``result[key + "_cpu"]`` each
+        process's CPU per MiB it moved: ms/MiB (= s/GiB)."""
+        roles = {"client": pids["client"], "server": pids[server], "redis": pids["redis"]}
+        seconds, per_call = timed_with_cpu(fn, args.repeats, roles, setup)
+        result[f"{key}_cpu"] = {
+            role: None if cpu is None else cpu * 1e3 / (route_bytes / MIB)
+            for role, cpu in per_call.items()
+        }
+        return seconds
+
     for name, client in (("grpc", grpc_client), ("floor", floor_client)):
 
         def grpc_write(client=client):
@@ -108,8 +121,8 @@ def bench_case(
         def grpc_read(client=client):
             assert sum(len(c) for c in client.read_batch(grpc_keys)) == route_bytes
 
-        result[f"{name}_write_mibs"] = route_bytes / median_time(grpc_write, args.repeats) / MIB
-        result[f"{name}_read_mibs"] = route_bytes / median_time(grpc_read, args.repeats) / MIB
+        result[f"{name}_write_mibs"] = route_bytes / timed(f"{name}_write", grpc_write, name) / MIB
+        result[f"{name}_read_mibs"] = route_bytes / timed(f"{name}_read", grpc_read, name) / MIB
 
     stage = range(geometry.num_moe_layers // 4)  # one stage of a 4-stage pipeline
     stage_bytes = route_bytes * len(stage) // geometry.num_moe_layers
@@ -142,9 +155,11 @@ def bench_case(
 
         tag = f"service_{encoding.value}"
         result[f"{tag}_write_mibs"] = (
-            route_bytes / median_time(service_write, args.repeats, forget_previous) / MIB
+            route_bytes / timed(f"{tag}_write", service_write, "service", forget_previous) / MIB
         )
-        result[f"{tag}_read_mibs"] = route_bytes / median_time(service_read, args.repeats) / MIB
+        result[f"{tag}_read_mibs"] = (
+            route_bytes / timed(f"{tag}_read", service_read, "service") / MIB
+        )
         result[f"{tag}_stage_read_mibs"] = (
             stage_bytes / median_time(service_stage_read, args.repeats) / MIB
         )
@@ -222,7 +237,37 @@ def table(results: list[dict]) -> str:
             f"{r['service_zstd_route_bytes_per_token']:.0f} "
             f"| {r['service_raw_record_bytes_per_token']:.0f} |"
         )
+    lines += [
+        "",
+        "CPU per MiB of routes moved (ms/MiB, each process's user + system time over all runs "
+        "of the measurement), by process: client / server / Redis, the route cache's (RAW) "
+        "against the gRPC + Redis floor's.",
+        "",
+        "| geometry | tokens | routes | write: service | write: floor "
+        "| **write: service / floor, all processes** | read: service | read: floor "
+        "| **read: service / floor, all processes** |",
+        "|---" * 9 + "|",
+    ]
+    for r in results:
+        cells = []
+        for op in ("write", "read"):
+            service, floor = r[f"service_raw_{op}_cpu"], r[f"floor_{op}_cpu"]
+            cells += [_cpu_cell(service), _cpu_cell(floor), f"**{_cpu_ratio(service, floor)}**"]
+        lines.append(
+            f"| {r['geometry']} | {r['tokens']} | {r['dist']} | " + " | ".join(cells) + " |"
+        )
     return "\n".join(lines)
+
+
+def _cpu_cell(cpu: dict) -> str:
+    return " / ".join("-" if v is None else f"{v:.2f}" for v in cpu.values())
+
+
+def _cpu_ratio(service: dict, floor: dict) -> str:
+    """The service's CPU over the floor's, summed over the processes both could count."""
+    known = [k for k in service if service[k] is not None and floor[k] is not None]
+    total = sum(floor[k] for k in known)
+    return f"{sum(service[k] for k in known) / total:.2f}" if total else "-"
 
 
 def pin(cpu: int, pids: list[int | None]) -> None:
@@ -291,6 +336,13 @@ def main() -> int:
                 [server.pid, raw_server.pid, floor_server.pid, embedded_pid(embedded)],
             )
         grpc_client, floor_client = RawClient(raw_target), RawClient(floor_target)
+        pids = {
+            "client": os.getpid(),
+            "service": server.pid,
+            "grpc": raw_server.pid,
+            "floor": floor_server.pid,
+            "redis": embedded_pid(embedded),
+        }
         raw_client = redis.Redis.from_url(url)
         redis_version = raw_client.info("server").get("redis_version")
         rng = np.random.default_rng(0)
@@ -310,6 +362,7 @@ def main() -> int:
                     floor_client,
                     cache,
                     writers,
+                    pids,
                     geometry,
                     tokens,
                     dist,

@@ -34,6 +34,36 @@ def median_time(fn, repeats: int, setup=None, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds the process ``pid`` (all its threads) has used so far; None
+    where it cannot be told (no pid, not Linux, the process gone)."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def timed_with_cpu(fn, repeats: int, pids: dict[str, int | None], setup=None):
+    """``median_time(fn, repeats, setup)``, and the CPU seconds each process of ``pids``
+    (name -> pid) spent per timed call of ``fn`` (the setups included; the warm-up run not):
+    on a machine whose cores every process shares, where a gap in throughput is paid. Counted
+    in the kernel's ticks (10 ms); a process whose CPU cannot be told counts None."""
+    if setup is not None:
+        setup()
+    fn()  # the warm-up, before the count
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    seconds = median_time(fn, repeats, setup, warmup=0)
+    per_call = {}
+    for name, pid in pids.items():
+        after, start = cpu_seconds(pid), before[name]
+        per_call[name] = None if after is None or start is None else (after - start) / repeats
+    return seconds, per_call
+
+
 def machine() -> str:
     versions = ", ".join(
         f"{name} {metadata.version(name)}" for name in ("grpcio", "protobuf", "redis", "numpy")

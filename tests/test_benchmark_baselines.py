@@ -1,13 +1,19 @@
-"""The benchmarks' own parts: the raw gRPC baseline moves the bytes it is given, and the
-pipeline benchmark's summary adds its stages up the way its report says."""
+"""The benchmarks' own parts: the raw gRPC baseline moves the bytes it is given, the
+pipeline benchmark's summary adds its stages up the way its report says, and the CPU count
+per call is each process's own."""
 
 import os
+import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from benchmarks.bench_pipeline import summarize
+from benchmarks.common import timed_with_cpu
 from benchmarks.raw_grpc import RawClient
 from routereplay.dev.launch import start_service, stop_process
 
@@ -79,3 +85,27 @@ def test_pipeline_summary_by_hand():
     assert s["overhead_vs_baseline"] == pytest.approx(0.16)
     assert s["route_mibs"]["fetch"] == pytest.approx(10.0)  # 1 MiB in 0.1 s
     assert s["end_to_end_route_mibs"] == pytest.approx(1 / 2.32)
+
+
+def test_cpu_per_call_is_each_process_own():
+    """This process's CPU per timed call against its own clock (``time.process_time``), the
+    warm-up left out; a sleeping process spends none; an unknown one counts None."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    spent = []
+
+    def spin():
+        start = time.process_time()
+        while time.process_time() - start < 0.1:
+            pass
+        spent.append(time.process_time() - start)
+
+    try:
+        pids = {"self": os.getpid(), "sleeper": sleeper.pid, "unknown": None}
+        _, per_call = timed_with_cpu(spin, 4, pids)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert len(spent) == 5  # the warm-up and 4 timed calls
+    assert per_call["self"] == pytest.approx(statistics.mean(spent[1:]), abs=0.01)
+    assert per_call["sleeper"] < 0.01
+    assert per_call["unknown"] is None
