@@ -3,7 +3,8 @@
 The layout (storage format 3: per record a hash of small fields and one layer-major routes
 string, in one Cluster slot) and the parsing of what is read back are
 ``route_cache.record_format``'s. A write is one SET of the routes (into a staging key) and a
-small commit script, in one round trip; a whole read one GET of the routes and one HGETALL
+small commit script, in one round trip (on a single Redis the script also adds the ready
+feed's entry: ``Announcement``); a whole read one GET of the routes and one HGETALL
 of the small fields; a read of a layer range (a pipeline stage) one GETRANGE per run of
 layers per block, after the small fields (two round trips per window of records).
 
