@@ -239,9 +239,9 @@ def table(results: list[dict]) -> str:
         )
     lines += [
         "",
-        "CPU per MiB of routes moved (ms/MiB, each process's user + system time over all runs "
-        "of the measurement), by process: client / server / Redis, the route cache's (RAW) "
-        "against the gRPC + Redis floor's.",
+        "CPU per MiB of routes moved (ms/MiB, each process's user + system time over the "
+        "measurement's timed runs, its warm-up left out), by process: client / server / Redis, "
+        "the route cache's (RAW) against the gRPC + Redis floor's.",
         "",
         "| geometry | tokens | routes | write: service | write: floor "
         "| **write: service / floor, all processes** | read: service | read: floor "
