@@ -356,12 +356,26 @@ class RouteCache:
             check_entry_id(read.claim_cursor, "claim_cursor")
         return feed.read(read)
 
-    def ack_ready(self, group: str, entry_ids: Sequence[str], consumer: str = "") -> int:
+    def ack_ready(
+        self,
+        group: str,
+        entry_ids: Sequence[str],
+        consumer: str = "",
+        sample_ids: Sequence[str] = (),
+    ) -> int:
         feed = self._feed()
         check_sample_id(group, "consumer_group")
         if consumer:
             check_sample_id(consumer, "consumer")
-        return feed.ack(group, self._ids(entry_ids, "entry_ids", check_entry_id), consumer)
+        entry_ids = self._ids(entry_ids, "entry_ids", check_entry_id)
+        if sample_ids:
+            sample_ids = self._ids(sample_ids, "sample_ids", check_sample_id)
+            if len(sample_ids) != len(entry_ids):
+                raise InvalidArgument(
+                    f"sample_ids has {len(sample_ids)} ids for {len(entry_ids)} entry_ids; "
+                    "name one sample per entry, or none"
+                )
+        return feed.ack(group, entry_ids, consumer, sample_ids)
 
     def _ids(self, values: Sequence[str], name: str, check) -> list[str]:
         """A non-empty list of at most ``max_batch`` ids, each passing ``check``."""

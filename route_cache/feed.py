@@ -198,7 +198,13 @@ class ReadyFeed:
             return []
         return [(_text(g["name"]), g.get("lag"), int(g["pending"])) for g in groups]
 
-    def ack(self, group: str, entry_ids: Sequence[str], consumer: str = "") -> int:
+    def ack(
+        self,
+        group: str,
+        entry_ids: Sequence[str],
+        consumer: str = "",
+        sample_ids: Sequence[str] = (),
+    ) -> int:
         """Acknowledge entries of ``group``. Returns how many this call settled: entries it
         took off the pending list whose sample no other entry settled in ``group`` first.
 
@@ -211,8 +217,11 @@ class ReadyFeed:
         alike. The claim comes before the acknowledgement, and a named consumer's retry that
         finds its own claim counts even when XACK finds nothing pending any more (its first
         answer was lost: say, past its deadline while the consumer was paused); a named
-        consumer counts only its own claims. Entries trimmed from the stream count on their
-        acknowledgement alone.
+        consumer counts only its own claims. An entry the stream no longer has (trimmed, or
+        lost in a failover of its master: read from the old master, it never reached the
+        promoted replica) claims nothing; named with its sample (``sample_ids``, the caller's
+        record of what it read), it counts as that sample's other entries in this call do,
+        and on its acknowledgement alone otherwise.
 
         Raises:
             Unavailable: Fewer than ``wait_replicas`` replicas confirmed the acknowledgement.
@@ -235,19 +244,26 @@ class ReadyFeed:
                     pipe.xack(self.stream, group, entry_id)
                 acked = pipe.execute()
         ours = set(entry_ids)  # a repeat acknowledged with its sample's first entry counts
+        counted = {}
+        for entry_id, n in zip(entry_ids, acked, strict=True):
+            if entry_id in owners:
+                owner, by = owners[entry_id]
+                # Named, the claim says who settled: its retries count, and nobody else, even
+                # one whose XACK counts (the entry delivered again after a failover lost the
+                # first consumer's delivery and acknowledgement).
+                counted[entry_id] = owner in ours and (by == consumer if consumer else bool(n))
+        by_sample = {}
+        for entry_id, sample_id in samples.items():
+            by_sample[sample_id] = by_sample.get(sample_id, False) or counted[entry_id]
+        named = dict(zip(entry_ids, sample_ids, strict=True)) if sample_ids else {}
         settled = 0
         for entry_id, n in zip(entry_ids, acked, strict=True):
-            if entry_id not in owners:  # trimmed: no sample to claim
+            if entry_id in counted:
+                settled += counted[entry_id]
+            elif named.get(entry_id) in by_sample:  # gone from the stream: as its sample
+                settled += by_sample[named[entry_id]]
+            else:  # trimmed or lost, its sample unknown here: no claim to weigh
                 settled += bool(n)
-                continue
-            owner, by = owners[entry_id]
-            if consumer:
-                # The claim names who settled: its retries count, and nobody else, even one
-                # whose XACK counts (the entry delivered again after a failover lost the
-                # first consumer's delivery and acknowledgement).
-                settled += owner in ours and by == consumer
-            else:
-                settled += owner in ours and bool(n)
         return settled
 
     def _samples(self, entry_ids: Sequence[str]) -> dict[str, str]:

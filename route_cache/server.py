@@ -108,7 +108,7 @@ class RouteCacheServicer(route_cache_pb2_grpc.RouteCacheServicer):
 
     def AckReady(self, request, context):
         acknowledged = self.cache.ack_ready(
-            request.consumer_group, request.entry_ids, request.consumer
+            request.consumer_group, request.entry_ids, request.consumer, request.sample_ids
         )
         return route_cache_pb2.AckReadyResponse(acknowledged=acknowledged)
 

@@ -273,11 +273,21 @@ class _RouteCacheCalls:
         )
         return self.transport.unary(READ_READY, request, self.timeout_s + block_ms / 1000)
 
-    def ack_ready(self, consumer_group: str, entry_ids: Sequence[str], consumer: str = "") -> int:
+    def ack_ready(
+        self,
+        consumer_group: str,
+        entry_ids: Sequence[str],
+        consumer: str = "",
+        sample_ids: Sequence[str] = (),
+    ) -> int:
         """Acknowledge ready entries (idempotent). Returns how many it settled (see AckReady:
-        with ``consumer`` named, a retry after a lost answer counts them again)."""
+        with ``consumer`` named, a retry after a lost answer counts them again; with each
+        entry's sample named, an entry the stream lost counts as its sample's others)."""
         request = route_cache_pb2.AckReadyRequest(
-            consumer_group=consumer_group, entry_ids=list(entry_ids), consumer=consumer
+            consumer_group=consumer_group,
+            entry_ids=list(entry_ids),
+            consumer=consumer,
+            sample_ids=list(sample_ids),
         )
         return self.transport.unary(ACK_READY, request, self.timeout_s)
 
@@ -333,7 +343,11 @@ class AsyncRouteCacheClient(_RouteCacheCalls):
             start_from_latest: bool = False,
         ) -> ReadyPage: ...
         async def ack_ready(
-            self, consumer_group: str, entry_ids: Sequence[str], consumer: str = ""
+            self,
+            consumer_group: str,
+            entry_ids: Sequence[str],
+            consumer: str = "",
+            sample_ids: Sequence[str] = (),
         ) -> int: ...
 
     async def close(self) -> None:

@@ -42,7 +42,11 @@ class ReadyClient(Protocol):
     ) -> ReadyPage: ...
 
     def ack_ready(
-        self, consumer_group: str, entry_ids: Sequence[str], consumer: str = ...
+        self,
+        consumer_group: str,
+        entry_ids: Sequence[str],
+        consumer: str = ...,
+        sample_ids: Sequence[str] = ...,
     ) -> int: ...
 
 
@@ -53,16 +57,21 @@ class ReadyGroup:
     Attributes:
         group_id: the records' group id; empty for a sample without one (a group of one).
         entries: one per sample, in arrival order.
-        entry_ids: every stream entry to acknowledge for it, repeated deliveries included.
+        delivered: every stream entry to acknowledge for it, repeated deliveries included,
+            with its sample (entry id -> sample id, in arrival order).
     """
 
     group_id: str
     entries: list[ReadyEntry] = field(default_factory=list)
-    entry_ids: list[str] = field(default_factory=list)
+    delivered: dict[str, str] = field(default_factory=dict)
 
     @property
     def sample_ids(self) -> list[str]:
         return [e.sample_id for e in self.entries]
+
+    @property
+    def entry_ids(self) -> list[str]:
+        return list(self.delivered)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -175,9 +184,14 @@ class ReadyConsumer:
         self._pending_cursor = page.pending_cursor
         self._claim_cursor = page.claim_cursor
         self.trimmed += page.trimmed
-        stale = [entry.entry_id for entry in page.entries if not self._accept(entry)]
+        stale = [entry for entry in page.entries if not self._accept(entry)]
         if stale:
-            self.client.ack_ready(self.consumer_group, stale, self.consumer)
+            self.client.ack_ready(
+                self.consumer_group,
+                [e.entry_id for e in stale],
+                self.consumer,
+                [e.sample_id for e in stale],
+            )
         return len(page.entries)
 
     def _accept(self, entry: ReadyEntry) -> bool:
@@ -192,9 +206,9 @@ class ReadyConsumer:
             return False
         if group is None:
             group = self._groups[key] = ReadyGroup(entry.group_id)
-        if entry.entry_id in group.entry_ids:  # the same delivery again (pending re-read)
+        if entry.entry_id in group.delivered:  # the same delivery again (pending re-read)
             return True
-        group.entry_ids.append(entry.entry_id)  # acknowledged with its group
+        group.delivered[entry.entry_id] = entry.sample_id  # acknowledged with its group
         size = self._size(key)
         if entry.sample_id in group.sample_ids:
             self.duplicates += 1
@@ -239,12 +253,10 @@ class ReadyConsumer:
         again, and later repeats of their samples are dropped. Returns how many entries the
         server still had pending."""
         groups = list(groups)
-        ids = [entry_id for group in groups for entry_id in group.entry_ids]
+        delivered = [item for group in groups for item in group.delivered.items()]
         acknowledged = 0
-        for start in range(0, len(ids), chunk):
-            acknowledged += self.client.ack_ready(
-                self.consumer_group, ids[start : start + chunk], self.consumer
-            )
+        for start in range(0, len(delivered), chunk):
+            acknowledged += self._ack_delivered(delivered[start : start + chunk])
         for group in groups:
             self._forget(group)
         return acknowledged
@@ -260,15 +272,15 @@ class ReadyConsumer:
         two consumers holding the same entry only one sees it still pending: the other gets
         the group back here as not settled (counted in ``taken``), and must not commit it.
         The same holds for two entries of one sample (announced twice): the route cache
-        counts only the first entry acknowledged of a sample. One call per group: the count
-        the server returns is per call.
+        counts only the first entry acknowledged of a sample. Each entry goes with its
+        sample, so one a failover of the stream's master lost (read from the old master,
+        with the writer's repeat read from the new one) counts as its sample's others do.
+        One call per group: the count the server returns is per call.
         """
         won = []
         for group in groups:
-            acknowledged = self.client.ack_ready(
-                self.consumer_group, group.entry_ids, self.consumer
-            )
-            if acknowledged == len(group.entry_ids):
+            acknowledged = self._ack_delivered(list(group.delivered.items()))
+            if acknowledged == len(group.delivered):
                 self._forget(group)
                 won.append(group)
             else:
@@ -305,6 +317,12 @@ class ReadyConsumer:
         for sample_id in sample_ids:
             self._acked_samples.add(sample_id)
         return acknowledged
+
+    def _ack_delivered(self, delivered: list[tuple[str, str]]) -> int:
+        """Acknowledge (entry id, sample id) pairs in one call: naming each entry's sample
+        lets one the stream lost since (a failover) count as its sample's others do."""
+        entry_ids, sample_ids = zip(*delivered, strict=True)
+        return self.client.ack_ready(self.consumer_group, entry_ids, self.consumer, sample_ids)
 
     def _forget(self, group: ReadyGroup) -> None:
         """``group`` is done with: later repeats of it and of its samples are dropped."""

@@ -350,6 +350,32 @@ def test_an_entry_delivered_again_after_a_failover_is_settled_by_the_first_claim
     assert c1.settle([first]) == [first]  # c1's retry: its own claim
 
 
+def test_a_sample_read_from_a_lost_entry_and_its_repeat_is_settled(feed, rng, sid):
+    """Found by the short fault run (a Redis Cluster, the WAIT-only fault on the stream's
+    shard): c1 read a sample's announcement from the stream's old master, then, in the same
+    batch, the writer's retried announcement from the promoted replica, which never had the
+    first. Its settle acknowledged both: the lost entry counted nothing, the group came out
+    short (1 of 2) and was dropped as taken, while the repeat's acknowledgement had claimed
+    the sample for c1; no announcement followed, and nobody trained it. The consumer names
+    each entry's sample, so an entry the stream lost counts as its sample's other entries in
+    the call do. XACK and XDEL stand in for the failover."""
+    feed.write(rng, sid())  # an earlier entry, replicated before the cut
+    consumer = feed.consumer("c1")
+    assert consumer.settle(consumer.next_groups(1, timeout_s=1))
+    record = feed.write(rng, sid())
+    consumer.poll(block_ms=200)  # read from the old master, group complete, not handed out
+    ((lost, _),) = feed.redis.xrevrange(feed.stream, count=1)
+    feed.redis.xack(feed.stream, "trainer", lost)
+    feed.redis.xdel(feed.stream, lost)
+    feed.client.write(record)  # the writer's retry, announced on the promoted replica
+    consumer.poll(block_ms=200)
+    (group,) = consumer.next_groups(1, timeout_s=1)
+    assert group.sample_ids == [record.sample_id] and len(group.entry_ids) == 2
+    assert consumer.settle([group]) == [group] and consumer.taken == 0
+    other = feed.consumer("c0", claim_idle_ms=1)
+    assert other.next_groups(1, timeout_s=0.3) == []  # nothing left for anyone to train
+
+
 def test_a_claim_by_a_trimmed_entry_holds(feed, rng, sid):
     """A late repeat of a sample whose claiming entry was trimmed (acknowledged long ago, the
     oldest in the stream) is not trained again: only an entry newer than the stream's first
@@ -452,6 +478,8 @@ def test_async_client(single_store, rng, sid):
             "pending_cursor",
         ),
         (lambda c: c.ack_ready("{x}", ["1-0"]), "consumer_group '{x}'"),
+        (lambda c: c.ack_ready("trainer", ["1-0", "2-0"], "c", ["s"]), "1 ids for 2 entry_ids"),
+        (lambda c: c.ack_ready("trainer", ["1-0"], "c", ["s s"]), "sample_ids[0]"),
     ],
 )
 def test_bad_input(single_store, call, field):

@@ -31,7 +31,7 @@ class VanishingFeed:
         entries = self.pages.pop(0) if self.pages else []
         return ReadyPage(entries, "", "", 0)
 
-    def ack_ready(self, consumer_group, entry_ids, consumer="") -> int:
+    def ack_ready(self, consumer_group, entry_ids, consumer="", sample_ids=()) -> int:
         self.acks.append(list(entry_ids))
         return 0 if "1-0" in entry_ids else len(entry_ids)
 

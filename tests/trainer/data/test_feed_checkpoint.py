@@ -38,7 +38,7 @@ class StreamFeed:
         self.pending.update((e.entry_id, e) for e in new)
         return ReadyPage(new)
 
-    def ack_ready(self, consumer_group, entry_ids, consumer=""):
+    def ack_ready(self, consumer_group, entry_ids, consumer="", sample_ids=()):
         return sum(self.pending.pop(i, None) is not None for i in entry_ids)
 
 
