@@ -26,10 +26,12 @@ from routereplay.rpc.wire import (
     DEFAULT_CHUNK_BYTES,
     ChunkCollector,
     ChunkFirst,
+    Headed,
     block_header_from_pb,
     block_to_pb,
     chunk_messages,
     chunk_of,
+    first_chunk_of,
     geometry_from_pb,
     geometry_to_pb,
     layer_selection_to_pb,
@@ -55,21 +57,23 @@ class RouteCacheServicer(route_cache_pb2_grpc.RouteCacheServicer):
         self.cache = cache
 
     def WriteRecord(self, request_iterator, context):
-        header = _first_part(request_iterator, "header").header
+        first = _first_part(request_iterator, "header")
+        header = first.header
         write = _block_write(
             header, header.group_id, row_offset=0, append=False, announce=not header.more_turns
         )
-        return _stored_to_pb(self.cache.write(write, _route_bytes(header, request_iterator)))
+        return _stored_to_pb(self.cache.write(write, _route_bytes(first, request_iterator)))
 
     def AppendTurn(self, request_iterator, context):
-        header = _first_part(request_iterator, "header").header
+        first = _first_part(request_iterator, "header")
+        header = first.header
         write = _block_write(header, "", header.row_offset, append=True, announce=header.final)
-        return _stored_to_pb(self.cache.write(write, _route_bytes(header, request_iterator)))
+        return _stored_to_pb(self.cache.write(write, _route_bytes(first, request_iterator)))
 
     def ReadRecord(self, request, context):
         layers = _selection(request)
         record = self.cache.read(request.sample_id, layers)
-        yield from _record_responses(record, request.layer_parts)
+        yield from _record_responses(record, request)
 
     def ReadBatch(self, request, context):
         records = self.cache.read_many(
@@ -79,7 +83,7 @@ class RouteCacheServicer(route_cache_pb2_grpc.RouteCacheServicer):
             if isinstance(record, Missing):
                 yield route_cache_pb2.ReadResponse(missing_sample_id=record.sample_id)
             else:
-                yield from _record_responses(record, request.layer_parts)
+                yield from _record_responses(record, request)
 
     def StatRecord(self, request, context):
         stat = self.cache.stat(request.sample_id)
@@ -129,15 +133,19 @@ def _block_write(header, group_id: str, row_offset: int, append: bool, announce:
     )
 
 
-def _route_bytes(header, request_iterator) -> Iterator[bytes]:
-    """The bytes of the stream's chunks, in order, refusing any out of place."""
-    collector = ChunkCollector(0, header.block.encoded_size)
+def _route_bytes(first, request_iterator) -> Iterator[bytes]:
+    """The bytes of the stream's chunks, in order (the first may come with the header,
+    ``first``), refusing any out of place."""
+    collector = ChunkCollector(0, first.header.block.encoded_size)
+    chunk = first_chunk_of(first)
     while True:
-        chunk = chunk_of(_next_part(request_iterator, "chunk"))
+        if chunk is None:
+            chunk = chunk_of(_next_part(request_iterator, "chunk"))
         last = collector.check(chunk)
         yield chunk.data
         if last:
             return
+        chunk = None
 
 
 def _stored_to_pb(stored: Stored) -> route_cache_pb2.WriteResponse:
@@ -154,15 +162,16 @@ def _selection(request) -> list[int] | None:
 
 
 def _record_responses(
-    record: StoredRecord, layer_parts: bool
+    record: StoredRecord, request
 ) -> Iterator[route_cache_pb2.ReadResponse | bytes]:
     """A record's header, then each block's encoded bytes as 1 MiB chunks (chunk messages
     serialized here, which the server sends as they are): the client verifies the checksums
     and decodes. Layer parts go as stored (the selected ones, back to back); a reader that
-    asked for neither parts nor a selection gets each block whole."""
+    asked for neither parts nor a selection gets each block whole. The first chunk goes
+    in the header's message where the reader asked (``first_chunk_with_record``)."""
     layers = record.layers
     routes = [b.routes for b in record.blocks]
-    if not (layer_parts or layers is not None):
+    if not (request.layer_parts or layers is not None):
         routes = [
             join_layers(r, record.geometry) if isinstance(r, LayerParts) else r for r in routes
         ]
@@ -178,10 +187,14 @@ def _record_responses(
         ],
         layers=layer_selection_to_pb(layers),
     )
-    yield route_cache_pb2.ReadResponse(record=info)
+    header = route_cache_pb2.ReadResponse(record=info)
+    if not (request.first_chunk_with_record and routes):
+        yield header
+        header = None
     for index, encoded in enumerate(routes):
         parts = encoded.parts if isinstance(encoded, LayerParts) else (encoded.data,)
-        yield from chunk_messages(parts, index, DEFAULT_CHUNK_BYTES)
+        first = None if header is None or index else Headed.of(header)
+        yield from chunk_messages(parts, index, DEFAULT_CHUNK_BYTES, first)
 
 
 def _next_part(request_iterator, part: str):

@@ -211,7 +211,10 @@ class _RouteCacheCalls:
         without the others: ``record.routes`` is ``[T - 1, len(layers), k]`` and
         ``record.layers`` names them (None for a whole record)."""
         request = route_cache_pb2.ReadRecordRequest(
-            sample_id=sample_id, layers=_selection_pb(layers), layer_parts=True
+            sample_id=sample_id,
+            layers=_selection_pb(layers),
+            layer_parts=True,
+            first_chunk_with_record=True,
         )
         return self.transport.first(self.transport.stream(READ, request, self.timeout_s))
 
@@ -232,6 +235,7 @@ class _RouteCacheCalls:
                 skip_missing=skip_missing,
                 layers=selection,
                 layer_parts=True,
+                first_chunk_with_record=True,
             )
 
         return self.transport.stream(READ_BATCH, after, self.timeout_s)

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from google.protobuf.message_factory import GetMessageClass
 
 from routereplay.domain.codec import (
     BlockHeader,
@@ -201,6 +202,25 @@ _CHUNK_TAG = b"\x12"  # field 2, length-delimited: the RouteChunk in its parent
 _BLOCK, _OFFSET, _DATA, _LAST = 0x08, 0x10, 0x1A, 0x20  # RouteChunk fields 1-4
 
 
+def _tag(descriptor, field: str) -> bytes:
+    """The one-byte tag of a length-delimited field (field numbers below 16)."""
+    return bytes([descriptor.fields_by_name[field].number << 3 | 2])
+
+
+@dataclass(frozen=True)
+class Headed:
+    """A header message to send a block's first chunk with: the parent message holding only
+    its header (``header`` of a write or append, ``record`` of a read), serialized, and the
+    tag of its ``first_chunk`` field."""
+
+    message: bytes
+    chunk_tag: bytes
+
+    @classmethod
+    def of(cls, message) -> Headed:
+        return cls(message.SerializeToString(), _tag(message.DESCRIPTOR, "first_chunk"))
+
+
 def _varint(value: int) -> bytes:
     out = bytearray()
     while value > 0x7F:
@@ -224,10 +244,15 @@ def _read_varint(raw, pos: int, max_bytes: int = 10) -> tuple[int, int]:
 
 
 def encode_chunk_message(
-    block: int, offset: int, pieces: Sequence[bytes | memoryview], last: bool
+    block: int,
+    offset: int,
+    pieces: Sequence[bytes | memoryview],
+    last: bool,
+    header: Headed | None = None,
 ) -> bytes:
     """The serialized parent message holding ``RouteChunk(block, offset, data=the pieces
-    joined, last)``, byte for byte what protobuf writes; the pieces are copied once."""
+    joined, last)``, byte for byte what protobuf writes; the pieces are copied once.
+    ``header``: a header to send the chunk with, as the message's ``first_chunk``."""
     size = sum(len(p) for p in pieces)
     head = b""
     if block:
@@ -238,14 +263,15 @@ def encode_chunk_message(
         head += bytes([_DATA]) + _varint(size)
     tail = bytes([_LAST, 1]) if last else b""
     inner = len(head) + size + len(tail)
-    return b"".join([_CHUNK_TAG, _varint(inner), head, *pieces, tail])
+    tag, prefix = (_CHUNK_TAG, b"") if header is None else (header.chunk_tag, header.message)
+    return b"".join([prefix, tag, _varint(inner), head, *pieces, tail])
 
 
-def parse_chunk_message(raw: bytes) -> ChunkView | None:
+def parse_chunk_message(raw: bytes | memoryview, tag: bytes = _CHUNK_TAG) -> ChunkView | None:
     """The chunk of a serialized chunk message, its data a view of ``raw``; None when
-    ``raw`` is not exactly one chunk field of varint and length-delimited fields (anything
-    else, valid or not, is left to protobuf)."""
-    if raw[:1] != _CHUNK_TAG:
+    ``raw`` is not exactly one chunk field (``tag``) of varint and length-delimited fields
+    (anything else, valid or not, is left to protobuf)."""
+    if raw[:1] != tag:
         return None
     try:
         size, pos = _read_varint(raw, 1)
@@ -279,16 +305,58 @@ def parse_chunk_message(raw: bytes) -> ChunkView | None:
     return ChunkView(block, offset, data, last)
 
 
+@dataclass(frozen=True)
+class HeaderView:
+    """A parsed header message that came with its block's first chunk (``first_chunk``),
+    the chunk's data a view of the message. ``part``: the header's field (``header`` or
+    ``record``)."""
+
+    part: str
+    header: object  # RecordHeader, AppendHeader or RecordInfo
+    first_chunk: ChunkView
+
+
 class ChunkFirst:
-    """The deserializer of a message type that carries route chunks: chunk messages by
-    ``parse_chunk_message``, everything else by protobuf."""
+    """The deserializer of a message type that carries route chunks: chunk messages, and
+    headers with their first chunk (``HeaderView``), by hand, the chunks' data as views of
+    the message; everything else by protobuf."""
 
     def __init__(self, message_type):
         self.message_type = message_type
         self.DESCRIPTOR = message_type.DESCRIPTOR
+        fields = message_type.DESCRIPTOR.fields_by_name
+        self._header = None  # (part, its tag, its type) where a first chunk may come with it
+        if "first_chunk" in fields:
+            part = "header" if "header" in fields else "record"
+            self._header = (
+                part,
+                _tag(message_type.DESCRIPTOR, part),
+                GetMessageClass(fields[part].message_type),
+            )
+            self._first_chunk_tag = _tag(message_type.DESCRIPTOR, "first_chunk")
 
     def __call__(self, raw: bytes):
-        return parse_chunk_message(raw) or self.message_type.FromString(raw)
+        return (
+            parse_chunk_message(raw)
+            or self._header_with_chunk(raw)
+            or self.message_type.FromString(raw)
+        )
+
+    def _header_with_chunk(self, raw: bytes) -> HeaderView | None:
+        """The layout ``encode_chunk_message`` writes with a header: the header field, then
+        the first chunk's field, nothing else; None otherwise (left to protobuf)."""
+        if self._header is None or raw[:1] != self._header[1]:
+            return None
+        part, _, header_type = self._header
+        try:
+            size, pos = _read_varint(raw, 1)
+        except IndexError:
+            return None
+        end = pos + size
+        chunk = parse_chunk_message(memoryview(raw)[end:], self._first_chunk_tag)
+        if chunk is None:
+            return None
+        return HeaderView(part, header_type.FromString(memoryview(raw)[pos:end]), chunk)
 
 
 def serialized(message) -> bytes:
@@ -298,32 +366,48 @@ def serialized(message) -> bytes:
 
 def message_part(message) -> str | None:
     """Which of a route message's ``part`` oneof is set ("chunk" for a ``ChunkView``)."""
-    return "chunk" if isinstance(message, ChunkView) else message.WhichOneof("part")
+    if isinstance(message, ChunkView):
+        return "chunk"
+    return message.part if isinstance(message, HeaderView) else message.WhichOneof("part")
+
+
+def first_chunk_of(message) -> ChunkView | record_pb2.RouteChunk | None:
+    """The first chunk a header message carries, if any."""
+    if isinstance(message, HeaderView):
+        return message.first_chunk
+    return message.first_chunk if message.HasField("first_chunk") else None
 
 
 def chunk_of(message) -> ChunkView | record_pb2.RouteChunk:
     return message if isinstance(message, ChunkView) else message.chunk
 
 
-def chunk_messages(parts, block: int, chunk_bytes: int) -> Iterator[bytes]:
+def chunk_messages(
+    parts, block: int, chunk_bytes: int, header: Headed | None = None
+) -> Iterator[bytes]:
     """``parts`` back to back as serialized chunk messages of ``chunk_bytes`` (the last one
-    marked, even when empty), each chunk's bytes copied once from the parts it spans."""
+    marked, even when empty), each chunk's bytes copied once from the parts it spans. With
+    ``header``, the first chunk goes in the header's message, as many bytes as
+    fit beside it in ``chunk_bytes`` (none past that: no message grows beyond the larger of
+    the two)."""
     total = sum(len(p) for p in parts)
     views = iter(memoryview(p) for p in parts)
     current, offset = memoryview(b""), 0
+    room = chunk_bytes - (0 if header is None else len(header.message))
     while True:
         pieces, size = [], 0
-        while size < chunk_bytes:
+        while size < room:
             if not current:
                 current = next(views, None)
                 if current is None:
                     break
                 continue
-            piece = current[: chunk_bytes - size]
+            piece = current[: room - size]
             pieces.append(piece)
             size += len(piece)
             current = current[len(piece) :]
-        yield encode_chunk_message(block, offset, pieces, last=offset + size >= total)
+        yield encode_chunk_message(block, offset, pieces, offset + size >= total, header)
+        header, room = None, chunk_bytes
         offset += size
         if offset >= total:
             return
@@ -378,9 +462,10 @@ def write_requests(
     encoded: EncodedRoutes | LayerParts,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     more_turns: bool = False,
-) -> Iterator[route_cache_pb2.WriteRecordRequest | bytes]:
-    """The header message, then the chunk messages already serialized (``chunk_messages``):
-    send them with a serializer that passes bytes through (``serialized``)."""
+) -> Iterator[bytes]:
+    """The serialized messages of a write: the header with the block's first chunk, then
+    the other chunks (``chunk_messages``); send them with a serializer that passes bytes
+    through (``serialized``)."""
     header = route_cache_pb2.RecordHeader(
         sample_id=record.sample_id,
         group_id=record.group_id,
@@ -390,8 +475,8 @@ def write_requests(
         block=block_to_pb(encoded, 0, record.geometry),
         more_turns=more_turns,
     )
-    yield route_cache_pb2.WriteRecordRequest(header=header)
-    yield from chunk_messages(_route_pieces(encoded), 0, chunk_bytes)
+    first = Headed.of(route_cache_pb2.WriteRecordRequest(header=header))
+    yield from chunk_messages(_route_pieces(encoded), 0, chunk_bytes, first)
 
 
 def append_requests(
@@ -399,7 +484,7 @@ def append_requests(
     encoded: EncodedRoutes | LayerParts,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     final: bool = False,
-) -> Iterator[route_cache_pb2.AppendTurnRequest | bytes]:
+) -> Iterator[bytes]:
     """As ``write_requests``, for an append."""
     header = route_cache_pb2.AppendHeader(
         sample_id=append.sample_id,
@@ -410,8 +495,8 @@ def append_requests(
         block=block_to_pb(encoded, append.row_offset, append.geometry),
         final=final,
     )
-    yield route_cache_pb2.AppendTurnRequest(header=header)
-    yield from chunk_messages(_route_pieces(encoded), 0, chunk_bytes)
+    first = Headed.of(route_cache_pb2.AppendTurnRequest(header=header))
+    yield from chunk_messages(_route_pieces(encoded), 0, chunk_bytes, first)
 
 
 def _route_pieces(encoded: EncodedRoutes | LayerParts) -> Sequence[bytes | memoryview]:
@@ -434,19 +519,27 @@ class RecordAssembler:
         if part == "missing_sample_id":
             return Missing(response.missing_sample_id)
         if part == "record":
-            self._info, self._blocks = response.record, []
+            view = isinstance(response, HeaderView)
+            self._info, self._blocks = response.header if view else response.record, []
             self._collector = _next_collector(self._info, 0)
-        elif part == "chunk":
-            if self._collector is None:
-                raise InvalidArgument("route chunk before its record header")
-            data = self._collector.add(chunk_of(response))
-            if data is None:
-                return None
-            index = self._collector.block_index
-            self._blocks.append(_decode_block(self._info, index, data))
-            self._collector = _next_collector(self._info, index + 1)
-        else:
-            raise InvalidArgument(f"unexpected read response part {part!r}")
+            first = first_chunk_of(response)
+            return self._chunk(first) if first is not None else self._done()
+        if part == "chunk":
+            return self._chunk(chunk_of(response))
+        raise InvalidArgument(f"unexpected read response part {part!r}")
+
+    def _chunk(self, chunk) -> Record | None:
+        if self._collector is None:
+            raise InvalidArgument("route chunk before its record header")
+        data = self._collector.add(chunk)
+        if data is None:
+            return None
+        index = self._collector.block_index
+        self._blocks.append(_decode_block(self._info, index, data))
+        self._collector = _next_collector(self._info, index + 1)
+        return self._done()
+
+    def _done(self) -> Record | None:
         if self._collector is None:
             return _record_from_info(self._info, self._blocks)
         return None

@@ -12,6 +12,7 @@ from route_cache.server import RouteCacheServer
 from route_cache.store import RouteStore
 from routereplay.domain.record import Geometry
 from routereplay.rpc.client import RouteCacheClient
+from routereplay.v1 import route_cache_pb2
 
 # Small but shaped like the real thing: a dense layer 0, MoE layers 1-5, top-4 of 16.
 SMALL = Geometry((1, 2, 3, 4, 5), topk=4, num_experts=16, model_id="test-moe")
@@ -65,9 +66,12 @@ def raw_keys(client, pattern: str) -> list[bytes]:
     return list(client.scan_iter(match=pattern))
 
 
-def as_messages(requests) -> list:
-    """A ``write_requests`` or ``append_requests`` stream as protobuf messages (its chunks
-    come serialized), for the generated stubs."""
-    requests = list(requests)
-    kind = type(requests[0])  # the header's message type
-    return [kind.FromString(r) if isinstance(r, bytes) else r for r in requests]
+def as_messages(requests, kind=route_cache_pb2.WriteRecordRequest, split_first=False) -> list:
+    """A ``write_requests`` or ``append_requests`` stream (serialized) as ``kind`` messages,
+    for the generated stubs; ``split_first``: the header's first chunk moved to a message of
+    its own, as clients before ``first_chunk`` sent it."""
+    messages = [kind.FromString(r) for r in requests]
+    if split_first and messages and messages[0].HasField("first_chunk"):
+        messages.insert(1, kind(chunk=messages[0].first_chunk))
+        messages[0].ClearField("first_chunk")
+    return messages

@@ -251,11 +251,13 @@ def mutated_streams(draw, kind: str):
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     tokens = draw(st.integers(2, 200))
     chunk_bytes = draw(st.sampled_from([16, 64, 500, 1 << 20]))
+    split_first = draw(st.booleans())  # the first chunk in the header's message, or its own
     if kind == "write":
         sample_id = fresh_id()
         record = synthetic_record(sample_id, geometry, tokens, rng, skew=1.0)
         requests = as_messages(
-            write_requests(record, encode_routes(record.routes, encoding), chunk_bytes)
+            write_requests(record, encode_routes(record.routes, encoding), chunk_bytes),
+            split_first=split_first,
         )
     else:
         sample_id, base_tokens, _ = kind  # an append to this stored record
@@ -269,7 +271,11 @@ def mutated_streams(draw, kind: str):
             [Turn(base_tokens, base_tokens + tokens, base_tokens + 1, 1)],
         )
         encoded = encode_routes(routes, encoding)
-        requests = as_messages(append_requests(append, encoded, chunk_bytes))
+        requests = as_messages(
+            append_requests(append, encoded, chunk_bytes),
+            route_cache_pb2.AppendTurnRequest,
+            split_first,
+        )
     requests = [type(r).FromString(r.SerializeToString()) for r in requests]  # mutable copies
     for what in draw(st.lists(st.sampled_from(MUTATIONS), min_size=1, max_size=3)):
         chunk_at = [i for i, r in enumerate(requests) if r.WhichOneof("part") == "chunk"]

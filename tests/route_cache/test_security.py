@@ -40,7 +40,7 @@ from routereplay.rpc.security import (
 )
 from routereplay.rpc.wire import write_requests
 from routereplay.v1 import route_cache_pb2, route_cache_pb2_grpc
-from tests.route_cache.conftest import SMALL
+from tests.route_cache.conftest import SMALL, as_messages
 
 TOKEN = "s3cret-token-value"
 NO_RETRY = RetryPolicy(attempts=1)
@@ -209,7 +209,8 @@ def test_garbage_requests_are_invalid_and_do_not_stall_the_connection(serve):
         # Streaming requests: a good header, then garbage.
         write = channel.stream_unary("/routereplay.v1.RouteCache/WriteRecord")
         record = synthetic_record("sec-garbage", SMALL, 50, np.random.default_rng(2))
-        header = next(write_requests(record, encode_routes(record.routes, Encoding.RAW)))
+        encoded = encode_routes(record.routes, Encoding.RAW)
+        header = as_messages(write_requests(record, encoded), split_first=True)[0]
         with pytest.raises(grpc.RpcError) as info:
             write(iter([header.SerializeToString(), GARBAGE]), timeout=5)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -294,7 +295,8 @@ def test_chunks_per_write_limit(serve, redis_node):
         client.chunk_bytes = 2048  # 3 chunks
         client.write(record)
     # An endless stream of empty chunks that never ends its block is cut off too.
-    header = next(write_requests(record, encode_routes(record.routes, Encoding.RAW)))
+    encoded = encode_routes(record.routes, Encoding.RAW)
+    header = as_messages(write_requests(record, encoded), split_first=True)[0]
     header.header.sample_id = "sec-endless"
 
     def endless():

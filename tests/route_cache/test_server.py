@@ -377,3 +377,43 @@ def _wait_for(condition, timeout_s=10.0):
     while not condition():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("split_first", [False, True], ids=["with_header", "own_message"])
+def test_the_first_chunk_with_its_header_or_in_its_own_message(stub, cache, rng, sid, split_first):
+    """Current clients send a write's first chunk in the header's message; clients before
+    ``first_chunk`` sent it as a chunk message of its own. Both store the same record, and
+    a chunk of either form out of place is refused."""
+    client, _ = cache
+
+    def requests(record):
+        encoded = encode_routes(record.routes)
+        return as_messages(write_requests(record, encoded, 10000), split_first=split_first)
+
+    record = valid(rng, sid, tokens=1000)
+    msgs = requests(record)
+    first = msgs[1].chunk if split_first else msgs[0].first_chunk
+    assert len(first.data) > 0 and msgs[0].HasField("first_chunk") != split_first
+    stub.WriteRecord(iter(msgs), timeout=10)
+    assert_same(client.read(record.sample_id), record)
+    msgs = requests(valid(rng, sid, tokens=1000))
+    del msgs[2 if split_first else 1]  # the chunk after the first one
+    refused(stub, msgs, INVALID, "out of order or missing")
+
+
+@pytest.mark.parametrize("asked", [False, True])
+def test_a_read_sends_the_first_chunk_with_the_record_only_when_asked(stub, cache, rng, sid, asked):
+    """Readers before ``first_chunk_with_record`` expect the record's message, then its
+    chunks; they keep getting that."""
+    client, _ = cache
+    record = valid(rng, sid, tokens=300)
+    client.write(record)
+    request = route_cache_pb2.ReadRecordRequest(
+        sample_id=record.sample_id, layer_parts=True, first_chunk_with_record=asked
+    )
+    first, *rest = stub.ReadRecord(request, timeout=10)
+    assert first.WhichOneof("part") == "record" and first.HasField("first_chunk") == asked
+    assert all(r.WhichOneof("part") == "chunk" for r in rest)
+    size = sum(b.encoded_size for b in first.record.blocks)
+    chunks = [first.first_chunk] * asked + [r.chunk for r in rest]
+    assert sum(len(c.data) for c in chunks) == size and chunks[-1].last

@@ -1,5 +1,5 @@
-"""Chunk messages encoded and parsed by hand (``routereplay.rpc.wire``), against protobuf's own
-serializer and parser as the oracle."""
+"""Chunk messages (and headers with their first chunk) encoded and parsed by hand
+(``routereplay.rpc.wire``), against protobuf's own serializer and parser as the oracle."""
 
 from __future__ import annotations
 
@@ -10,7 +10,11 @@ from hypothesis import strategies as st
 from routereplay.rpc.wire import (
     ChunkFirst,
     ChunkView,
+    Headed,
+    HeaderView,
+    chunk_messages,
     encode_chunk_message,
+    first_chunk_of,
     message_part,
     parse_chunk_message,
 )
@@ -98,3 +102,70 @@ def test_other_parts_go_through_protobuf():
     assert message_part(missing) == "missing_sample_id"
     assert missing.missing_sample_id == "s1"
     assert parse.DESCRIPTOR.full_name == "routereplay.v1.ReadResponse"
+
+
+HEADED = [
+    (route_cache_pb2.WriteRecordRequest, "header"),
+    (route_cache_pb2.AppendTurnRequest, "header"),
+    (route_cache_pb2.ReadResponse, "record"),
+]
+headers = st.builds(
+    route_cache_pb2.RecordHeader,
+    sample_id=st.text("abc-", max_size=20),
+    token_ids=st.binary(max_size=200),
+    more_turns=st.booleans(),
+)
+
+
+def _header(parent, part: str, fields: route_cache_pb2.RecordHeader):
+    """A header of ``parent``'s kind (RecordHeader, AppendHeader or RecordInfo) with the
+    fields they share."""
+    header_type = type(getattr(parent(), part))
+    return header_type(sample_id=fields.sample_id, token_ids=fields.token_ids)
+
+
+@settings(max_examples=300, deadline=None)
+@given(headers, chunks, st.sampled_from(HEADED))
+def test_a_header_with_its_first_chunk_is_protobufs_byte_for_byte(fields, chunk, kind):
+    parent, part = kind
+    header = _header(parent, part, fields)
+    headed = Headed.of(parent(**{part: header}))
+    raw = encode_chunk_message(chunk.block, chunk.offset, [chunk.data], chunk.last, headed)
+    assert raw == parent(**{part: header}, first_chunk=chunk).SerializeToString()
+    parsed = ChunkFirst(parent)(raw)  # by hand: the chunk's data a view of the message
+    assert isinstance(parsed, HeaderView) and message_part(parsed) == part
+    assert parsed.header == header
+    assert _fields(parsed.first_chunk) == (chunk.block, chunk.offset, chunk.data, chunk.last)
+
+
+@pytest.mark.parametrize("parent, part", HEADED)
+def test_a_header_and_first_chunk_in_another_order_go_through_protobuf(parent, part):
+    chunk = record_pb2.RouteChunk(offset=0, data=b"abc", last=True)
+    header = _header(parent, part, route_cache_pb2.RecordHeader(sample_id="s1"))
+    raw = (
+        parent(first_chunk=chunk).SerializeToString()
+        + parent(**{part: header}).SerializeToString()
+    )
+    parsed = ChunkFirst(parent)(raw)
+    assert not isinstance(parsed, HeaderView) and message_part(parsed) == part
+    assert getattr(parsed, part) == header and first_chunk_of(parsed) == chunk
+    alone = parent(**{part: header}).SerializeToString()
+    assert first_chunk_of(ChunkFirst(parent)(alone)) is None
+
+
+@pytest.mark.parametrize("header_bytes", [0, 10, 99, 100, 250])
+def test_the_first_chunk_takes_what_fits_beside_the_header(header_bytes):
+    """No message outgrows ``chunk_bytes`` or the header alone: the first chunk takes what is
+    left of ``chunk_bytes`` beside the header, and the chunks still cover the block."""
+    header = route_cache_pb2.RecordHeader(token_ids=b"t" * header_bytes)
+    headed = Headed.of(route_cache_pb2.WriteRecordRequest(header=header))
+    data = bytes(range(256)) * 2
+    messages = list(chunk_messages([data[:200], data[200:]], 0, 100, headed))
+    first = ChunkFirst(route_cache_pb2.WriteRecordRequest)(messages[0])
+    assert first_chunk_of(first) is not None and message_part(first) == "header"
+    sizes = [len(first_chunk_of(first).data)]
+    sizes += [len(parse_chunk_message(m).data) for m in messages[1:]]
+    assert sizes[0] == max(0, 100 - len(headed.message)) and all(s == 100 for s in sizes[1:-1])
+    joined = bytes(first_chunk_of(first).data)
+    joined += b"".join(bytes(parse_chunk_message(m).data) for m in messages[1:])
+    assert joined == data
