@@ -108,10 +108,9 @@ def block_to_pb(
         encoded_size=sum(sizes),
     )
     if isinstance(encoded, LayerParts):
-        block.layer_parts.extend(
-            record_pb2.LayerPart(size=size, checksum=checksum)
-            for size, checksum in zip(sizes, encoded.checksums, strict=True)
-        )
+        add = block.layer_parts.add  # 3x faster than extending with built parts (upb)
+        for size, checksum in zip(sizes, encoded.checksums, strict=True):
+            add(size=size, checksum=checksum)
     else:
         block.checksum = encoded.checksum
     return block

@@ -143,8 +143,7 @@ def test_a_header_and_first_chunk_in_another_order_go_through_protobuf(parent, p
     chunk = record_pb2.RouteChunk(offset=0, data=b"abc", last=True)
     header = _header(parent, part, route_cache_pb2.RecordHeader(sample_id="s1"))
     raw = (
-        parent(first_chunk=chunk).SerializeToString()
-        + parent(**{part: header}).SerializeToString()
+        parent(first_chunk=chunk).SerializeToString() + parent(**{part: header}).SerializeToString()
     )
     parsed = ChunkFirst(parent)(raw)
     assert not isinstance(parsed, HeaderView) and message_part(parsed) == part
