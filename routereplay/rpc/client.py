@@ -43,7 +43,6 @@ from routereplay.rpc.wire import (
     layer_selection_to_pb,
     ready_page_from_pb,
     ready_read_to_pb,
-    serialized,
     turn_from_pb,
     write_requests,
 )
@@ -93,13 +92,13 @@ def _selection_pb(layers: Sequence[int] | None):
 
 
 def _stub(channel) -> route_cache_pb2_grpc.RouteCacheStub:
-    """The generated stub (sync or asyncio channel), with the route chunks of writes sent as
-    ``write_requests`` serialized them and those of reads parsed as views of the received
-    messages (``ChunkFirst``)."""
+    """The generated stub (sync or asyncio channel), with the messages of writes sent as
+    ``write_requests`` serialized them (bytes: no request serializer) and those of reads
+    parsed with their chunks as views of the received messages (``ChunkFirst``)."""
     stub = route_cache_pb2_grpc.RouteCacheStub(channel)
     path = f"/{route_cache_pb2.DESCRIPTOR.services_by_name['RouteCache'].full_name}/"
     write = {
-        "request_serializer": serialized,
+        "request_serializer": None,
         "response_deserializer": route_cache_pb2.WriteResponse.FromString,
     }
     stub.WriteRecord = channel.stream_unary(path + "WriteRecord", **write, _registered_method=True)

@@ -184,14 +184,9 @@ class ReadyConsumer:
         self._pending_cursor = page.pending_cursor
         self._claim_cursor = page.claim_cursor
         self.trimmed += page.trimmed
-        stale = [entry for entry in page.entries if not self._accept(entry)]
+        stale = [(e.entry_id, e.sample_id) for e in page.entries if not self._accept(e)]
         if stale:
-            self.client.ack_ready(
-                self.consumer_group,
-                [e.entry_id for e in stale],
-                self.consumer,
-                [e.sample_id for e in stale],
-            )
+            self._ack_delivered(stale)
         return len(page.entries)
 
     def _accept(self, entry: ReadyEntry) -> bool:

@@ -324,15 +324,16 @@ class ChunkFirst:
         self.message_type = message_type
         self.DESCRIPTOR = message_type.DESCRIPTOR
         fields = message_type.DESCRIPTOR.fields_by_name
-        self._header = None  # (part, its tag, its type) where a first chunk may come with it
+        # (part, its tag, its type, the first chunk's tag) where a first chunk may come with it
+        self._header = None
         if "first_chunk" in fields:
             part = "header" if "header" in fields else "record"
             self._header = (
                 part,
                 _tag(message_type.DESCRIPTOR, part),
                 GetMessageClass(fields[part].message_type),
+                _tag(message_type.DESCRIPTOR, "first_chunk"),
             )
-            self._first_chunk_tag = _tag(message_type.DESCRIPTOR, "first_chunk")
 
     def __call__(self, raw: bytes):
         return (
@@ -346,21 +347,16 @@ class ChunkFirst:
         the first chunk's field, nothing else; None otherwise (left to protobuf)."""
         if self._header is None or raw[:1] != self._header[1]:
             return None
-        part, _, header_type = self._header
+        part, _, header_type, chunk_tag = self._header
         try:
             size, pos = _read_varint(raw, 1)
         except IndexError:
             return None
         end = pos + size
-        chunk = parse_chunk_message(memoryview(raw)[end:], self._first_chunk_tag)
+        chunk = parse_chunk_message(memoryview(raw)[end:], chunk_tag)
         if chunk is None:
             return None
         return HeaderView(part, header_type.FromString(memoryview(raw)[pos:end]), chunk)
-
-
-def serialized(message) -> bytes:
-    """A request serializer for streams that mix messages and serialized chunk messages."""
-    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 def message_part(message) -> str | None:
@@ -463,8 +459,7 @@ def write_requests(
     more_turns: bool = False,
 ) -> Iterator[bytes]:
     """The serialized messages of a write: the header with the block's first chunk, then
-    the other chunks (``chunk_messages``); send them with a serializer that passes bytes
-    through (``serialized``)."""
+    the other chunks (``chunk_messages``); send them as they are (no request serializer)."""
     header = route_cache_pb2.RecordHeader(
         sample_id=record.sample_id,
         group_id=record.group_id,
