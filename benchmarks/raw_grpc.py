@@ -101,11 +101,17 @@ class RawClient:
     def __init__(self, target: str):
         self.channel = grpc.insecure_channel(target, options=channel_options())
         self._write = self.channel.stream_unary(WRITE)
+        self._write_one = self.channel.unary_unary(WRITE)  # as the route cache client does
         self._read = self.channel.unary_stream(READ_BATCH)
 
     def write(self, key: str, chunks: Iterable[bytes]) -> int:
-        """Streams ``chunks`` under ``key``; returns the bytes the server received."""
-        reply = self._write(iter(chunks), metadata=[("key", key)], timeout=120)
+        """Streams ``chunks`` under ``key`` (one chunk: a unary call of the same method);
+        returns the bytes the server received."""
+        chunks = list(chunks)
+        call = self._write_one if len(chunks) == 1 else self._write
+        reply = call(
+            chunks[0] if len(chunks) == 1 else iter(chunks), metadata=[("key", key)], timeout=120
+        )
         return int.from_bytes(reply, "little")
 
     def read_batch(self, keys: Iterable[str]) -> Iterator[bytes]:

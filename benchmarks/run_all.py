@@ -6,6 +6,9 @@ Each benchmark compares against a baseline measured in the same run, on the same
   same bytes through raw redis-py pipelines (target: at least 0.5x) and through a trivial
   bytes-in/bytes-out gRPC service, and stored bytes per token against int32, int16 and raw
   uint8 routes.
+- ``route_cache_calls``: one write or one-record read at a time, small and 4K-token records,
+  through the route cache against the gRPC + Redis floor: wall time and each process's CPU
+  per call (what a call costs by itself, and on which side).
 - ``mooncake``: the same records written, batch-read and stage-read through the route cache
   and through Mooncake's store (its master and TCP transport on this machine; ``make
   mooncake``), MiB/s and ratios (target: stage reads at least as fast as Mooncake).
@@ -79,6 +82,13 @@ BENCHMARKS = (
         "bench_route_cache.py",
         ("--quick",),
         "route cache write / batch read vs raw redis-py; bytes per token",
+    ),
+    Benchmark(
+        "route_cache_calls",
+        "bench_route_cache_calls.py",
+        ("--quick",),
+        "the route cache per call, one at a time, vs the gRPC + Redis floor: wall and each "
+        "process's CPU",
     ),
     Benchmark(
         "mooncake",

@@ -29,6 +29,7 @@ Each layer part keeps its own xxh3-64 checksum, verified by the reader.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field, replace
 
@@ -130,6 +131,7 @@ def settled_key(sample_id: str) -> str:
     return f"rr:{{{sample_id}}}:settled"
 
 
+@functools.lru_cache(maxsize=64)  # every write and append needs it; a fleet has few models
 def geometry_json(geometry: Geometry) -> str:
     return json.dumps(
         {

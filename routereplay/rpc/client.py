@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING
 
 from routereplay.domain.codec import Encoding, encode_layer_parts
@@ -36,15 +35,16 @@ from routereplay.rpc.security import PLAINTEXT, ClientSecurity, secure_aio_chann
 from routereplay.rpc.transport import AsyncIO, Blocking, RetryPolicy, Stream, Unary
 from routereplay.rpc.wire import (
     DEFAULT_CHUNK_BYTES,
+    BlockMessages,
     ChunkFirst,
     RecordAssembler,
-    append_requests,
+    append_header,
     geometry_from_pb,
     layer_selection_to_pb,
     ready_page_from_pb,
     ready_read_to_pb,
     turn_from_pb,
-    write_requests,
+    write_header,
 )
 from routereplay.v1 import route_cache_pb2, route_cache_pb2_grpc
 
@@ -93,16 +93,20 @@ def _selection_pb(layers: Sequence[int] | None):
 
 def _stub(channel) -> route_cache_pb2_grpc.RouteCacheStub:
     """The generated stub (sync or asyncio channel), with the messages of writes sent as
-    ``write_requests`` serialized them (bytes: no request serializer) and those of reads
-    parsed with their chunks as views of the received messages (``ChunkFirst``)."""
+    ``BlockMessages`` serialized them (bytes: no request serializer) and those of reads
+    parsed with their chunks as views of the received messages (``ChunkFirst``). A write or
+    append of one message is also callable as a unary call (``WriteRecordUnary``,
+    ``AppendTurnUnary``): the same method, the same bytes on the wire."""
     stub = route_cache_pb2_grpc.RouteCacheStub(channel)
     path = f"/{route_cache_pb2.DESCRIPTOR.services_by_name['RouteCache'].full_name}/"
     write = {
         "request_serializer": None,
         "response_deserializer": route_cache_pb2.WriteResponse.FromString,
+        "_registered_method": True,
     }
-    stub.WriteRecord = channel.stream_unary(path + "WriteRecord", **write, _registered_method=True)
-    stub.AppendTurn = channel.stream_unary(path + "AppendTurn", **write, _registered_method=True)
+    for method in ("WriteRecord", "AppendTurn"):
+        setattr(stub, method, channel.stream_unary(path + method, **write))
+        setattr(stub, method + "Unary", channel.unary_unary(path + method, **write))
     for method, request in (
         ("ReadRecord", route_cache_pb2.ReadRecordRequest),
         ("ReadBatch", route_cache_pb2.ReadBatchRequest),
@@ -150,6 +154,9 @@ def _after_lost_reply(request: route_cache_pb2.ReadReadyRequest) -> None:
 # The call table: each RPC's reply converter and retry rule, for both clients.
 WRITE = Unary("WriteRecord", _write_result)
 APPEND = Unary("AppendTurn", _write_result)
+# A write or append that fits in one message, made as a unary call.
+WRITE_ONE = Unary("WriteRecordUnary", _write_result)
+APPEND_ONE = Unary("AppendTurnUnary", _write_result)
 STAT = Unary("StatRecord", _info)
 DELETE = Unary("DeleteRecord", lambda reply: None)
 READ_READY = Unary("ReadReady", ready_page_from_pb, before_retry=_after_lost_reply)
@@ -194,15 +201,21 @@ class _RouteCacheCalls:
         announce it on the ready feed with its ``final`` append instead of now."""
         record.validate(check_ids=False)
         encoded = encode_layer_parts(record.routes, self.encoding)
-        requests = partial(write_requests, record, encoded, self.chunk_bytes, more_turns)
-        return self.transport.unary(WRITE, requests, self.timeout_s)
+        header = write_header(record, encoded, more_turns)
+        return self._send(WRITE, WRITE_ONE, BlockMessages(header, encoded, self.chunk_bytes))
 
     def append(self, append: TurnAppend, final: bool = False) -> WriteResult:
         """Append a turn; ``final``: the sample's last, announced on the ready feed."""
         append.validate(check_ids=False)
         encoded = encode_layer_parts(append.routes, self.encoding)
-        requests = partial(append_requests, append, encoded, self.chunk_bytes, final)
-        return self.transport.unary(APPEND, requests, self.timeout_s)
+        header = append_header(append, encoded, final)
+        return self._send(APPEND, APPEND_ONE, BlockMessages(header, encoded, self.chunk_bytes))
+
+    def _send(self, stream: Unary, unary: Unary, messages: BlockMessages):
+        """A block's messages as a request stream, or in one unary call when they are one."""
+        if messages.single:
+            return self.transport.unary(unary, next(messages()), self.timeout_s)
+        return self.transport.unary(stream, messages, self.timeout_s)
 
     def read(self, sample_id: str, layers: Sequence[int] | None = None) -> Record:
         """One record; with ``layers`` (a range or ascending list of MoE layer indices, i.e.

@@ -452,14 +452,10 @@ class ChunkCollector:
         return True
 
 
-def write_requests(
-    record: Record,
-    encoded: EncodedRoutes | LayerParts,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    more_turns: bool = False,
-) -> Iterator[bytes]:
-    """The serialized messages of a write: the header with the block's first chunk, then
-    the other chunks (``chunk_messages``); send them as they are (no request serializer)."""
+def write_header(
+    record: Record, encoded: EncodedRoutes | LayerParts, more_turns: bool = False
+) -> Headed:
+    """A write's header message, to send its block's first chunk with."""
     header = route_cache_pb2.RecordHeader(
         sample_id=record.sample_id,
         group_id=record.group_id,
@@ -469,17 +465,13 @@ def write_requests(
         block=block_to_pb(encoded, 0, record.geometry),
         more_turns=more_turns,
     )
-    first = Headed.of(route_cache_pb2.WriteRecordRequest(header=header))
-    yield from chunk_messages(_route_pieces(encoded), 0, chunk_bytes, first)
+    return Headed.of(route_cache_pb2.WriteRecordRequest(header=header))
 
 
-def append_requests(
-    append: TurnAppend,
-    encoded: EncodedRoutes | LayerParts,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    final: bool = False,
-) -> Iterator[bytes]:
-    """As ``write_requests``, for an append."""
+def append_header(
+    append: TurnAppend, encoded: EncodedRoutes | LayerParts, final: bool = False
+) -> Headed:
+    """As ``write_header``, for an append."""
     header = route_cache_pb2.AppendHeader(
         sample_id=append.sample_id,
         geometry=geometry_to_pb(append.geometry),
@@ -489,8 +481,49 @@ def append_requests(
         block=block_to_pb(encoded, append.row_offset, append.geometry),
         final=final,
     )
-    first = Headed.of(route_cache_pb2.AppendTurnRequest(header=header))
-    yield from chunk_messages(_route_pieces(encoded), 0, chunk_bytes, first)
+    return Headed.of(route_cache_pb2.AppendTurnRequest(header=header))
+
+
+@dataclass(frozen=True)
+class BlockMessages:
+    """The serialized messages of a write or append (send them as they are: no request
+    serializer): the header with the block's first chunk, then the other chunks
+    (``chunk_messages``), made anew by each call (a retry sends them whole again)."""
+
+    header: Headed
+    encoded: EncodedRoutes | LayerParts
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+
+    def __call__(self) -> Iterator[bytes]:
+        return chunk_messages(_route_pieces(self.encoded), 0, self.chunk_bytes, self.header)
+
+    @property
+    def single(self) -> bool:
+        """Whether the header and every route byte fit in one message: then the call can be
+        made unary (the same method on the wire), which spares gRPC Python's thread that feeds
+        a request stream and its waits (a 6 KB write: 0.28 ms of client CPU against 0.83)."""
+        size = sum(len(p) for p in _route_pieces(self.encoded))
+        return size <= self.chunk_bytes - len(self.header.message)
+
+
+def write_requests(
+    record: Record,
+    encoded: EncodedRoutes | LayerParts,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    more_turns: bool = False,
+) -> Iterator[bytes]:
+    """The serialized messages of a write (``BlockMessages``)."""
+    return BlockMessages(write_header(record, encoded, more_turns), encoded, chunk_bytes)()
+
+
+def append_requests(
+    append: TurnAppend,
+    encoded: EncodedRoutes | LayerParts,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    final: bool = False,
+) -> Iterator[bytes]:
+    """As ``write_requests``, for an append."""
+    return BlockMessages(append_header(append, encoded, final), encoded, chunk_bytes)()
 
 
 def _route_pieces(encoded: EncodedRoutes | LayerParts) -> Sequence[bytes | memoryview]:

@@ -114,6 +114,32 @@ def test_multi_turn_equals_single_shot(cache, rng, sid):
     assert info.stored_bytes > whole.routes.nbytes and info.ttl_ms > 0
 
 
+def test_a_write_or_append_of_one_message_is_a_unary_call(cache, rng, sid, monkeypatch):
+    """A block that fits in one message goes as a unary call of the same method (no thread
+    feeding a request stream); a larger one as a stream. The server takes both as the same
+    call, and each record reads back as written."""
+    client, _ = cache
+    calls = []
+    for method in ("WriteRecord", "WriteRecordUnary", "AppendTurn", "AppendTurnUnary"):
+        sent = getattr(client.stub, method)
+        counted = lambda request, *a, _name=method, _sent=sent, **kw: (  # noqa: E731
+            calls.append(_name) or _sent(request, *a, **kw)
+        )
+        monkeypatch.setattr(client.stub, method, counted)
+    client.chunk_bytes = 4096  # a header and 300 rows of SMALL's routes do not fit
+    small, large = synthetic_record(sid(), SMALL, 20, rng), synthetic_record(sid(), SMALL, 300, rng)
+    client.write(small, more_turns=True)
+    client.write(large)
+    more = TurnAppend(
+        small.sample_id, SMALL, 19, small.token_ids[:5], small.routes[:5], [Turn(20, 25, 20, 1)]
+    )
+    client.append(more, final=True)
+    assert calls == ["WriteRecordUnary", "WriteRecord", "AppendTurnUnary"]
+    assert_same(client.read(large.sample_id), large)
+    got = client.read(small.sample_id)
+    np.testing.assert_array_equal(got.routes, np.concatenate([small.routes, small.routes[:5]]))
+
+
 @pytest.mark.parametrize("encoding", list(Encoding))
 def test_stat_gives_each_blocks_stored_route_bytes(cache, stub, rng, sid, encoding):
     """StatRecord's blocks carry their stored sizes (they came back 0); ``stored_bytes`` is

@@ -7,7 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from routereplay.domain.codec import EncodedRoutes, Encoding
 from routereplay.rpc.wire import (
+    BlockMessages,
     ChunkFirst,
     ChunkView,
     Headed,
@@ -168,3 +170,15 @@ def test_the_first_chunk_takes_what_fits_beside_the_header(header_bytes):
     joined = bytes(first_chunk_of(first).data)
     joined += b"".join(bytes(parse_chunk_message(m).data) for m in messages[1:])
     assert joined == data
+
+
+@pytest.mark.parametrize("spare", [-2, -1, 0, 1, 2])
+def test_a_block_is_one_message_exactly_when_its_stream_is_one(spare):
+    """``BlockMessages.single`` (a unary call instead of a stream) says what the stream
+    itself makes: one message when the header and every route byte fit in ``chunk_bytes``."""
+    header = Headed.of(route_cache_pb2.WriteRecordRequest(header=route_cache_pb2.RecordHeader()))
+    chunk_bytes = 200
+    size = chunk_bytes - len(header.message) + spare
+    routes = EncodedRoutes(Encoding.RAW, bytes(size), 0, size)
+    messages = BlockMessages(header, routes, chunk_bytes)
+    assert messages.single == (len(list(messages())) == 1) == (spare <= 0)
