@@ -365,6 +365,9 @@ class RouteStore:
         # fraction of each record's bytes.
         size = self.batch_window if layers is None else self.stage_window
         windows = [sample_ids[start : start + size] for start in range(0, len(sample_ids), size)]
+        if len(windows) == 1:  # nothing to fetch ahead: no thread to start (a read of one record)
+            yield from self._fetch(windows[0], layers)
+            return
         with ThreadPoolExecutor(max_workers=1) as prefetch:
             pending = prefetch.submit(self._fetch, windows[0], layers) if windows else None
             for i in range(len(windows)):
