@@ -108,10 +108,10 @@ class RawClient:
         """Streams ``chunks`` under ``key`` (one chunk: a unary call of the same method);
         returns the bytes the server received."""
         chunks = list(chunks)
-        call = self._write_one if len(chunks) == 1 else self._write
-        reply = call(
-            chunks[0] if len(chunks) == 1 else iter(chunks), metadata=[("key", key)], timeout=120
-        )
+        if len(chunks) == 1:
+            reply = self._write_one(chunks[0], metadata=[("key", key)], timeout=120)
+        else:
+            reply = self._write(iter(chunks), metadata=[("key", key)], timeout=120)
         return int.from_bytes(reply, "little")
 
     def read_batch(self, keys: Iterable[str]) -> Iterator[bytes]:

@@ -377,6 +377,12 @@ def chunk_of(message) -> ChunkView | record_pb2.RouteChunk:
     return message if isinstance(message, ChunkView) else message.chunk
 
 
+def _first_room(chunk_bytes: int, header: Headed | None) -> int:
+    """Route bytes the first chunk message holds: what ``chunk_bytes`` leaves beside the
+    header it goes with."""
+    return chunk_bytes - (0 if header is None else len(header.message))
+
+
 def chunk_messages(
     parts, block: int, chunk_bytes: int, header: Headed | None = None
 ) -> Iterator[bytes]:
@@ -388,7 +394,7 @@ def chunk_messages(
     total = sum(len(p) for p in parts)
     views = iter(memoryview(p) for p in parts)
     current, offset = memoryview(b""), 0
-    room = chunk_bytes - (0 if header is None else len(header.message))
+    room = _first_room(chunk_bytes, header)
     while True:
         pieces, size = [], 0
         while size < room:
@@ -503,7 +509,7 @@ class BlockMessages:
         made unary (the same method on the wire), which spares gRPC Python's thread that feeds
         a request stream and its waits (a 6 KB write: 0.28 ms of client CPU against 0.83)."""
         size = sum(len(p) for p in _route_pieces(self.encoded))
-        return size <= self.chunk_bytes - len(self.header.message)
+        return size <= _first_room(self.chunk_bytes, self.header)
 
 
 def write_requests(
