@@ -3,13 +3,16 @@
 Built with the route cache's own server plumbing (``make_server``: the same interceptor,
 limits, HTTP/2 transport options and health service) and no protobuf: messages are raw
 bytes. ``Write`` streams chunks in and keeps them under the key sent in the call's metadata;
-``ReadBatch`` takes newline-separated keys and streams every stored chunk back. No checks, no
-copies beyond what gRPC itself does: what the route cache adds on top of this is its own cost.
+``ReadBatch`` takes newline-separated keys and streams every stored chunk back, or with a
+``range`` in its metadata (``start:stop``) only those bytes of each value (a pipeline stage's
+share, as a layer-selected read of a layer-major record moves). No checks, no copies beyond
+what gRPC itself does: what the route cache adds on top of this is its own cost.
 
 Two floors: chunks kept in memory (the transport alone), or, with ``--redis-url``, joined and
-SET in Redis on write and each key's value fetched with GET and sent back in the same chunks
-on read, the next key's GET overlapping this one's sending as the route cache's batch reads
-do (the transport and Redis: what any route cache built on these two pays).
+SET in Redis on write and each key's value fetched with GET (GETRANGE for a range) and sent
+back in the same chunks on read, the next key's fetch overlapping this one's sending as the
+route cache's batch reads do (the transport and Redis: what any route cache built on these two
+pays).
 
 ``python -m benchmarks.raw_grpc --host H --port P [--redis-url URL]`` serves until SIGTERM;
 ``RawClient`` is its client.
@@ -33,6 +36,7 @@ from routereplay.rpc.grpc_server import (
     set_serving,
     wait_for_termination,
 )
+from routereplay.rpc.wire import DEFAULT_CHUNK_BYTES
 
 SERVICE = "bench.RawBytes"
 WRITE = f"/{SERVICE}/Write"
@@ -52,14 +56,18 @@ class RawStore:
         return sum(len(c) for c in chunks).to_bytes(8, "little")
 
     def read_batch(self, request: bytes, context) -> Iterator[bytes]:
+        span = _byte_range(context)
         for key in request.split(b"\n"):
-            yield from self.chunks[key]
+            if span is None:
+                yield from self.chunks[key]
+            else:
+                yield b"".join(self.chunks[key])[span]
 
 
 class RedisRawStore:
     """Chunks by key, joined into one Redis value; the route cache's socket read size."""
 
-    def __init__(self, url: str, chunk_bytes: int = 1 << 20):
+    def __init__(self, url: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
         self.client = connect(url, cluster=False)
         self.chunk_bytes = chunk_bytes
 
@@ -71,14 +79,30 @@ class RedisRawStore:
 
     def read_batch(self, request: bytes, context) -> Iterator[bytes]:
         keys = ["raw-grpc:" + k.decode() for k in request.split(b"\n")]
+        span = _byte_range(context)
+
+        def fetch(key: str) -> bytes:
+            if span is None:
+                return self.client.get(key)
+            return self.client.getrange(key, span.start, span.stop - 1)
+
         with ThreadPoolExecutor(max_workers=1) as prefetch:
-            pending = prefetch.submit(self.client.get, keys[0])
+            pending = prefetch.submit(fetch, keys[0])
             for i in range(len(keys)):
                 view = memoryview(pending.result())
                 if i + 1 < len(keys):
-                    pending = prefetch.submit(self.client.get, keys[i + 1])
+                    pending = prefetch.submit(fetch, keys[i + 1])
                 for offset in range(0, len(view), self.chunk_bytes):
                     yield bytes(view[offset : offset + self.chunk_bytes])
+
+
+def _byte_range(context) -> slice | None:
+    """The call's ``range`` metadata (``start:stop``, bytes of each value), or None."""
+    text = dict(context.invocation_metadata()).get("range")
+    if text is None:
+        return None
+    start, stop = map(int, text.split(":"))
+    return slice(start, stop)
 
 
 def serve(host: str, port: int, redis_url: str = "") -> None:
@@ -114,9 +138,13 @@ class RawClient:
             reply = self._write(iter(chunks), metadata=[("key", key)], timeout=120)
         return int.from_bytes(reply, "little")
 
-    def read_batch(self, keys: Iterable[str]) -> Iterator[bytes]:
-        """Every chunk stored under ``keys``, in order."""
-        return self._read("\n".join(keys).encode(), timeout=120)
+    def read_batch(
+        self, keys: Iterable[str], byte_range: tuple[int, int] | None = None
+    ) -> Iterator[bytes]:
+        """Every chunk stored under ``keys``, in order; with ``byte_range`` (start, stop) only
+        those bytes of each value."""
+        metadata = None if byte_range is None else [("range", "{}:{}".format(*byte_range))]
+        return self._read("\n".join(keys).encode(), metadata=metadata, timeout=120)
 
     def close(self) -> None:
         self.channel.close()

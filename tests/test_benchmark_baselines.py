@@ -18,11 +18,18 @@ from benchmarks.raw_grpc import RawClient
 from routereplay.dev.launch import start_service, stop_process
 
 
-@pytest.fixture(scope="module")
-def raw_target():
+@pytest.fixture(scope="module", params=["memory", "redis"])
+def raw_target(request):
+    """The bare service keeping the bytes in memory (the transport floor) or in Redis (the
+    gRPC + Redis floor)."""
     root = Path(__file__).resolve().parent.parent  # where the benchmarks folder is
     env = {**os.environ, "PYTHONPATH": str(root)}
-    proc, target = start_service("benchmarks.raw_grpc", env=env, quiet=True)
+    args = (
+        ()
+        if request.param == "memory"
+        else ("--redis-url", request.getfixturevalue("redis_node").url)
+    )
+    proc, target = start_service("benchmarks.raw_grpc", *args, env=env, quiet=True)
     yield target
     stop_process(proc)
 
@@ -40,6 +47,9 @@ def test_raw_grpc_returns_what_was_written(raw_target):
             assert client.write(key, chunks) == len(value)
         got = b"".join(client.read_batch(["c", "a", "b"]))
         assert got == data["c"] + data["a"] + data["b"]
+        # A stage's share: the same bytes of each value, and only those.
+        got = b"".join(client.read_batch(["c", "b"], (10, 900)))
+        assert got == data["c"][10:900] + data["b"][10:900]
     finally:
         client.close()
 
