@@ -45,7 +45,14 @@ from dataclasses import replace
 import numpy as np
 import redis
 
-from benchmarks.common import machine, median_time, timed_with_cpu, write_section
+from benchmarks.common import (
+    Run,
+    interleaved,
+    machine,
+    median_time,
+    paired_ratio,
+    write_section,
+)
 from benchmarks.raw_grpc import RawClient
 from route_cache.embedded import start_embedded_redis
 from route_cache.record_format import record_key, routes_key
@@ -93,115 +100,122 @@ def bench_case(
         assert sum(len(v) for v in pipe.execute()) == route_bytes
 
     result = {"geometry": geometry.model_id, "tokens": tokens, "dist": dist, "batch": batch}
-    result["redis_write_mibs"] = route_bytes / median_time(raw_write, args.repeats) / MIB
-    result["redis_read_mibs"] = route_bytes / median_time(raw_read, args.repeats) / MIB
-    raw_client.delete(*raw_keys())
-
     chunked = [
         [p[i : i + DEFAULT_CHUNK_BYTES] for i in range(0, len(p), DEFAULT_CHUNK_BYTES)]
         for p in payloads
     ]
-
     grpc_keys = [str(i) for i in range(batch)]  # reused by every case: bounded server memory
-
-    def timed(key: str, fn, server: str, setup=None) -> float:
-        """Seconds per call of ``fn`` (median), and in ``result[key + "_cpu"]`` each
-        process's CPU per MiB it moved: ms/MiB (= s/GiB)."""
-        roles = {"client": pids["client"], "server": pids[server], "redis": pids["redis"]}
-        seconds, per_call = timed_with_cpu(fn, args.repeats, roles, setup)
-        result[f"{key}_cpu"] = {
-            role: None if cpu is None else cpu * 1e3 / (route_bytes / MIB)
-            for role, cpu in per_call.items()
-        }
-        return seconds
-
-    for name, client in (("grpc", grpc_client), ("floor", floor_client)):
-
-        def grpc_write(client=client):
-            assert sum(writers.map(client.write, grpc_keys, chunked)) == route_bytes
-
-        def grpc_read(client=client):
-            assert sum(len(c) for c in client.read_batch(grpc_keys)) == route_bytes
-
-        result[f"{name}_write_mibs"] = route_bytes / timed(f"{name}_write", grpc_write, name) / MIB
-        result[f"{name}_read_mibs"] = route_bytes / timed(f"{name}_read", grpc_read, name) / MIB
-
     stage = range(geometry.num_moe_layers // 4)  # one stage of a 4-stage pipeline
     stage_bytes = route_bytes * len(stage) // geometry.num_moe_layers
-
-    def floor_stage_read():
-        # The same share of each stored value, from its start (a GETRANGE per record).
-        share = (0, stage_bytes // batch)
-        assert sum(len(c) for c in floor_client.read_batch(grpc_keys, share)) == stage_bytes
-
-    result["floor_stage_read_mibs"] = (
-        stage_bytes / median_time(floor_stage_read, args.repeats) / MIB
-    )
     ids: list[str] = []
-    for encoding in (Encoding.RAW, Encoding.ZSTD):
-        cache.encoding = encoding
 
-        def forget_previous():
-            # Redis reuses the memory of deleted records, as it does in a fleet at steady
-            # state where records expire; ever new records would have it fault in fresh pages
-            # (a 12 MB SET: 2-4 ms into reused memory, up to 37 ms into fresh), which the
-            # baselines, overwriting their keys, never do. Both keys of each record: the
-            # routes value is the large one.
-            if ids:
-                raw_client.delete(*(k for i in ids for k in (record_key(i), routes_key(i))))
+    def roles(server: str | None) -> dict[str, int | None]:
+        named = {"client": pids["client"], "redis": pids["redis"]}
+        return named if server is None else {**named, "server": pids[server]}
 
-        def service_write():
-            # The batch's records in flight together, as a rollout fleet writes them.
-            ids[:] = [f"bench-{prefix}-{next(counter)}" for _ in records]
-            batch = [replace(r, sample_id=i) for r, i in zip(records, ids, strict=True)]
-            list(writers.map(cache.write, batch))
+    def bare_write(client):
+        assert sum(writers.map(client.write, grpc_keys, chunked)) == route_bytes
 
-        def service_read():
-            got = list(cache.read_batch(ids))
-            assert sum(r.routes.nbytes for r in got) == route_bytes
+    def bare_read(client, share=None, expected=route_bytes):
+        assert sum(len(c) for c in client.read_batch(grpc_keys, share)) == expected
 
-        def service_stage_read():
-            got = list(cache.read_batch(ids, layers=stage))
-            assert sum(r.routes.nbytes for r in got) == stage_bytes
+    def forget_previous():
+        # Redis reuses the memory of deleted records, as it does in a fleet at steady
+        # state where records expire; ever new records would have it fault in fresh pages
+        # (a 12 MB SET: 2-4 ms into reused memory, up to 37 ms into fresh), which the
+        # baselines, overwriting their keys, never do. Both keys of each record: the
+        # routes value is the large one.
+        if ids:
+            raw_client.delete(*(k for i in ids for k in (record_key(i), routes_key(i))))
 
-        tag = f"service_{encoding.value}"
-        result[f"{tag}_write_mibs"] = (
-            route_bytes / timed(f"{tag}_write", service_write, "service", forget_previous) / MIB
-        )
-        result[f"{tag}_read_mibs"] = (
-            route_bytes / timed(f"{tag}_read", service_read, "service") / MIB
-        )
-        result[f"{tag}_stage_read_mibs"] = (
-            stage_bytes / median_time(service_stage_read, args.repeats) / MIB
-        )
-        stat = cache.stat(ids[0])
-        result[f"{tag}_record_bytes_per_token"] = stat.stored_bytes / stat.num_tokens
-        encoded = encode_routes(records[0].routes, encoding)
-        result[f"{tag}_route_bytes_per_token"] = len(encoded.data) / records[0].num_tokens
-        for key in raw_client.scan_iter(match=f"rr:{{bench-{prefix}-*"):
-            raw_client.delete(key)
+    def service_write():
+        # The batch's records in flight together, as a rollout fleet writes them.
+        ids[:] = [f"bench-{prefix}-{next(counter)}" for _ in records]
+        batch = [replace(r, sample_id=i) for r, i in zip(records, ids, strict=True)]
+        list(writers.map(cache.write, batch))
+
+    def service_read():
+        got = list(cache.read_batch(ids))
+        assert sum(r.routes.nbytes for r in got) == route_bytes
+
+    def service_stage_read():
+        got = list(cache.read_batch(ids, layers=stage))
+        assert sum(r.routes.nbytes for r in got) == stage_bytes
+
+    # The route cache (RAW) and its baselines take turns, call by call: each ratio compares
+    # calls made under the same load. The floor's stage read: the same share of each value,
+    # from its start (a GETRANGE per record).
+    cache.encoding = Encoding.RAW
+    share = (0, stage_bytes // batch)
+    writes = interleaved(
+        {
+            "redis": Run(raw_write, roles(None)),
+            "grpc": Run(lambda: bare_write(grpc_client), roles("grpc")),
+            "floor": Run(lambda: bare_write(floor_client), roles("floor")),
+            "service_raw": Run(service_write, roles("service"), forget_previous),
+        },
+        args.repeats,
+    )
+    reads = interleaved(
+        {
+            "redis": Run(raw_read, roles(None)),
+            "grpc": Run(lambda: bare_read(grpc_client), roles("grpc")),
+            "floor": Run(lambda: bare_read(floor_client), roles("floor")),
+            "floor_stage": Run(lambda: bare_read(floor_client, share, stage_bytes), {}),
+            "service_raw": Run(service_read, roles("service")),
+            "service_raw_stage": Run(service_stage_read, {}),
+        },
+        args.repeats,
+    )
+    raw_client.delete(*raw_keys())
+    for op, timings in (("write", writes), ("read", reads)):
+        for name, t in timings.items():
+            moved = stage_bytes if name.endswith("stage") else route_bytes
+            result[f"{name}_{op}_mibs"] = moved / t.median / MIB
+            # CPU per MiB moved: ms/MiB (= s/GiB)
+            result[f"{name}_{op}_cpu"] = {
+                role: None if cpu is None else cpu * 1e3 / (moved / MIB)
+                for role, cpu in t.cpu.items()
+            }
+        service = timings["service_raw"]
+        result[f"{op}_ratio"] = paired_ratio(service, timings["redis"])
+        result[f"{op}_ratio_grpc"] = paired_ratio(service, timings["grpc"])
+        result[f"{op}_ratio_floor"] = paired_ratio(service, timings["floor"])
+        result[f"floor_{op}_ratio_grpc"] = paired_ratio(timings["floor"], timings["grpc"])
+    quarter = stage_bytes / route_bytes
+    result["stage_ratio_whole"] = paired_ratio(
+        reads["service_raw_stage"], reads["service_raw"], quarter
+    )
+    result["floor_stage_ratio_whole"] = paired_ratio(reads["floor_stage"], reads["floor"], quarter)
+    result["stage_ratio_floor"] = paired_ratio(reads["service_raw_stage"], reads["floor_stage"])
+    result["stage_read_ratio_grpc"] = paired_ratio(
+        reads["service_raw_stage"], reads["grpc"], quarter
+    )
+    stat = cache.stat(ids[0])
+    result["service_raw_record_bytes_per_token"] = stat.stored_bytes / stat.num_tokens
+    result["service_raw_route_bytes_per_token"] = route_bytes / batch / records[0].num_tokens
+
+    # ZSTD, on its own: what compression costs, not held against a baseline.
+    cache.encoding = Encoding.ZSTD
+    result["service_zstd_write_mibs"] = (
+        route_bytes / median_time(service_write, args.repeats, forget_previous) / MIB
+    )
+    result["service_zstd_read_mibs"] = route_bytes / median_time(service_read, args.repeats) / MIB
+    result["service_zstd_stage_read_mibs"] = (
+        stage_bytes / median_time(service_stage_read, args.repeats) / MIB
+    )
+    stat = cache.stat(ids[0])
+    result["service_zstd_record_bytes_per_token"] = stat.stored_bytes / stat.num_tokens
+    encoded = encode_routes(records[0].routes, Encoding.ZSTD)
+    result["service_zstd_route_bytes_per_token"] = len(encoded.data) / records[0].num_tokens
+    cache.encoding = Encoding.RAW
+    for key in raw_client.scan_iter(match=f"rr:{{bench-{prefix}-*"):
+        raw_client.delete(key)
     lk = geometry.num_moe_layers * geometry.topk
     result.update(
         int32_bytes_per_token=4 * lk,
         int16_bytes_per_token=2 * lk,
         uint8_bytes_per_token=lk * geometry.dtype.itemsize,
-    )
-    result["write_ratio"] = result["service_raw_write_mibs"] / result["redis_write_mibs"]
-    result["read_ratio"] = result["service_raw_read_mibs"] / result["redis_read_mibs"]
-    result["write_ratio_grpc"] = result["service_raw_write_mibs"] / result["grpc_write_mibs"]
-    result["read_ratio_grpc"] = result["service_raw_read_mibs"] / result["grpc_read_mibs"]
-    result["stage_read_ratio_grpc"] = (
-        result["service_raw_stage_read_mibs"] / result["grpc_read_mibs"]
-    )
-    for op in ("write", "read"):
-        result[f"floor_{op}_ratio_grpc"] = result[f"floor_{op}_mibs"] / result[f"grpc_{op}_mibs"]
-        result[f"{op}_ratio_floor"] = result[f"service_raw_{op}_mibs"] / result[f"floor_{op}_mibs"]
-    result["stage_ratio_whole"] = (
-        result["service_raw_stage_read_mibs"] / result["service_raw_read_mibs"]
-    )
-    result["floor_stage_ratio_whole"] = result["floor_stage_read_mibs"] / result["floor_read_mibs"]
-    result["stage_ratio_floor"] = (
-        result["service_raw_stage_read_mibs"] / result["floor_stage_read_mibs"]
     )
     result["meets_targets"] = (
         result["write_ratio_floor"] >= TARGET_WRITE
@@ -318,7 +332,7 @@ def main() -> int:
     parser.add_argument("--redis-url", default="", help="default: an embedded server")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--writers", type=int, default=4, help="concurrent write streams")
-    parser.add_argument("--quick", action="store_true", help="4K tokens only, 2 repeats")
+    parser.add_argument("--quick", action="store_true", help="4K tokens only")
     parser.add_argument(
         "--pin-service",
         type=int,
@@ -331,7 +345,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     if args.quick:
-        args.repeats = 2
+        args.repeats = 5
     keep_large_buffers()  # this process reads as a trainer does, and trainers set it too
     embedded = None
     url = args.redis_url

@@ -10,6 +10,7 @@ import platform
 import re
 import statistics
 import time
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -62,6 +63,65 @@ def timed_with_cpu(fn, repeats: int, pids: dict[str, int | None], setup=None):
         after, start = cpu_seconds(pid), before[name]
         per_call[name] = None if after is None or start is None else (after - start) / repeats
     return seconds, per_call
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One measured call for ``interleaved``: ``fn``; the processes whose CPU it is charged
+    (role -> pid); ``setup()``, untimed, before each call (its CPU counted)."""
+
+    fn: Callable[[], object]
+    pids: dict[str, int | None]
+    setup: Callable[[], object] | None = None
+
+
+@dataclasses.dataclass
+class Timings:
+    """A run's wall time of each timed call, and each process's CPU seconds per call (None
+    where it cannot be told)."""
+
+    times: list[float]
+    cpu: dict[str, float | None]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+
+def interleaved(runs: dict[str, Run], repeats: int) -> dict[str, Timings]:
+    """Each run timed ``repeats`` times, the runs taking turns (one call of each per round,
+    after an untimed warm-up round), so that the calls compared in ``paired_ratio`` were made
+    under the same conditions: on a shared machine whose load drifts, a baseline timed
+    minutes apart from what it is held against moves each ratio by more than the change it is
+    meant to show."""
+    for run in runs.values():
+        if run.setup is not None:
+            run.setup()
+        run.fn()
+    out = {name: Timings([], dict.fromkeys(run.pids, 0.0)) for name, run in runs.items()}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            before = {role: cpu_seconds(pid) for role, pid in run.pids.items()}
+            if run.setup is not None:
+                run.setup()
+            start = time.perf_counter()
+            run.fn()
+            out[name].times.append(time.perf_counter() - start)
+            cpu = out[name].cpu
+            for role, pid in run.pids.items():
+                after = cpu_seconds(pid)
+                if after is None or before[role] is None or cpu[role] is None:
+                    cpu[role] = None
+                else:
+                    cpu[role] += (after - before[role]) / repeats
+    return out
+
+
+def paired_ratio(run: Timings, baseline: Timings, scale: float = 1.0) -> float:
+    """``run``'s throughput over ``baseline``'s, the median over rounds of the two calls of
+    the same round: ``baseline``'s time over ``run``'s, times ``scale`` (``run``'s bytes over
+    ``baseline``'s, where they move different amounts)."""
+    return statistics.median(scale * b / r for r, b in zip(run.times, baseline.times, strict=True))
 
 
 def machine() -> str:
