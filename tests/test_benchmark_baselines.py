@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from benchmarks.bench_pipeline import summarize
-from benchmarks.common import timed_with_cpu
+from benchmarks.common import Run, Timings, interleaved, paired_ratio, timed_with_cpu
 from benchmarks.raw_grpc import RawClient
 from routereplay.dev.launch import start_service, stop_process
 
@@ -119,3 +119,37 @@ def test_cpu_per_call_is_each_process_own():
     assert per_call["self"] == pytest.approx(statistics.mean(spent[1:]), abs=0.01)
     assert per_call["sleeper"] < 0.01
     assert per_call["unknown"] is None
+
+
+def test_interleaved_runs_take_turns_and_count_their_own_cpu():
+    """One warm-up round, then one call of each run per round, each setup just before its
+    call; each run's CPU is charged for its own calls only (a spinning run, not the idle one
+    beside it)."""
+    log = []
+
+    def spin():
+        log.append("spin")
+        start = time.process_time()
+        while time.process_time() - start < 0.05:
+            pass
+
+    runs = {
+        "idle": Run(lambda: log.append("idle"), {"self": os.getpid()}, lambda: log.append("s")),
+        "spin": Run(spin, {"self": os.getpid(), "unknown": None}),
+    }
+    timings = interleaved(runs, 3)
+    assert log == ["s", "idle", "spin"] * 4
+    assert len(timings["idle"].times) == len(timings["spin"].times) == 3
+    assert timings["spin"].cpu["self"] == pytest.approx(0.05, abs=0.015)
+    assert timings["spin"].cpu["unknown"] is None
+    assert timings["idle"].cpu["self"] < 0.01
+
+
+def test_paired_ratio_compares_calls_of_the_same_round():
+    """A load that slows both sides of one round leaves the ratio alone: the ratio of the
+    medians would be 20 here, the rounds' own ratios are 2, 20 and 2."""
+    run = Timings([1.0, 1.0, 10.0], {})
+    baseline = Timings([2.0, 20.0, 20.0], {})
+    assert paired_ratio(run, baseline) == 2.0
+    assert baseline.median / run.median == 20.0
+    assert paired_ratio(run, baseline, scale=0.25) == 0.5  # a quarter of the bytes each call
