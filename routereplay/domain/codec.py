@@ -324,7 +324,7 @@ def join_layers(parts: LayerParts, geometry: Geometry) -> EncodedRoutes:
 
 
 def decode_layer_parts(
-    parts: LayerParts, geometry: Geometry, joined: bytes | None = None
+    parts: LayerParts, geometry: Geometry, joined: bytes | memoryview | None = None
 ) -> np.ndarray:
     """Verify each part's checksum and decode into ``[num_rows, len(parts.layers), k]``.
 
@@ -352,7 +352,7 @@ def decode_layer_parts(
     if parts.encoding is Encoding.RAW:
         if joined is None:
             joined = b"".join(parts.parts)
-        major = np.frombuffer(joined, dtype, count=int(np.prod(shape))).reshape(shape)
+        major = np.frombuffer(joined, dtype, count=shape[0] * shape[1] * shape[2]).reshape(shape)
         return major.transpose(1, 0, 2)
     out = np.empty((rows, len(parts.layers), k), dtype)
     for i, (layer, data) in enumerate(zip(parts.layers, parts.parts, strict=True)):

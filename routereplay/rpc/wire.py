@@ -120,7 +120,9 @@ def layer_selection_to_pb(layers) -> record_pb2.LayerSelection | None:
     return None if layers is None else record_pb2.LayerSelection(indices=list(layers))
 
 
-def parts_from_pb(block: record_pb2.RouteBlock, data: bytes, layers: tuple[int, ...]) -> LayerParts:
+def parts_from_pb(
+    block: record_pb2.RouteBlock, data: bytes | memoryview, layers: tuple[int, ...]
+) -> LayerParts:
     """The layer parts of a block received as ``data``, the parts back to back."""
     if len(block.layer_parts) != len(layers):
         raise InvalidArgument(
@@ -182,7 +184,7 @@ def block_header_from_pb(block: record_pb2.RouteBlock, geometry: Geometry) -> Bl
     )
 
 
-def encoded_from_pb(block: record_pb2.RouteBlock, data: bytes) -> EncodedRoutes:
+def encoded_from_pb(block: record_pb2.RouteBlock, data: bytes | memoryview) -> EncodedRoutes:
     return EncodedRoutes(_ENCODINGS_BACK[block.encoding], data, block.checksum, block.num_rows)
 
 
@@ -424,15 +426,15 @@ class ChunkCollector:
         self._received = 0
         self.done = False
 
-    def add(self, chunk: record_pb2.RouteChunk) -> bytes | None:
-        """Add a chunk; returns the block's bytes on its last chunk."""
+    def add(self, chunk: record_pb2.RouteChunk) -> bytes | memoryview | None:
+        """Add a chunk; returns the block's bytes on its last chunk: a block of one chunk as
+        it came (a view of the received message, read-only, not copied), else joined."""
         last = self.check(chunk)
         self._parts.append(chunk.data)
         if not last:
             return None
-        data = b"".join(self._parts)  # bytes even from views (one part: no copy of bytes)
-        self._parts = []
-        return data
+        parts, self._parts = self._parts, []
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def check(self, chunk: record_pb2.RouteChunk) -> bool:
         """Refuse a chunk out of place; True when it is the block's last."""
@@ -582,7 +584,9 @@ def _selected_layers(info: route_cache_pb2.RecordInfo) -> tuple[int, ...] | None
     return tuple(info.layers.indices) if info.HasField("layers") else None
 
 
-def _decode_block(info: route_cache_pb2.RecordInfo, index: int, data: bytes) -> np.ndarray:
+def _decode_block(
+    info: route_cache_pb2.RecordInfo, index: int, data: bytes | memoryview
+) -> np.ndarray:
     """Block ``index`` of a read record, checksums verified: ``[rows, layers, k]``."""
     block, geometry = info.blocks[index], geometry_from_pb(info.geometry)
     if block.layer_parts:
