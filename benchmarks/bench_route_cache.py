@@ -182,14 +182,14 @@ def bench_case(
         result[f"{op}_ratio_grpc"] = paired_ratio(service, timings["grpc"])
         result[f"{op}_ratio_floor"] = paired_ratio(service, timings["floor"])
         result[f"floor_{op}_ratio_grpc"] = paired_ratio(timings["floor"], timings["grpc"])
-    quarter = stage_bytes / route_bytes
+    fraction = stage_bytes / route_bytes  # a stage's share of the bytes
     result["stage_ratio_whole"] = paired_ratio(
-        reads["service_raw_stage"], reads["service_raw"], quarter
+        reads["service_raw_stage"], reads["service_raw"], fraction
     )
-    result["floor_stage_ratio_whole"] = paired_ratio(reads["floor_stage"], reads["floor"], quarter)
+    result["floor_stage_ratio_whole"] = paired_ratio(reads["floor_stage"], reads["floor"], fraction)
     result["stage_ratio_floor"] = paired_ratio(reads["service_raw_stage"], reads["floor_stage"])
     result["stage_read_ratio_grpc"] = paired_ratio(
-        reads["service_raw_stage"], reads["grpc"], quarter
+        reads["service_raw_stage"], reads["grpc"], fraction
     )
     stat = cache.stat(ids[0])
     result["service_raw_record_bytes_per_token"] = stat.stored_bytes / stat.num_tokens

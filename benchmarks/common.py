@@ -52,17 +52,10 @@ def timed_with_cpu(fn, repeats: int, pids: dict[str, int | None], setup=None):
     """``median_time(fn, repeats, setup)``, and the CPU seconds each process of ``pids``
     (name -> pid) spent per timed call of ``fn`` (the setups included; the warm-up run not):
     on a machine whose cores every process shares, where a gap in throughput is paid. Counted
-    in the kernel's ticks (10 ms); a process whose CPU cannot be told counts None."""
-    if setup is not None:
-        setup()
-    fn()  # the warm-up, before the count
-    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    seconds = median_time(fn, repeats, setup, warmup=0)
-    per_call = {}
-    for name, pid in pids.items():
-        after, start = cpu_seconds(pid), before[name]
-        per_call[name] = None if after is None or start is None else (after - start) / repeats
-    return seconds, per_call
+    in the kernel's ticks (10 ms); a process whose CPU cannot be told counts None. One run of
+    ``interleaved``."""
+    timings = interleaved({"": Run(fn, pids, setup)}, repeats)[""]
+    return timings.median, timings.cpu
 
 
 @dataclasses.dataclass(frozen=True)
