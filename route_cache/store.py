@@ -65,6 +65,7 @@ from route_cache.record_format import (
     routes_key,
     settled_key,
 )
+from routereplay.domain.codec import LayerParts
 from routereplay.domain.record import Geometry
 from routereplay.errors import (
     AlreadyExists,
@@ -154,6 +155,10 @@ class Announcement:
     fields: dict[str, str | int]
 
 
+# Route bytes a whole-record read fetches per round trip (``RouteStore``): under glibc's
+# mmap threshold as this project sets it (32 MiB), so a window's reply reuses heap memory.
+BATCH_BYTES = 24 << 20
+
 # Times a read starts again when another record was committed under its id while it read
 # (a delete and a new write between its two ends: gen changed).
 _READ_ATTEMPTS = 3
@@ -165,10 +170,16 @@ class RouteStore:
     Args:
         client: a ``redis.Redis`` or ``redis.cluster.RedisCluster`` (passed in, never global).
         ttl_ms: records expire this long after their last write; 0 keeps them.
-        batch_window: records fetched per pipeline round trip in ``read_many``. One by
-            default: the next record is fetched while this one is sent, so Redis and gRPC
-            overlap; measured on batch reads of 4K- and 32K-token Qwen3-30B-A3B records, 1 is
-            1.2-3x faster than 8, which fetches a whole batch of 4-8 records before sending.
+        batch_bytes: route bytes a whole-record read fetches per pipeline round trip. The
+            first window is one record; each next one holds as many records as fit in
+            ``batch_bytes`` at the largest record read so far. The next window is fetched while
+            this one is sent, so Redis and gRPC overlap. Measured on batch reads (this
+            storage format, 2 cores, against the gRPC + Redis floor): 8 records of 4K tokens
+            (1.5 MiB) per window 0.92 of the floor, 1 record 0.74; 32K-token records (12 MiB)
+            2 per window 0.81, 1 0.76, 4 0.56 (a 48 MiB reply outgrows the heap's reused
+            buffers, ``routereplay.allocator``).
+        batch_window: at most this many records per window (bounds a window whose records
+            are larger than any read before them).
         wait_replicas: replicas that must confirm a write or append before it is acknowledged
             (Redis ``WAIT``); 0 acknowledges once the master has it.
         wait_timeout_ms: how long ``WAIT`` may block before the write counts as unconfirmed.
@@ -180,7 +191,8 @@ class RouteStore:
         self,
         client,
         ttl_ms: int = 0,
-        batch_window: int = 1,
+        batch_bytes: int = BATCH_BYTES,
+        batch_window: int = 16,
         wait_replicas: int = 0,
         wait_timeout_ms: int = WAIT_TIMEOUT_MS,
         stage_window: int = 8,
@@ -188,6 +200,7 @@ class RouteStore:
         self.client = client
         self.stage_window = stage_window
         self.ttl_ms = ttl_ms
+        self.batch_bytes = batch_bytes
         self.batch_window = batch_window
         self.wait_replicas = wait_replicas
         self.wait_timeout_ms = wait_timeout_ms
@@ -348,9 +361,10 @@ class RouteStore:
     def read_many(
         self, sample_ids: Sequence[str], layers: tuple[int, ...] | None = None
     ) -> Iterator[StoredRecord | None]:
-        """Records in the order asked (None for unknown ids), ``batch_window`` per fetch (one
-        round trip, two with ``layers``), so a large batch streams instead of sitting in
-        memory whole. The next window is fetched while the caller consumes this one.
+        """Records in the order asked (None for unknown ids), a window of them per fetch
+        (one round trip, two with ``layers``; see ``batch_bytes``), so a large batch streams
+        instead of sitting in memory whole. The next window is fetched while the caller
+        consumes this one.
 
         Args:
             layers: MoE layer indices (checked ascending by the caller): only their route
@@ -361,19 +375,25 @@ class RouteStore:
             InvalidArgument: ``layers`` reaches beyond a record's geometry.
             FailedPrecondition: ``layers`` given for a record in storage format 1.
         """
-        # A stage read fetches more records per round trip: it takes two, and moves a
-        # fraction of each record's bytes.
-        size = self.batch_window if layers is None else self.stage_window
-        windows = [sample_ids[start : start + size] for start in range(0, len(sample_ids), size)]
-        if len(windows) == 1:  # nothing to fetch ahead: no thread to start (a read of one record)
-            yield from self._fetch(windows[0], layers)
+        # A stage read fetches a fixed number of records per window: it takes two round
+        # trips, and moves a fraction of each record's bytes.
+        size = 1 if layers is None else self.stage_window
+        if len(sample_ids) <= size:  # one window: no thread to start (a read of one record)
+            yield from self._fetch(sample_ids, layers)
             return
+        largest = 0
         with ThreadPoolExecutor(max_workers=1) as prefetch:
-            pending = prefetch.submit(self._fetch, windows[0], layers) if windows else None
-            for i in range(len(windows)):
+            pending = prefetch.submit(self._fetch, sample_ids[:size], layers)
+            start = size
+            while pending is not None:
                 records = pending.result()
-                if i + 1 < len(windows):
-                    pending = prefetch.submit(self._fetch, windows[i + 1], layers)
+                pending = None
+                if start < len(sample_ids):
+                    if layers is None:
+                        largest = max([largest, *map(_route_bytes, records)])
+                        size = max(1, min(self.batch_window, self.batch_bytes // max(largest, 1)))
+                    pending = prefetch.submit(self._fetch, sample_ids[start : start + size], layers)
+                    start += size
                 yield from records
 
     def _fetch(
@@ -458,6 +478,13 @@ class RouteStore:
                 raise NotFound(f"no record for sample_id {sample_id!r}")
             # A record written again under this id is announced again, and trained anew.
             self.client.delete(settled_key(sample_id))
+
+
+def _route_bytes(record: StoredRecord | None) -> int:
+    if record is None:
+        return 0
+    routes = [b.routes for b in record.blocks]
+    return sum(sum(r.sizes) if isinstance(r, LayerParts) else len(r.data) for r in routes)
 
 
 _SHAS = {source: hashlib.sha1(source.encode()).hexdigest() for source in (_COMMIT, _APPEND)}

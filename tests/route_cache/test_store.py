@@ -203,10 +203,37 @@ def test_read_many_keeps_the_order_and_marks_missing(store, rng, sid):
     ids = [sid() for _ in range(7)]
     for sample in ids[::2]:
         store.write(sample, "", SMALL, block(rng, 0, 6))
-    got = list(store.read_many(ids))  # batch_window=3: three round trips
+    got = list(store.read_many(ids))  # batch_window=3: windows of 1, 3 and 3 records
     assert [r.sample_id if r else None for r in got] == [
         s if i % 2 == 0 else None for i, s in enumerate(ids)
     ]
+
+
+def test_whole_reads_fetch_windows_of_batch_bytes_at_the_largest_record_so_far(
+    redis_client, rng, sid, monkeypatch
+):
+    """The first window is one record; the next hold what fits in ``batch_bytes`` at the
+    largest record read so far, at most ``batch_window``; every record comes back in order."""
+    small, large = block(rng, 0, 10), block(rng, 0, 40)  # large: 4x the route bytes
+    size = len(small.routes.data)  # RAW: the bytes stored
+    store = RouteStore(redis_client, batch_bytes=3 * size, batch_window=16)
+    ids = [sid() for _ in range(12)]
+    for i, sample in enumerate(ids):
+        store.write(sample, "", SMALL, large if i == 5 else small)
+    windows = []
+    fetch = store._fetch
+    monkeypatch.setattr(
+        store, "_fetch", lambda window, layers: windows.append(len(window)) or fetch(window, layers)
+    )
+    got = list(store.read_many(ids))
+    assert [r.sample_id for r in got] == ids
+    # 1, then 3 small records' worth; the large one (in the third window) leaves room for one.
+    assert windows == [1, 3, 3, 1, 1, 1, 1, 1]
+
+    windows.clear()
+    store.batch_window = 2
+    assert [r.sample_id for r in store.read_many(ids[:6])] == ids[:6]
+    assert windows == [1, 2, 2, 1]
 
 
 def _between_the_steps(monkeypatch, action):
