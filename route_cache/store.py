@@ -155,9 +155,11 @@ class Announcement:
     fields: dict[str, str | int]
 
 
-# Route bytes a whole-record read fetches per round trip (``RouteStore``): under glibc's
-# mmap threshold as this project sets it (32 MiB), so a window's reply reuses heap memory.
-BATCH_BYTES = 24 << 20
+# Route bytes a whole-record read fetches per round trip (``RouteStore``): one 32K-token
+# Qwen3-30B-A3B record, which was a window of its own before windows were sized in bytes; a
+# read of smaller records holds no more memory than a read of those did (each of up to
+# ``max_concurrent_rpcs`` reads holds a window, the next one and the one being sent).
+BATCH_BYTES = 12 << 20
 
 # Times a read starts again when another record was committed under its id while it read
 # (a delete and a new write between its two ends: gen changed).
@@ -176,7 +178,7 @@ class RouteStore:
             this one is sent, so Redis and gRPC overlap. Measured on batch reads (this
             storage format, 2 cores, against the gRPC + Redis floor): 8 records of 4K tokens
             (1.5 MiB) per window 0.92 of the floor, 1 record 0.74; 32K-token records (12 MiB)
-            2 per window 0.81, 1 0.76, 4 0.56 (a 48 MiB reply outgrows the heap's reused
+            1 per window 0.76, 2 0.81, 4 0.56 (a 48 MiB reply outgrows the heap's reused
             buffers, ``routereplay.allocator``).
         batch_window: at most this many records per window (bounds a window whose records
             are larger than any read before them).
