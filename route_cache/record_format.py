@@ -60,8 +60,9 @@ class StoredBlock:
     # Written: either form (the store splits a whole block into layers). Read: LayerParts of
     # the selected layers, or EncodedRoutes for a record in storage format 1.
     routes: EncodedRoutes | LayerParts
-    # Written LayerParts: their bytes back to back when the caller holds them so (a received
-    # layer-major block), which the store then sends to Redis without joining them again.
+    # LayerParts' bytes back to back when the holder has them so: a received layer-major block
+    # (the store sends it to Redis without joining its parts again), or a block read whole
+    # (the server sends it in chunks without walking its parts).
     data: bytes | memoryview | None = None
 
 
@@ -205,7 +206,14 @@ class Head:
 
 
 def _geometry_of(fields: dict) -> tuple[Geometry, int]:
-    geometry = json.loads(fields[b"geometry"])
+    return _parse_geometry(fields[b"geometry"])
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_geometry(stored: bytes) -> tuple[Geometry, int]:
+    """A stored geometry field and the storage format it names; cached, since every record
+    of a model stores the same bytes and each read parses them twice (Geometry is frozen)."""
+    geometry = json.loads(stored)
     return (
         Geometry(
             tuple(geometry["moe_layers"]),
@@ -293,7 +301,8 @@ def whole_record(sample_id: str, gen, value, fields: dict):
         end = offset + sum(sizes)
         if end > len(view):  # appended after the routes were read: not in this read
             break
-        block.routes = replace(block.routes, parts=_part_views(sizes, view[offset:end]))
+        block.data = view[offset:end]
+        block.routes = replace(block.routes, parts=_part_views(sizes, block.data))
         blocks.append(block)
     held = sum(sum(b.routes.sizes) for b in blocks)
     if held != len(view):

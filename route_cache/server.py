@@ -191,10 +191,13 @@ def _record_responses(
     if not (request.first_chunk_with_record and routes):
         yield header
         header = None
-    for index, encoded in enumerate(routes):
-        parts = encoded.parts if isinstance(encoded, LayerParts) else (encoded.data,)
+    for index, (block, encoded) in enumerate(zip(record.blocks, routes, strict=True)):
+        if not isinstance(encoded, LayerParts):
+            pieces = (encoded.data,)
+        else:
+            pieces = encoded.parts if block.data is None else (block.data,)
         first = None if header is None or index else Headed.of(header)
-        yield from chunk_messages(parts, index, DEFAULT_CHUNK_BYTES, first)
+        yield from chunk_messages(pieces, index, DEFAULT_CHUNK_BYTES, first)
 
 
 def _next_part(request_iterator, part: str):

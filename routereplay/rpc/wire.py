@@ -128,18 +128,16 @@ def parts_from_pb(
         raise InvalidArgument(
             f"block has {len(block.layer_parts)} layer parts for {len(layers)} selected layers"
         )
-    view, offset, parts = memoryview(data), 0, []
-    for part in block.layer_parts:
-        parts.append(view[offset : offset + part.size])
-        offset += part.size
+    view, offset, parts, checksums = memoryview(data), 0, [], []
+    for part in block.layer_parts:  # one pass: each access to a part builds its wrapper
+        size = part.size
+        parts.append(view[offset : offset + size])
+        checksums.append(part.checksum)
+        offset += size
     if offset != len(data):
         raise InvalidArgument(f"layer parts hold {offset} bytes; the block has {len(data)}")
     return LayerParts(
-        _ENCODINGS_BACK[block.encoding],
-        block.num_rows,
-        layers,
-        tuple(parts),
-        tuple(p.checksum for p in block.layer_parts),
+        _ENCODINGS_BACK[block.encoding], block.num_rows, layers, tuple(parts), tuple(checksums)
     )
 
 
@@ -545,6 +543,7 @@ class RecordAssembler:
 
     def __init__(self):
         self._info = None
+        self._geometry: Geometry | None = None
         self._blocks: list[np.ndarray] = []
         self._collector: ChunkCollector | None = None
 
@@ -556,6 +555,7 @@ class RecordAssembler:
         if part == "record":
             view = isinstance(response, HeaderView)
             self._info, self._blocks = response.header if view else response.record, []
+            self._geometry = geometry_from_pb(self._info.geometry)
             self._collector = _next_collector(self._info, 0)
             first = first_chunk_of(response)
             return self._chunk(first) if first is not None else self._done()
@@ -570,13 +570,13 @@ class RecordAssembler:
         if data is None:
             return None
         index = self._collector.block_index
-        self._blocks.append(_decode_block(self._info, index, data))
+        self._blocks.append(_decode_block(self._info, self._geometry, index, data))
         self._collector = _next_collector(self._info, index + 1)
         return self._done()
 
     def _done(self) -> Record | None:
         if self._collector is None:
-            return _record_from_info(self._info, self._blocks)
+            return _record_from_info(self._info, self._geometry, self._blocks)
         return None
 
 
@@ -585,10 +585,10 @@ def _selected_layers(info: route_cache_pb2.RecordInfo) -> tuple[int, ...] | None
 
 
 def _decode_block(
-    info: route_cache_pb2.RecordInfo, index: int, data: bytes | memoryview
+    info: route_cache_pb2.RecordInfo, geometry: Geometry, index: int, data: bytes | memoryview
 ) -> np.ndarray:
     """Block ``index`` of a read record, checksums verified: ``[rows, layers, k]``."""
-    block, geometry = info.blocks[index], geometry_from_pb(info.geometry)
+    block = info.blocks[index]
     if block.layer_parts:
         layers = _selected_layers(info) or tuple(range(geometry.num_moe_layers))
         return decode_layer_parts(parts_from_pb(block, data, layers), geometry, data)
@@ -603,8 +603,9 @@ def _next_collector(info: route_cache_pb2.RecordInfo, index: int) -> ChunkCollec
     return ChunkCollector(index, info.blocks[index].encoded_size)
 
 
-def _record_from_info(info: route_cache_pb2.RecordInfo, blocks: list[np.ndarray]) -> Record:
-    geometry = geometry_from_pb(info.geometry)
+def _record_from_info(
+    info: route_cache_pb2.RecordInfo, geometry: Geometry, blocks: list[np.ndarray]
+) -> Record:
     layers = _selected_layers(info)
     if len(blocks) == 1:
         routes = blocks[0]
