@@ -362,15 +362,18 @@ def stage_record(head: Head, layers: tuple[int, ...], ranges: list[bytes], gen):
     got = iter(ranges)
     record = head.record
     record.layers = layers
+    runs = _runs(layers)
     for block, sizes in zip(record.blocks, head.sizes, strict=True):
         parts = []
-        for first, stop in _runs(layers):
+        for first, stop in runs:
             size = sum(sizes[first:stop])
             view = memoryview(next(got)) if size else memoryview(b"")
             offset = 0
             for j in range(first, stop):
                 parts.append(view[offset : offset + sizes[j]])
                 offset += sizes[j]
+        if len(runs) == 1:  # a stage: the selected parts are one range, back to back
+            block.data = view
         checksums = tuple(block.routes.checksums[j] for j in layers)
         block.routes = LayerParts(
             block.routes.encoding, block.routes.num_rows, layers, tuple(parts), checksums
