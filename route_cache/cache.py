@@ -322,10 +322,7 @@ class RouteCache:
                 raise NotFound(f"no record for sample_id {sample_id!r}")
 
     def _served(self, record: StoredRecord) -> None:
-        for block in record.blocks:
-            routes = block.routes
-            parts = routes.parts if isinstance(routes, LayerParts) else (routes.data,)
-            self.metrics.route_bytes_served.inc(sum(len(p) for p in parts))
+        self.metrics.route_bytes_served.inc(record.route_bytes)
 
     def stat(self, sample_id: str) -> RecordStat:
         check_sample_id(sample_id)

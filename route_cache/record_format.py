@@ -82,6 +82,14 @@ class StoredRecord:
         return sum(b.routes.num_rows for b in self.blocks)
 
     @property
+    def route_bytes(self) -> int:
+        """The route bytes held: the parts read (LayerParts), or whole blocks (format 1)."""
+        return sum(
+            sum(b.routes.sizes) if isinstance(b.routes, LayerParts) else len(b.routes.data)
+            for b in self.blocks
+        )
+
+    @property
     def token_ids(self) -> np.ndarray:
         return np.concatenate([b.token_ids for b in self.blocks])
 

@@ -65,7 +65,6 @@ from route_cache.record_format import (
     routes_key,
     settled_key,
 )
-from routereplay.domain.codec import LayerParts
 from routereplay.domain.record import Geometry
 from routereplay.errors import (
     AlreadyExists,
@@ -392,7 +391,7 @@ class RouteStore:
                 pending = None
                 if start < len(sample_ids):
                     if layers is None:
-                        largest = max([largest, *map(_route_bytes, records)])
+                        largest = max([largest, *(r.route_bytes for r in records if r)])
                         size = max(1, min(self.batch_window, self.batch_bytes // max(largest, 1)))
                     pending = prefetch.submit(self._fetch, sample_ids[start : start + size], layers)
                     start += size
@@ -480,13 +479,6 @@ class RouteStore:
                 raise NotFound(f"no record for sample_id {sample_id!r}")
             # A record written again under this id is announced again, and trained anew.
             self.client.delete(settled_key(sample_id))
-
-
-def _route_bytes(record: StoredRecord | None) -> int:
-    if record is None:
-        return 0
-    routes = [b.routes for b in record.blocks]
-    return sum(sum(r.sizes) if isinstance(r, LayerParts) else len(r.data) for r in routes)
 
 
 _SHAS = {source: hashlib.sha1(source.encode()).hexdigest() for source in (_COMMIT, _APPEND)}
