@@ -19,7 +19,10 @@ over its TCP transport on this machine, in its own environment (``make mooncake`
 system's libibverbs.so.1 even for TCP: ``apt-get install libibverbs1``). The route cache runs
 with its embedded Redis-compatible server, as ``bench_route_cache.py`` does.
 
-Prints MiB/s of route bytes (medians of ``--repeats``) and route cache / Mooncake ratios.
+The two take turns call by call (``--repeats`` rounds of one call of each, after an untimed
+warm-up round), so a drift in the shared machine's load reaches both alike. Prints MiB/s of
+route bytes (the median call of each) and route cache / Mooncake ratios (the median of the
+rounds' own ratios); Mooncake's calls are timed by its client around the call itself.
 Target: the route cache reads a pipeline stage at least as fast as Mooncake serves the same
 bytes.
 
@@ -32,6 +35,7 @@ import argparse
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import machine, median_time, write_section
+from benchmarks.common import machine, write_section
 from route_cache.embedded import start_embedded_redis
 from routereplay.allocator import keep_large_buffers
 from routereplay.dev.launch import free_ports, start_service, stop_process
@@ -99,20 +103,9 @@ class Mooncake:
     def where(self) -> list[str]:
         return ["--master", self.master_addr, "--metadata", self.metadata]
 
-    def measure(self, records: list[bytes | memoryview], repeats: int, fraction: float) -> dict:
-        with tempfile.NamedTemporaryFile(suffix=".npz") as f:
-            np.savez(f, **{f"r{i:04d}": np.frombuffer(r, np.uint8) for i, r in enumerate(records)})
-            f.flush()
-            out = subprocess.run(
-                [self.python, str(HERE / "mooncake_peer.py"), *self.where()]
-                + ["--records", f.name, f"--repeats={repeats}", f"--stage-fraction={fraction}"],
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
-        if out.returncode != 0:
-            raise SystemExit(f"Mooncake's client failed:\n{out.stderr[-3000:]}")
-        return json.loads(out.stdout.strip().splitlines()[-1])
+    def client(self, records: list[bytes | memoryview], fraction: float) -> MooncakeClient:
+        """The measuring client over ``records``, ready for its calls."""
+        return MooncakeClient(self, records, fraction)
 
     def close(self) -> None:
         for process in (self.holder, self.master):
@@ -147,7 +140,47 @@ def check_python(python: str) -> str:
     return python
 
 
+class MooncakeClient:
+    """``mooncake_peer.py``'s measuring client, serving one call at a time: ``call(op)`` returns
+    the seconds Mooncake's own call took, as the client timed it (no pipe in the figure)."""
+
+    def __init__(self, mooncake: Mooncake, records: list[bytes | memoryview], fraction: float):
+        self.records = tempfile.NamedTemporaryFile(suffix=".npz")  # noqa: SIM115 - lives with it
+        np.savez(
+            self.records, **{f"r{i:04d}": np.frombuffer(r, np.uint8) for i, r in enumerate(records)}
+        )
+        self.records.flush()
+        self.process = subprocess.Popen(
+            [mooncake.python, str(HERE / "mooncake_peer.py"), *mooncake.where()]
+            + ["--records", self.records.name, f"--stage-fraction={fraction}"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(Path(mooncake.logs.name) / "client.log", "w"),  # noqa: SIM115
+            text=True,
+        )
+        self.log = Path(mooncake.logs.name) / "client.log"
+        self.sizes = json.loads(self._line())
+
+    def _line(self) -> str:
+        line = self.process.stdout.readline()
+        if not line:
+            raise SystemExit(f"Mooncake's client failed:\n{self.log.read_text()[-3000:]}")
+        return line
+
+    def call(self, op: str) -> float:
+        self.process.stdin.write(op + "\n")
+        self.process.stdin.flush()
+        return float(self._line())
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(30)
+        self.records.close()
+
+
 def bench_case(args, cache, writers, mooncake, geometry, tokens, rng) -> dict:
+    """The route cache and Mooncake taking turns call by call (one call of each per round,
+    after an untimed warm-up round), each ratio the median of the rounds' own ratios."""
     batch = 8 if tokens <= 4096 else 4
     pool = [synthetic_record("x", geometry, tokens, rng, skew=1.0) for _ in (0, 1)]
     records = [pool[i % 2] for i in range(batch)]
@@ -159,35 +192,53 @@ def bench_case(args, cache, writers, mooncake, geometry, tokens, rng) -> dict:
     counter = itertools.count()
     ids: list[str] = []
 
-    def forget_previous():
-        for sample_id in ids:
-            cache.delete(sample_id)
-
     def service_write():
+        for sample_id in ids:  # untimed: the previous batch is forgotten first
+            cache.delete(sample_id)
         ids[:] = [f"moon-{prefix}-{next(counter)}" for _ in records]
         batch_records = [replace(r, sample_id=i) for r, i in zip(records, ids, strict=True)]
+        start = time.perf_counter()
         list(writers.map(cache.write, batch_records))
+        return time.perf_counter() - start
 
     def service_read():
-        assert sum(r.routes.nbytes for r in cache.read_batch(ids)) == route_bytes
+        start = time.perf_counter()
+        got = list(cache.read_batch(ids))  # a stream: read whole inside the timing
+        elapsed = time.perf_counter() - start
+        assert sum(r.routes.nbytes for r in got) == route_bytes
+        return elapsed
 
     def service_stage():
-        got = cache.read_batch(ids, layers=stage)
+        start = time.perf_counter()
+        got = list(cache.read_batch(ids, layers=stage))
+        elapsed = time.perf_counter() - start
         assert sum(r.routes.nbytes for r in got) == stage_bytes
+        return elapsed
 
-    result = {"geometry": geometry.model_id, "tokens": tokens, "batch": batch}
-    result["cache_write_mibs"] = (
-        route_bytes / median_time(service_write, args.repeats, forget_previous) / MIB
-    )
-    result["cache_read_mibs"] = route_bytes / median_time(service_read, args.repeats) / MIB
-    result["cache_stage_read_mibs"] = stage_bytes / median_time(service_stage, args.repeats) / MIB
-    forget_previous()
     layer_major = [contiguous(encode_layer_parts(r.routes)) for r in records]
-    peer = mooncake.measure(layer_major, args.repeats, fraction)
-    assert peer["bytes"] == route_bytes and peer["stage_bytes"] == stage_bytes
-    for op in ("write", "read", "stage_read"):
-        result[f"mooncake_{op}_mibs"] = peer[f"{op}_mibs"]
-        result[f"{op}_ratio"] = result[f"cache_{op}_mibs"] / peer[f"{op}_mibs"]
+    peer = mooncake.client(layer_major, fraction)
+    assert peer.sizes == {"bytes": route_bytes, "stage_bytes": stage_bytes}
+    ops = {"write": service_write, "read": service_read, "stage": service_stage}
+    times = {(side, op): [] for side in ("cache", "mooncake") for op in ops}
+    try:
+        for round_ in range(args.repeats + 1):  # round 0: the warm-up, untimed
+            for op, service in ops.items():
+                elapsed = service(), peer.call(op)
+                if round_:
+                    times["cache", op].append(elapsed[0])
+                    times["mooncake", op].append(elapsed[1])
+    finally:
+        peer.close()
+        for sample_id in ids:
+            cache.delete(sample_id)
+    result = {"geometry": geometry.model_id, "tokens": tokens, "batch": batch}
+    for op, name in (("write", "write"), ("read", "read"), ("stage", "stage_read")):
+        size = stage_bytes if op == "stage" else route_bytes
+        for side in ("cache", "mooncake"):
+            result[f"{side}_{name}_mibs"] = size / statistics.median(times[side, op]) / MIB
+        result[f"{name}_ratio"] = statistics.median(
+            m / c for c, m in zip(times["cache", op], times["mooncake", op], strict=True)
+        )
     return result
 
 
@@ -264,7 +315,10 @@ def main() -> int:
     markdown = (
         "## Against Mooncake's store: the same records\n\n"
         f"`python -m benchmarks.bench_mooncake{' --quick' if args.quick else ''}`, "
-        f"{args.repeats} repeats, medians. Machine: {machine()}; "
+        f"{args.repeats} rounds, the two systems taking turns call by call after an untimed "
+        "warm-up round; MiB/s the median call, ratios the median of the rounds' own ratios "
+        "(Mooncake's calls timed by its client around the call itself). "
+        f"Machine: {machine()}; "
         f"mooncake-transfer-engine-non-cuda {version} (master with its HTTP metadata server, "
         f"a holder process mounting a segment of {args.segment_mib} MiB, the measuring client; "
         "TCP transport), the "

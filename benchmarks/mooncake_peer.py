@@ -4,9 +4,16 @@
 
 ``--holder``: a store client that mounts the segment holding the objects and waits (the role
 Redis has beside the route cache). Otherwise: a store client with no segment of its own that
-puts the records' bytes (read from ``--records``, an ``.npz`` of uint8 arrays), reads them
-back whole and reads a byte range of each (a pipeline stage of layer-major routes), each
-``--repeats`` times, fresh keys per write; prints medians as one JSON line.
+loads the records' bytes (``--records``, an ``.npz`` of uint8 arrays), prints one JSON line
+(``bytes``, ``stage_bytes``) and then serves one call per line of its standard input, so the
+benchmark can take turns with the route cache call by call:
+
+- ``write``: puts the records under fresh keys (the previous ones removed first, untimed);
+- ``read``: reads the last written records back whole (checked against what was put,
+  untimed);
+- ``stage``: reads a byte range of each (a pipeline stage of layer-major routes);
+
+each answered with the seconds the Mooncake call itself took (no pipe in the timing).
 
 Calls: ``batch_put_from`` and ``batch_get_into`` from and into registered buffers (no copy
 through Python objects: Mooncake's fastest path), ``get_into_ranges`` for the stage.
@@ -16,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 import uuid
@@ -42,20 +48,10 @@ def store(args, segment_bytes: int, buffer_bytes: int):
     return client
 
 
-def median_s(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def measure(args) -> dict:
+def serve(args) -> None:
     records = np.load(args.records)
     values = [records[name] for name in sorted(records.files)]
     sizes = [int(v.nbytes) for v in values]
-    total = sum(sizes)
     src = np.concatenate(values)
     dst = np.zeros_like(src)
     client = store(args, 0, 256 << 20)
@@ -63,10 +59,10 @@ def measure(args) -> dict:
         if client.register_buffer(buffer.ctypes.data, buffer.nbytes) != 0:
             raise SystemExit("register_buffer failed")
     offsets = np.cumsum([0, *sizes[:-1]]).tolist()
+    stage = [int(s * args.stage_fraction) for s in sizes]
     keys: list[str] = []
 
     def put():
-        keys[:] = [f"{uuid.uuid4().hex}-{i}" for i in range(len(values))]
         codes = client.batch_put_from(keys, [src.ctypes.data + o for o in offsets], sizes)
         if any(c != 0 for c in codes):
             raise SystemExit(f"batch_put_from: {codes}")
@@ -75,8 +71,6 @@ def measure(args) -> dict:
         got = client.batch_get_into(keys, [dst.ctypes.data + o for o in offsets], sizes)
         if got != sizes:
             raise SystemExit(f"batch_get_into: {got}")
-
-    stage = [int(s * args.stage_fraction) for s in sizes]
 
     def get_stage():
         got = client.get_into_ranges(
@@ -89,17 +83,22 @@ def measure(args) -> dict:
         if [g[0] for g in got[0]] != stage:
             raise SystemExit(f"get_into_ranges: {got}")
 
-    write_s = median_s(put, args.repeats)
-    read_s = median_s(get, args.repeats)
-    assert np.array_equal(src, dst), "Mooncake returned other bytes"
-    stage_s = median_s(get_stage, args.repeats)
-    return {
-        "bytes": total,
-        "stage_bytes": sum(stage),
-        "write_mibs": total / write_s / 2**20,
-        "read_mibs": total / read_s / 2**20,
-        "stage_read_mibs": sum(stage) / stage_s / 2**20,
-    }
+    calls = {"write": put, "read": get, "stage": get_stage}
+    print(json.dumps({"bytes": sum(sizes), "stage_bytes": sum(stage)}), flush=True)
+    for line in sys.stdin:
+        op = line.strip()
+        if op == "write":
+            if keys:
+                client.batch_remove(keys)  # the segment holds only the batch being measured
+            keys[:] = [f"{uuid.uuid4().hex}-{i}" for i in range(len(values))]
+        if op == "read":
+            dst[:] = 0
+        start = time.perf_counter()
+        calls[op]()
+        elapsed = time.perf_counter() - start
+        if op == "read" and not np.array_equal(src, dst):
+            raise SystemExit("Mooncake returned other bytes")
+        print(elapsed, flush=True)
 
 
 def main() -> int:
@@ -109,7 +108,6 @@ def main() -> int:
     parser.add_argument("--holder", action="store_true")
     parser.add_argument("--segment-mib", type=int, default=2048)
     parser.add_argument("--records", default="")
-    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--stage-fraction", type=float, default=0.25)
     args = parser.parse_args()
     if args.holder:
@@ -118,7 +116,7 @@ def main() -> int:
         sys.stdin.read()  # until the benchmark closes our stdin
         holder.close()
         return 0
-    print(json.dumps(measure(args)), flush=True)
+    serve(args)
     return 0
 
 
