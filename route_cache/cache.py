@@ -51,6 +51,7 @@ from routereplay.errors import (
     NotFound,
     ResourceExhausted,
 )
+from routereplay.rpc.metrics import children
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,7 @@ class CacheMetrics:
             namespace=NAMESPACE,
             registry=registry,
         )
+        self.committed_as, self.refused_as = children(self.committed), children(self.refused)
         if feed is not None:
             registry.register(_BacklogCollector(feed))
 
@@ -202,9 +204,9 @@ class RouteCache:
         try:
             stored = store(write, data)
         except Exception as exc:
-            self.metrics.refused.labels(call, getattr(exc, "status", "INTERNAL")).inc()
+            self.metrics.refused_as(call, getattr(exc, "status", "INTERNAL")).inc()
             raise
-        self.metrics.committed.labels(call, str(stored.duplicate).lower()).inc()
+        self.metrics.committed_as(call, str(stored.duplicate).lower()).inc()
         return stored
 
     def _store(self, write: BlockWrite, data: Iterable[bytes]) -> Stored:

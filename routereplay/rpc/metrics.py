@@ -10,6 +10,7 @@ that only the cluster's scraper reaches.
 
 from __future__ import annotations
 
+import functools
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -120,16 +121,20 @@ class ServiceMetrics(MetricsEndpoint):
             registry=self.registry,
         )
 
+        self._calls, self._latency, self._in, self._out = map(
+            children, (self.calls, self.latency, self.bytes_in, self.bytes_out)
+        )
+
     def observe(self, method: str, code: grpc.StatusCode, started: float) -> None:
         name = _short(method)
-        self.calls.labels(name, code.name).inc()
-        self.latency.labels(name).observe(time.perf_counter() - started)
+        self._calls(name, code.name).inc()
+        self._latency(name).observe(time.perf_counter() - started)
 
     def received(self, method: str, size: int) -> None:
-        self.bytes_in.labels(_short(method)).inc(size)
+        self._in(_short(method)).inc(size)
 
     def sent(self, method: str, size: int) -> None:
-        self.bytes_out.labels(_short(method)).inc(size)
+        self._out(_short(method)).inc(size)
 
     def serve(self, config: MetricsConfig) -> ServiceMetrics:
         """Start the HTTP endpoint when ``config.metrics`` is on; ``self.port`` is its port."""
@@ -138,6 +143,13 @@ class ServiceMetrics(MetricsEndpoint):
         return self
 
 
+def children(metric):
+    """``metric.labels``, each child remembered by its label values: prometheus_client looks
+    one up under a lock on every call (3% of a small write's server time, sampled)."""
+    return functools.cache(metric.labels)
+
+
+@functools.cache
 def _short(method: str) -> str:
     """``/routereplay.v1.RouteCache/ReadBatch`` -> ``ReadBatch``."""
     return method.rsplit("/", 1)[-1]
