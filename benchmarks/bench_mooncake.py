@@ -103,10 +103,6 @@ class Mooncake:
     def where(self) -> list[str]:
         return ["--master", self.master_addr, "--metadata", self.metadata]
 
-    def client(self, records: list[bytes | memoryview], fraction: float) -> MooncakeClient:
-        """The measuring client over ``records``, ready for its calls."""
-        return MooncakeClient(self, records, fraction)
-
     def close(self) -> None:
         for process in (self.holder, self.master):
             if process.poll() is None:
@@ -150,15 +146,15 @@ class MooncakeClient:
             self.records, **{f"r{i:04d}": np.frombuffer(r, np.uint8) for i, r in enumerate(records)}
         )
         self.records.flush()
+        self.log = Path(mooncake.logs.name) / "client.log"
         self.process = subprocess.Popen(
             [mooncake.python, str(HERE / "mooncake_peer.py"), *mooncake.where()]
             + ["--records", self.records.name, f"--stage-fraction={fraction}"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=open(Path(mooncake.logs.name) / "client.log", "w"),  # noqa: SIM115
+            stderr=open(self.log, "w"),  # noqa: SIM115
             text=True,
         )
-        self.log = Path(mooncake.logs.name) / "client.log"
         self.sizes = json.loads(self._line())
 
     def _line(self) -> str:
@@ -192,51 +188,46 @@ def bench_case(args, cache, writers, mooncake, geometry, tokens, rng) -> dict:
     counter = itertools.count()
     ids: list[str] = []
 
-    def service_write():
-        for sample_id in ids:  # untimed: the previous batch is forgotten first
+    def forget_previous():
+        for sample_id in ids:
             cache.delete(sample_id)
+
+    def service_write():
         ids[:] = [f"moon-{prefix}-{next(counter)}" for _ in records]
         batch_records = [replace(r, sample_id=i) for r, i in zip(records, ids, strict=True)]
-        start = time.perf_counter()
         list(writers.map(cache.write, batch_records))
-        return time.perf_counter() - start
 
-    def service_read():
-        start = time.perf_counter()
-        got = list(cache.read_batch(ids))  # a stream: read whole inside the timing
-        elapsed = time.perf_counter() - start
-        assert sum(r.routes.nbytes for r in got) == route_bytes
-        return elapsed
-
-    def service_stage():
-        start = time.perf_counter()
-        got = list(cache.read_batch(ids, layers=stage))
-        elapsed = time.perf_counter() - start
-        assert sum(r.routes.nbytes for r in got) == stage_bytes
-        return elapsed
-
+    # Each call with the route bytes it moves; a read is a stream, read whole inside the timing
+    # and its bytes checked after it.
+    calls = {
+        "write": (service_write, route_bytes),
+        "read": (lambda: list(cache.read_batch(ids)), route_bytes),
+        "stage_read": (lambda: list(cache.read_batch(ids, layers=stage)), stage_bytes),
+    }
     layer_major = [contiguous(encode_layer_parts(r.routes)) for r in records]
-    peer = mooncake.client(layer_major, fraction)
+    peer = MooncakeClient(mooncake, layer_major, fraction)
     assert peer.sizes == {"bytes": route_bytes, "stage_bytes": stage_bytes}
-    ops = {"write": service_write, "read": service_read, "stage": service_stage}
-    times = {(side, op): [] for side in ("cache", "mooncake") for op in ops}
+    times = {(side, op): [] for side in ("cache", "mooncake") for op in calls}
     try:
         for round_ in range(args.repeats + 1):  # round 0: the warm-up, untimed
-            for op, service in ops.items():
-                elapsed = service(), peer.call(op)
+            for op, (call, size) in calls.items():
+                if op == "write":
+                    forget_previous()  # untimed
+                start = time.perf_counter()
+                got = call()
+                elapsed = time.perf_counter() - start, peer.call(op)
+                assert got is None or sum(r.routes.nbytes for r in got) == size
                 if round_:
                     times["cache", op].append(elapsed[0])
                     times["mooncake", op].append(elapsed[1])
     finally:
         peer.close()
-        for sample_id in ids:
-            cache.delete(sample_id)
+        forget_previous()
     result = {"geometry": geometry.model_id, "tokens": tokens, "batch": batch}
-    for op, name in (("write", "write"), ("read", "read"), ("stage", "stage_read")):
-        size = stage_bytes if op == "stage" else route_bytes
+    for op, (_, size) in calls.items():
         for side in ("cache", "mooncake"):
-            result[f"{side}_{name}_mibs"] = size / statistics.median(times[side, op]) / MIB
-        result[f"{name}_ratio"] = statistics.median(
+            result[f"{side}_{op}_mibs"] = size / statistics.median(times[side, op]) / MIB
+        result[f"{op}_ratio"] = statistics.median(
             m / c for c, m in zip(times["cache", op], times["mooncake", op], strict=True)
         )
     return result

@@ -11,7 +11,7 @@ benchmark can take turns with the route cache call by call:
 - ``write``: puts the records under fresh keys (the previous ones removed first, untimed);
 - ``read``: reads the last written records back whole (checked against what was put,
   untimed);
-- ``stage``: reads a byte range of each (a pipeline stage of layer-major routes);
+- ``stage_read``: reads a byte range of each (a pipeline stage of layer-major routes);
 
 each answered with the seconds the Mooncake call itself took (no pipe in the timing).
 
@@ -83,7 +83,7 @@ def serve(args) -> None:
         if [g[0] for g in got[0]] != stage:
             raise SystemExit(f"get_into_ranges: {got}")
 
-    calls = {"write": put, "read": get, "stage": get_stage}
+    calls = {"write": put, "read": get, "stage_read": get_stage}
     print(json.dumps({"bytes": sum(sizes), "stage_bytes": sum(stage)}), flush=True)
     for line in sys.stdin:
         op = line.strip()
