@@ -85,6 +85,7 @@ def main() -> None:
     torch.set_num_threads(1)
     import ray
 
+    from routereplay.dev.ray_local import start_local_ray
     from routereplay.rpc.client import RouteCacheClient
     from trainer.data.source import CacheSource
     from trainer.data.stage_reads import StageReads
@@ -113,7 +114,7 @@ def main() -> None:
         )
         # Room for one copy of the field (Ray's minimum is 75 MiB).
         store = int(verl_field.nbytes * 1.5) + (80 << 20)
-        ray.init(
+        start_local_ray(
             num_cpus=1, object_store_memory=store, include_dashboard=False, log_to_driver=False
         )
         with RouteCacheClient(target) as client:

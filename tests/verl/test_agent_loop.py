@@ -23,13 +23,13 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from routereplay.dev.ray_local import start_local_ray
 from routereplay.dev.tiny_model import build_tiny_model
 from routereplay.rpc.client import RouteCacheClient
 from tests.verl.agent_server import StandInServer
@@ -87,39 +87,14 @@ class PerCallServer(Server):
         return request_id
 
 
-# Ray gives a new node's raylet a fixed 30 s to register (``ray/_private/node.py``), and the
-# raylet first waits for its dashboard agent, a Python process with a heavy import. On a loaded
-# 2-core machine that start has missed the deadline (CI, the first start of a fresh
-# environment right after the main suite); the node is then started again.
-RAY_STARTS = 3
-
-
 @pytest.fixture(scope="module")
 def ray_local():
-    import psutil
-    import ray
-
-    me = psutil.Process()
-    for start in range(1, RAY_STARTS + 1):
-        before = {child.pid for child in me.children(recursive=True)}
-        try:
-            ray.init(
-                num_cpus=8,  # logical: TransferQueue's controller and storage actors take one each
-                include_dashboard=False,
-                log_to_driver=False,
-                runtime_env={
-                    "env_vars": {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "OMP_NUM_THREADS": "1"}
-                },
-            )
-            break
-        except Exception as exc:
-            if "timed out during startup" not in str(exc) or start == RAY_STARTS:
-                raise
-            # The failed node's processes (GCS, raylet, agents) are this process's children.
-            for child in me.children(recursive=True):
-                if child.pid not in before:
-                    child.kill()
-            warnings.warn(f"Ray's node missed its start-up deadline (try {start})", stacklevel=1)
+    ray = start_local_ray(
+        num_cpus=8,  # logical: TransferQueue's controller and storage actors take one each
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "OMP_NUM_THREADS": "1"}},
+    )
     yield ray
     ray.shutdown()
 
