@@ -68,6 +68,8 @@ MIB = 2**20
 # writes and batch reads; stage reads of the whole read's MiB/s.
 TARGET_WRITE, TARGET_READ, TARGET_STAGE = 0.8, 0.9, 0.9
 DISTRIBUTIONS = {"uniform": 0.0, "zipf": 1.0}
+# The processes whose CPU the tables give, in their columns' order.
+ROLES = ("client", "server", "redis")
 
 
 def bench_case(
@@ -291,7 +293,8 @@ def table(results: list[dict]) -> str:
 
 
 def _cpu_cell(cpu: dict) -> str:
-    return " / ".join("-" if v is None else f"{v:.2f}" for v in cpu.values())
+    """A process's CPU figures in the tables' order (``ROLES``), whatever order they came in."""
+    return " / ".join("-" if cpu.get(r) is None else f"{cpu[r]:.2f}" for r in ROLES)
 
 
 def _cpu_ratio(service: dict, floor: dict) -> str:

@@ -30,7 +30,7 @@ from dataclasses import replace
 import numpy as np
 import redis
 
-from benchmarks.bench_route_cache import embedded_pid
+from benchmarks.bench_route_cache import ROLES, embedded_pid
 from benchmarks.common import machine, timed_with_cpu, write_section
 from benchmarks.raw_grpc import RawClient
 from route_cache.embedded import start_embedded_redis
@@ -41,7 +41,6 @@ from routereplay.dev.synthetic import QWEN3_30B_A3B, synthetic_record
 from routereplay.rpc.client import RouteCacheClient
 from routereplay.rpc.wire import DEFAULT_CHUNK_BYTES
 
-ROLES = ("client", "server", "redis")
 SIZES = {"a few tokens": 16, "4K tokens": 4096}
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from benchmarks.bench_pipeline import summarize
+from benchmarks.bench_route_cache import _cpu_cell
 from benchmarks.common import Run, Timings, interleaved, paired_ratio, timed_with_cpu
 from benchmarks.raw_grpc import RawClient
 from routereplay.dev.launch import start_service, stop_process
@@ -153,3 +154,9 @@ def test_paired_ratio_compares_calls_of_the_same_round():
     assert paired_ratio(run, baseline) == 2.0
     assert baseline.median / run.median == 20.0
     assert paired_ratio(run, baseline, scale=0.25) == 0.5  # a quarter of the bytes each call
+
+
+def test_cpu_cells_follow_the_tables_column_order():
+    # Runs name their processes in any order (the server last, say); the columns do not move.
+    assert _cpu_cell({"client": 1.0, "redis": 3.0, "server": 2.0}) == "1.00 / 2.00 / 3.00"
+    assert _cpu_cell({"client": 1.0, "redis": None}) == "1.00 / - / -"
