@@ -44,7 +44,7 @@ def init(monkeypatch):
         monkeypatch.setattr(ray, "init", stand_in)
         return stand_in
 
-    yield install
+    return install
 
 
 def test_a_missed_deadline_kills_the_failed_nodes_processes_and_starts_again(init):
