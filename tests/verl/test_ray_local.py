@@ -39,12 +39,21 @@ class FailingInit:
 def init(monkeypatch):
     import ray
 
+    installed: list[FailingInit] = []
+
     def install(failures: int, error: str = TIMED_OUT) -> FailingInit:
         stand_in = FailingInit(failures, error)
         monkeypatch.setattr(ray, "init", stand_in)
+        installed.append(stand_in)
         return stand_in
 
-    return install
+    yield install
+    # Whatever a test left running (the last failed start's child, or all of them when it
+    # failed): no sleeping child outlives the test.
+    for stand_in in installed:
+        for child in stand_in.children:
+            child.kill()
+            child.wait()
 
 
 def test_a_missed_deadline_kills_the_failed_nodes_processes_and_starts_again(init):
@@ -65,10 +74,8 @@ def test_the_last_miss_and_any_other_error_are_raised(init):
     assert len(stand_in.calls) == ray_local.RAY_STARTS
     for child in stand_in.children[:-1]:
         assert child.wait(timeout=10) == -9
-    stand_in.children[-1].kill()
 
     stand_in = init(failures=1, error="object store memory too small")
     with pytest.raises(RuntimeError, match="object store memory"):
         ray_local.start_local_ray()
     assert len(stand_in.calls) == 1  # not retried
-    stand_in.children[-1].kill()
