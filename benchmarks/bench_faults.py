@@ -76,10 +76,12 @@ from benchmarks.fault_history import (
     digest,
     final_entries,
     first_turn,
+    flagged,
     is_consumer,
     later_turn,
     load_history,
     on_component,
+    trail,
     write_gaps,
 )
 from route_cache.record_format import record_key
@@ -1271,8 +1273,11 @@ def run(config: FaultConfig, out: Path, png: Path | None = None) -> dict:
     if png is not None:
         wait = f"--wait-replicas {config.wait_replicas}"
         timeline(entries, png, f"fault run, {wait}: writes and training under faults (shaded)")
+    logs = {}
     for log in workdir.glob("*.log"):  # the services' own logs, for a look afterwards
         shutil.copy(log, out / log.name)
+        logs[log.name] = log.read_text(errors="replace")
+    results["trail"] = trail(entries, flagged(verdict), logs)
     shutil.rmtree(workdir, ignore_errors=True)
     return results
 
@@ -1310,7 +1315,7 @@ def report(results: dict) -> str:
         f"recovery target: {f['recovery_target_s']} s; publish -> trained: "
         f"p50 {f['publish_to_train_s']['p50']} s, max {f['publish_to_train_s']['max']} s"
     )
-    return "\n".join(out)
+    return "\n".join(out + f.get("trail", []))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,7 @@
 The history holds every operation, every fault with its component, the final read (turns
 held and digest per sample) and the ready feed's final state, so nothing else is needed: no
 cluster, no route cache. Prints the same verdict as the run, with the traffic floor per
-fault; exit code 0 only when it passes.
+fault, and the trail of each sample found wrong; exit code 0 only when it passes.
 
 Usage: python -m benchmarks.fault_check results/faults/faults-history.jsonl
 """
@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from benchmarks.fault_history import check_file
+from benchmarks.fault_history import check_file, flagged, load_history, trail
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     verdict, config = check_file(args.history)
     print(f"history: {args.history} (wait_replicas {config.get('wait_replicas')})")
     print("\n".join(verdict.lines()))
+    if not verdict.ok:  # the run's logs lie beside its history (bench_faults copies them)
+        logs = {p.name: p.read_text(errors="replace") for p in args.history.parent.glob("*.log")}
+        print("\n".join(trail(load_history([args.history]), flagged(verdict), logs)))
     return 0 if verdict.ok else 1
 
 

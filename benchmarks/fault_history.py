@@ -502,6 +502,42 @@ def check(
     return verdict
 
 
+def flagged(verdict: Verdict) -> list[str]:
+    """The samples the checker found wrong, in order (what ``trail`` tells the story of)."""
+    found = []
+    for name in Verdict.CHECKS:
+        if not name.startswith(("faults_", "feed_", "trainer_unfinished")):
+            found += [s for s in getattr(verdict, name) if s not in found]
+    return found
+
+
+def trail(history: list[dict], sample_ids: Iterable[str], logs: dict[str, str] | None = None):
+    """Every event naming one of ``sample_ids`` (reads aside), the faults, and the services'
+    log lines naming it (``logs``: name -> text), in time order: a failed run's report tells
+    what became of each wrong sample without its history file (a CI log is all there is)."""
+    out = []
+    for sample_id in sample_ids:
+        out.append(f"trail of {sample_id}:")
+        for e in history:
+            if e["op"] == "fault":
+                out.append(
+                    f"  {e['began']:8.3f}-{e['end']:.3f} fault {e['name']} on {e['component']}"
+                )
+            elif e["op"] != "read" and (
+                e.get("sample") == sample_id or sample_id in e.get("samples", ())
+            ):
+                rest = {k: v for k, v in e.items() if k not in ("t", "proc", "op", "sample")}
+                if "entries" in rest and len(rest["entries"]) == len(e["samples"]):
+                    rest["entries"] = [
+                        x for x, s in zip(e["entries"], e["samples"], strict=True) if s == sample_id
+                    ]
+                rest.pop("samples", None)
+                out.append(f"  {e['t']:8.3f} {e['proc']:>7} {e['op']} {rest}")
+        for name, text in sorted((logs or {}).items()):
+            out += [f"  {name}: {line}" for line in text.splitlines() if sample_id in line]
+    return out
+
+
 _SENT: dict[tuple[int, str, int], str] = {}
 
 

@@ -51,6 +51,19 @@ _ENTRY_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
 
 _UINT64_MAX = 2**64 - 1
 
+# KEYS: a sample's settled hash. ARGV: consumer group, the claim, its time to live in ms (0:
+# kept). Claims the sample unless another claim holds; returns the claim that holds. One
+# script, not HSETNX then HGET on a pipeline: a cluster pipeline whose connection is reset
+# retries its failed commands one by one, and its HGET then ran before its HSETNX (nil: the
+# fault run's proxy_drop told a sole consumer its sample was taken, and nobody trained it).
+_CLAIM = """
+redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
+if tonumber(ARGV[3]) > 0 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+end
+return redis.call('HGET', KEYS[1], ARGV[1])
+"""
+
 # KEYS: a sample's settled hash. ARGV: consumer group, the claim seen, the new claim. Hands
 # the claim over only if it is still the one seen (two new entries race for it).
 _TAKE_OVER = """
@@ -264,6 +277,19 @@ class ReadyFeed:
                 settled += by_sample[named[entry_id]]
             else:  # trimmed or lost, its sample unknown here: no claim to weigh
                 settled += bool(n)
+        if settled < len(entry_ids):  # the consumer is told not to commit: say why
+            log.info(
+                "acknowledgement on %r by %r settled %d of %d: entries %s, their samples in "
+                "the stream %s, claims %s, XACK %s",
+                group,
+                consumer,
+                settled,
+                len(entry_ids),
+                list(entry_ids),
+                samples,
+                owners,
+                list(acked),
+            )
         return settled
 
     def _samples(self, entry_ids: Sequence[str]) -> dict[str, str]:
@@ -292,19 +318,11 @@ class ReadyFeed:
         without the handover no announcement of the sample could ever settle it again."""
         pipe = self.client.pipeline(transaction=False)
         for entry_id, sample_id in samples.items():
-            key = settled_key(sample_id)
-            pipe.hsetnx(key, group, f"{entry_id} {consumer}")
-            pipe.hget(key, group)
-            if self.settled_ttl_ms:
-                pipe.pexpire(key, self.settled_ttl_ms)
-        results = iter(pipe.execute())
-        owners = {}
-        for entry_id in samples:
-            next(results)
-            claim = _text(next(results))
-            owners[entry_id] = claim
-            if self.settled_ttl_ms:
-                next(results)
+            claim = f"{entry_id} {consumer}"
+            pipe.execute_command(
+                "EVAL", _CLAIM, 1, settled_key(sample_id), group, claim, self.settled_ttl_ms
+            )
+        owners = {e: _text(claim) for e, claim in zip(samples, pipe.execute(), strict=True)}
         lost = self._lost({_owner(claim)[0] for claim in owners.values()} - set(samples))
         for entry_id, claim in owners.items():
             if _owner(claim)[0] in lost:

@@ -35,9 +35,11 @@ from benchmarks.fault_history import (
     expected,
     final_entries,
     first_turn,
+    flagged,
     floor,
     later_turn,
     load_history,
+    trail,
 )
 from route_cache.config import Config
 from route_cache.connection import connect
@@ -108,6 +110,39 @@ def test_the_checker_names_each_violation():
     assert found.trained_unacked == ["d"]
     assert found.never_trained == ["e"]
     assert found.lost == ["b"]
+
+
+def test_a_failed_verdict_comes_with_each_wrong_samples_trail():
+    """A CI log is all a failed run leaves: its report must tell what became of each sample
+    found wrong (its events, the faults, the services' log lines naming it)."""
+    fault = {
+        "t": 1,
+        "proc": "driver",
+        "op": "fault",
+        "name": "cache_kill",
+        "component": "cache0",
+        "began": 0.5,
+        "end": 2.0,
+        "detail": {},
+    }
+    deliver = {
+        "t": 4,
+        "proc": "c1",
+        "op": "deliver",
+        "samples": ["a", "e"],
+        "entries": ["1-0", "2-0"],
+    }
+    history = [fault, *published("a"), *published("e"), deliver, *trained("a")]
+    found = verdict(history, {s: expected(SEED, s, 3) for s in "ae"})
+    assert flagged(found) == ["e"]
+    logs = {"cache0.log": "claim of 'e' handed over\nclaim of 'a' lost\n"}
+    lines = trail(history, flagged(found), logs)
+    assert lines[0] == "trail of e:"
+    assert "fault cache_kill on cache0" in lines[1]
+    assert sum(" w append " in line or " w write " in line for line in lines) == 3
+    assert any(" c1 deliver {'entries': ['2-0']}" in line for line in lines)
+    assert lines[-1] == "  cache0.log: claim of 'e' handed over"
+    assert not any("train" in line for line in lines)  # a's events are not e's
 
 
 def test_half_written_and_unacknowledged_turns():
