@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"history: {args.history} (wait_replicas {config.get('wait_replicas')})")
     print("\n".join(verdict.lines()))
     if not verdict.ok:  # the run's logs lie beside its history (bench_faults copies them)
-        logs = {p.name: p.read_text(errors="replace") for p in args.history.parent.glob("*.log")}
-        print("\n".join(trail(load_history([args.history]), flagged(verdict), logs)))
+        history = load_history([args.history])
+        print("\n".join(trail(history, flagged(verdict), args.history.parent)))
     return 0 if verdict.ok else 1
 
 

@@ -511,10 +511,15 @@ def flagged(verdict: Verdict) -> list[str]:
     return found
 
 
-def trail(history: list[dict], sample_ids: Iterable[str], logs: dict[str, str] | None = None):
-    """Every event naming one of ``sample_ids`` (reads aside), the faults, and the services'
-    log lines naming it (``logs``: name -> text), in time order: a failed run's report tells
-    what became of each wrong sample without its history file (a CI log is all there is)."""
+def trail(history: list[dict], sample_ids: Iterable[str], log_dir: Path | None = None):
+    """Every event naming one of ``sample_ids`` (reads aside), the faults, and the lines of
+    the services' logs in ``log_dir`` (``*.log``) naming it, in time order: a failed run's
+    report tells what became of each wrong sample without its history file (a CI log is all
+    there is)."""
+    sample_ids = list(sample_ids)
+    logs = {}
+    if sample_ids and log_dir is not None:  # a run that passed reads no log
+        logs = {p.name: p.read_text(errors="replace") for p in log_dir.glob("*.log")}
     out = []
     for sample_id in sample_ids:
         out.append(f"trail of {sample_id}:")
@@ -533,7 +538,7 @@ def trail(history: list[dict], sample_ids: Iterable[str], logs: dict[str, str] |
                     ]
                 rest.pop("samples", None)
                 out.append(f"  {e['t']:8.3f} {e['proc']:>7} {e['op']} {rest}")
-        for name, text in sorted((logs or {}).items()):
+        for name, text in sorted(logs.items()):
             out += [f"  {name}: {line}" for line in text.splitlines() if sample_id in line]
     return out
 

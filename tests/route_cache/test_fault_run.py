@@ -112,7 +112,7 @@ def test_the_checker_names_each_violation():
     assert found.lost == ["b"]
 
 
-def test_a_failed_verdict_comes_with_each_wrong_samples_trail():
+def test_a_failed_verdict_comes_with_each_wrong_samples_trail(tmp_path):
     """A CI log is all a failed run leaves: its report must tell what became of each sample
     found wrong (its events, the faults, the services' log lines naming it)."""
     fault = {
@@ -135,8 +135,8 @@ def test_a_failed_verdict_comes_with_each_wrong_samples_trail():
     history = [fault, *published("a"), *published("e"), deliver, *trained("a")]
     found = verdict(history, {s: expected(SEED, s, 3) for s in "ae"})
     assert flagged(found) == ["e"]
-    logs = {"cache0.log": "claim of 'e' handed over\nclaim of 'a' lost\n"}
-    lines = trail(history, flagged(found), logs)
+    (tmp_path / "cache0.log").write_text("claim of 'e' handed over\nclaim of 'a' lost\n")
+    lines = trail(history, flagged(found), tmp_path)
     assert lines[0] == "trail of e:"
     assert "fault cache_kill on cache0" in lines[1]
     assert sum(" w append " in line or " w write " in line for line in lines) == 3
