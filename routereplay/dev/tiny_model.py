@@ -190,7 +190,16 @@ def build_tiny_model(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     _add_mtp_layers(out, config, seed)
+    _share(out)
     return out
+
+
+def _share(out: Path) -> None:
+    """Make the model readable by every user: safetensors writes its files 0600, so a model
+    built by root (an image's build step) could not be loaded by the uid that serves it."""
+    for path in (out, *out.rglob("*")):
+        extra = 0o555 if path.is_dir() else 0o444
+        path.chmod(path.stat().st_mode | extra)
 
 
 def _add_mtp_layers(out: Path, config, seed: int) -> None:

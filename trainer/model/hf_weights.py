@@ -44,6 +44,7 @@ layers and are not mapped: ``read_mtp_tensors`` reads them so an export can carr
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -60,8 +61,22 @@ def load_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
     state: dict[str, torch.Tensor] = {}
     for path in _weight_files(Path(model_dir)):
+        _check_readable(path)
         state.update(load_file(str(path)))
     return state
+
+
+def _check_readable(path: Path) -> None:
+    """Raise what is wrong with ``path`` in words: safetensors reports a file this user may
+    not read as "No such file or directory"."""
+    try:
+        path.open("rb").close()
+    except PermissionError as e:
+        raise PermissionError(
+            f"{path}: permission denied for uid {os.getuid()} (mode "
+            f"{path.stat().st_mode & 0o777:o}, owner uid {path.stat().st_uid}); make the "
+            "checkpoint readable by this user, e.g. chmod -R a+rX on its folder"
+        ) from e
 
 
 def _weight_files(folder: Path) -> list[Path]:
