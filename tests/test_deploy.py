@@ -661,3 +661,74 @@ def test_redis_starts_a_full_resync_at_once():
     deployed Redis sets it to 0."""
     for where, (text, _) in _redis_settings().items():
         assert _setting(text, "repl-diskless-sync-delay") == "0", where
+
+
+def _vllm_shared_memory() -> int:
+    """Bytes of /dev/shm one vLLM engine with one worker asks for, from vLLM's own defaults: the
+    scheduler's broadcast ring (``VLLM_MQ_MAX_CHUNK_BYTES_MB`` per chunk) and the worker's
+    response ring (``MessageQueue``'s default chunk size), each ``max_chunks`` chunks."""
+    import inspect
+
+    vllm_envs = pytest.importorskip("vllm.envs")
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    defaults = inspect.signature(MessageQueue.__init__).parameters
+    chunks = defaults["max_chunks"].default
+    broadcast = vllm_envs.VLLM_MQ_MAX_CHUNK_BYTES_MB * 2**20 * chunks
+    response = defaults["max_chunk_bytes"].default * chunks
+    return broadcast + response
+
+
+def test_rollout_servers_have_the_shared_memory_vllm_needs():
+    """vLLM refuses to start with less free /dev/shm than its rings need ("Insufficient space
+    in /dev/shm: 160 MiB required"); a container gets 64 MB by default. Every rollout server,
+    in compose and in the Kubernetes manifest, gets at least twice what one engine asks for."""
+    yaml = pytest.importorskip("yaml")
+    needed = 2 * _vllm_shared_memory()
+    for name, service in compose_services().items():
+        if name.startswith("rollout-server"):
+            assert service.get("ipc") == "host" or int(service.get("shm_size", 0)) >= needed, (
+                name,
+                service.get("shm_size"),
+                needed,
+            )
+    (deployment,) = [
+        d
+        for d in yaml.safe_load_all((BASE / "rollout-server.yaml").read_text())
+        if d["kind"] == "Deployment"
+    ]
+    pod = deployment["spec"]["template"]["spec"]
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    assert _bytes(volume["emptyDir"]["sizeLimit"]) >= needed
+
+
+def _runtime_copies(dockerfile: str) -> list[str]:
+    """The paths a Dockerfile's last stage copies from its build stage."""
+    last = (ROOT / dockerfile).read_text().rsplit("\nFROM ", 1)[1]
+    return re.findall(r"^COPY --from=build (\S+) ", last, re.MULTILINE)
+
+
+@pytest.mark.parametrize(
+    "dockerfile",
+    [
+        "trainer/Dockerfile",
+        "trainer/Dockerfile.gpu",
+        "rollout_server/Dockerfile",
+        "route_cache/Dockerfile",
+    ],
+)
+def test_images_copy_only_files_their_uid_can_read(dockerfile):
+    """Every image runs as uid 10001 and copies what its build stage made as root. pip writes
+    0644; anything else (the trainer's embedded model: safetensors writes 0600, and the trainer
+    then failed with "No such file or directory" on a file it could not read) is made readable
+    with ``chmod -R a+rX`` in the build stage."""
+    text = (ROOT / dockerfile).read_text()
+    assert "\nUSER 10001" in text
+    made_readable = set(re.findall(r"chmod -R a\+rX ([^\\&\n]+)", text))
+    made_readable = {p for line in made_readable for p in line.split()}
+    by_pip = {"/opt/venv", "/wheels"}
+    for path in _runtime_copies(dockerfile):
+        readable = any(path == p or path.startswith(p + "/") for p in by_pip | made_readable)
+        assert readable, (dockerfile, path)
