@@ -43,6 +43,7 @@ from routereplay.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     RouteReplayError,
     Unavailable,
 )
@@ -244,6 +245,14 @@ class Rollout:
     # ------------------------------------------------------------------ admission
 
     def _admit(self) -> None:
+        if self.writer.held_for_memory:
+            self.counters["refused_memory"] += 1
+            raise ResourceExhausted(
+                f"{self.writer.held_for_memory} generated records wait here for room in the "
+                "route cache; new generation resumes as the trainer commits what it trained "
+                f"(nothing generated is lost). The route cache said: {self.writer.last_refusal}",
+                retry_after_s=5.0,
+            )
         if self.writer.full:
             self.counters["refused_backpressure"] += 1
             raise Unavailable(

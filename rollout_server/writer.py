@@ -7,6 +7,12 @@ The buffer is bounded: when ``max_pending`` writes wait, ``full`` turns true and
 refuses new generation calls with UNAVAILABLE instead of growing without bound. A write's
 future resolves only with the cache's acknowledgement, so a caller never reports a record
 as stored when it is not.
+
+A write refused at the route cache's memory budget (RESOURCE_EXHAUSTED with a retry time) is
+not a failure: the cache is up, and memory comes back as the trainer commits. It is retried
+after the time the cache named, for as long as it takes (``retry_for_s`` does not apply), and
+while any write waits so, ``held_for_memory`` is true and the server admits no new generation
+(RESOURCE_EXHAUSTED, saying why): what was generated waits here, nothing is lost.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from routereplay.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     RouteReplayError,
     Unavailable,
 )
@@ -72,6 +79,8 @@ class RecordWriter:
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
         self._pending: dict[str, _Job] = {}
         self._workers: list[asyncio.Task] = []
+        self._held: set[str] = set()  # samples whose write waits for the cache's memory
+        self.last_refusal = ""  # what the cache said when it last held a write back
 
     @property
     def num_pending(self) -> int:
@@ -81,6 +90,11 @@ class RecordWriter:
     @property
     def full(self) -> bool:
         return len(self._pending) >= self.max_pending
+
+    @property
+    def held_for_memory(self) -> int:
+        """Writes waiting for the route cache's memory budget (refused, to be retried)."""
+        return len(self._held)
 
     def is_pending(self, sample_id: str) -> bool:
         return sample_id in self._pending
@@ -150,6 +164,7 @@ class RecordWriter:
                     job.done.set_result(result)
             finally:
                 self._pending.pop(job.item.sample_id, None)
+                self._held.discard(job.item.sample_id)
 
     async def _write(self, job: _Job) -> WriteResult:
         attempt = 0
@@ -160,6 +175,15 @@ class RecordWriter:
                 return await self.cache.append(job.item, final=job.announce)
             except _FINAL:
                 raise
+            except ResourceExhausted as exc:
+                if exc.retry_after_s is None:  # a limit of the cache's, not its memory
+                    raise
+                self._held.add(job.item.sample_id)
+                self.last_refusal = str(exc)
+                self.counters["writes_held_for_memory"] += 1
+                log.warning("record %s: %s", job.item.sample_id, exc)
+                await asyncio.sleep(min(exc.retry_after_s, 10.0) * (0.5 + random.random()))
+                continue
             except RouteReplayError as exc:
                 waited = time.monotonic() - job.queued_at
                 if waited >= self.retry_for_s:

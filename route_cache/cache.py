@@ -11,16 +11,18 @@ in ``server.py`` only converts messages to these calls and back.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from route_cache.budget import MemoryBudget
 from route_cache.config import Config
 from route_cache.feed import ReadyFeed, check_entry_id
-from route_cache.record_format import RecordStat, StoredBlock, StoredRecord
+from route_cache.record_format import RecordStat, StoredBlock, StoredRecord, record_key
 from route_cache.store import RouteStore
 from routereplay.domain import idcheck
 from routereplay.domain.codec import (
@@ -108,7 +110,9 @@ class CacheMetrics:
     bytes of the records read.
     """
 
-    def __init__(self, registry: CollectorRegistry, feed: ReadyFeed | None):
+    def __init__(
+        self, registry: CollectorRegistry, feed: ReadyFeed | None, budget: MemoryBudget | None
+    ):
         self.route_bytes_served = Counter(
             "route_bytes_served",
             "Encoded route bytes served by reads (the selected layers only)",
@@ -135,9 +139,17 @@ class CacheMetrics:
             namespace=NAMESPACE,
             registry=registry,
         )
+        self.refused_for_memory = Counter(
+            "writes_refused_for_memory",
+            "Writes and appends refused at the memory budget (RESOURCE_EXHAUSTED; retried)",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
         self.committed_as, self.refused_as = children(self.committed), children(self.refused)
         if feed is not None:
             registry.register(_BacklogCollector(feed))
+        if budget is not None and budget.fraction:
+            registry.register(_MemoryCollector(budget))
 
 
 class _BacklogCollector:
@@ -157,8 +169,16 @@ class _BacklogCollector:
             "Ready entries delivered and not acknowledged",
             labels=["consumer_group"],
         )
+        oldest = GaugeMetricFamily(
+            f"{NAMESPACE}_ready_oldest_unconsumed_age_seconds",
+            "Age of the oldest entry the consumer group has pending or not yet delivered",
+            labels=["consumer_group"],
+        )
         try:
             groups = self.feed.backlog()
+            now_ms = time.time() * 1000
+            for group, first_ms in self.feed.oldest_unconsumed_ms().items():
+                oldest.add_metric([group], max(0.0, (now_ms - first_ms) / 1000))
         except Exception:  # noqa: BLE001 - a scrape must not fail while Redis is away
             log.warning("ready feed backlog unavailable", exc_info=True)
             groups = []
@@ -166,13 +186,48 @@ class _BacklogCollector:
             if unread is not None:
                 lag.add_metric([group], unread)
             pending.add_metric([group], unacked)
-        yield lag
-        yield pending
+        freed = CounterMetricFamily(
+            f"{NAMESPACE}_records_freed",
+            "Records freed once every commit group acknowledged them (this process)",
+        )
+        freed.add_metric([], self.feed.freed)
+        trimmed = CounterMetricFamily(
+            f"{NAMESPACE}_ready_entries_trimmed",
+            "Ready entries trimmed once every consumer group acknowledged them (this process)",
+        )
+        trimmed.add_metric([], self.feed.trimmed)
+        yield from (lag, pending, oldest, freed, trimmed)
+
+
+class _MemoryCollector:
+    """Each Redis node's memory against the budget, as the budget last read it."""
+
+    def __init__(self, budget: MemoryBudget):
+        self.budget = budget
+
+    def collect(self):
+        used = GaugeMetricFamily(
+            f"{NAMESPACE}_redis_used_memory_bytes",
+            "Redis used_memory per node (records in flight are nearly all of it)",
+            labels=["node"],
+        )
+        share = GaugeMetricFamily(
+            f"{NAMESPACE}_memory_budget_used_ratio",
+            "Redis used_memory over the memory budget, per node (1: writes are refused)",
+            labels=["node"],
+        )
+        for node, memory in self.budget.nodes.items():
+            used.add_metric([node], memory.used)
+        for node, ratio in self.budget.used_fraction().items():
+            share.add_metric([node], ratio)
+        yield used
+        yield share
 
 
 class RouteCache:
     """Args: the store; the configuration (its limits); the ready feed, or None when it is
-    disabled; the registry its metrics go to (a private one when None)."""
+    disabled; the registry its metrics go to (a private one when None); the memory budget
+    writes are held to (none when None)."""
 
     def __init__(
         self,
@@ -180,11 +235,13 @@ class RouteCache:
         config: Config,
         feed: ReadyFeed | None = None,
         registry: CollectorRegistry | None = None,
+        budget: MemoryBudget | None = None,
     ):
         self.store = store
         self.config = config
         self.feed = feed
-        self.metrics = CacheMetrics(registry or CollectorRegistry(), feed)
+        self.budget = budget
+        self.metrics = CacheMetrics(registry or CollectorRegistry(), feed, budget)
         idcheck.warm_up()  # the id check's kernels compiled (or loaded) before the first write
 
     # Writes ------------------------------------------------------------------------------
@@ -213,6 +270,12 @@ class RouteCache:
         # A duplicate is announced again: the first announcement may have been lost. The
         # writer hears back only after the announcement, so its retries make delivery at
         # least once.
+        if self.budget is not None:
+            try:
+                self.budget.check(record_key(write.sample_id))
+            except ResourceExhausted:
+                self.metrics.refused_for_memory.inc()
+                raise
         block = self._receive(write, data)
         announce = self.feed is not None and write.announce
         if write.append:

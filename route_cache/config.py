@@ -74,7 +74,22 @@ class Config:
     max_write_chunks: int = flag(4096, "most chunk messages per WriteRecord or AppendTurn stream")
     grace_s: float = flag(30.0, "seconds in-flight calls may finish on shutdown")
     ready_stream: str = flag("rr:ready", "Redis Stream key of the ready feed (empty: no feed)")
-    ready_maxlen: int = flag(100_000, "entries the ready stream keeps, about (0: all)")
+    ready_maxlen: int = flag(
+        100_000,
+        "most entries the ready stream holds; at the cap writes are refused "
+        "(RESOURCE_EXHAUSTED), never old entries dropped (0: no cap)",
+    )
+    commit_groups: str = flag(
+        "",
+        "consumer groups (comma-separated) that must each acknowledge a sample before its "
+        "record is freed (empty: records live out --ttl-s)",
+    )
+    free_grace_s: float = flag(60.0, "seconds a freed record stays readable")
+    memory_budget: float = flag(
+        0.9,
+        "fraction of each Redis node's maxmemory routes may fill before writes are refused "
+        "with RESOURCE_EXHAUSTED (0: no budget)",
+    )
     ready_max_block_ms: int = flag(10_000, "longest wait for new entries a ReadReady may ask for")
     health_interval_s: float = flag(1.0, "seconds between Redis health probes")
     health_timeout_s: float = flag(
@@ -94,10 +109,20 @@ class Config:
             raise ValueError(f"max_write_chunks must be >= 1, got {self.max_write_chunks}")
         if self.ready_maxlen < 0:
             raise ValueError(f"ready_maxlen must be >= 0, got {self.ready_maxlen}")
+        if not 0 <= self.memory_budget <= 1:
+            raise ValueError(f"memory_budget must be in [0, 1], got {self.memory_budget}")
+        if self.free_grace_s < 0:
+            raise ValueError(f"free_grace_s must be >= 0, got {self.free_grace_s}")
+        if self.commit_groups and not self.ready_stream:
+            raise ValueError("commit_groups needs the ready feed (--ready-stream)")
         if not 0 <= self.ready_max_block_ms <= MAX_BLOCK_MS:
             raise ValueError(
                 f"ready_max_block_ms must be in [0, {MAX_BLOCK_MS}], got {self.ready_max_block_ms}"
             )
+
+    @property
+    def commit_group_names(self) -> tuple[str, ...]:
+        return tuple(g.strip() for g in self.commit_groups.split(",") if g.strip())
 
     @property
     def shutdown_budget_s(self) -> float:

@@ -117,6 +117,7 @@ class domain_errors_from_redis:
         if exc_type is not None and issubclass(exc_type, redis.exceptions.OutOfMemoryError):
             raise ResourceExhausted(
                 f"redis refused the write at its memory limit (maxmemory): {exc}; nothing was "
-                "stored"
+                "stored, retry later (records are freed as the trainer commits them)",
+                retry_after_s=1.0,
             ) from exc
         return False

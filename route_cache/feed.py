@@ -38,8 +38,8 @@ import redis
 import redis.cluster
 
 from route_cache.connection import WAIT_TIMEOUT_MS, domain_errors_from_redis, replicated
-from route_cache.record_format import settled_key
-from route_cache.store import Announcement
+from route_cache.record_format import record_key, routes_key, settled_key
+from route_cache.store import Announcement, stream_full
 from routereplay.domain.feed import ReadyEntry, ReadyPage, ReadyRead
 from routereplay.errors import InvalidArgument, Unavailable
 
@@ -51,17 +51,78 @@ _ENTRY_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
 
 _UINT64_MAX = 2**64 - 1
 
-# KEYS: a sample's settled hash. ARGV: consumer group, the claim, its time to live in ms (0:
-# kept). Claims the sample unless another claim holds; returns the claim that holds. One
+# KEYS: a sample's settled hash, its record, its routes. ARGV: consumer group, the claim, its
+# time to live in ms (0: kept), the record's grace in ms once every commit group claimed it,
+# the settled hash's time to live then, and the commit groups. Claims the sample unless
+# another claim holds; returns the claim that holds, and 1 when the record is now freed (its
+# expiry brought down to the grace: PEXPIRE LT never lengthens it, so a repeat is a no-op). One
 # script, not HSETNX then HGET on a pipeline: a cluster pipeline whose connection is reset
 # retries its failed commands one by one, and its HGET then ran before its HSETNX (nil: the
 # fault run's proxy_drop told a sole consumer its sample was taken, and nobody trained it).
+# And one script with the freeing: a record is freed only in the step that sees the last
+# commit group's claim, all on the record's slot.
 _CLAIM = """
 redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
 if tonumber(ARGV[3]) > 0 then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
 end
-return redis.call('HGET', KEYS[1], ARGV[1])
+local claim = redis.call('HGET', KEYS[1], ARGV[1])
+if #ARGV < 6 then return {claim, 0} end
+for i = 6, #ARGV do
+  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 then return {claim, 0} end
+end
+local freed = redis.call('PEXPIRE', KEYS[2], ARGV[4], 'LT')
+redis.call('PEXPIRE', KEYS[3], ARGV[4], 'LT')
+redis.call('PEXPIRE', KEYS[1], ARGV[5], 'LT')
+return {claim, freed}
+"""
+
+# KEYS: the stream. ARGV: its cap (0: none), then the entry's fields and values. Adds the
+# entry unless the stream holds the cap already (false: refused, nothing added).
+_PUBLISH = """
+if tonumber(ARGV[1]) > 0 and redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then
+  return false
+end
+return redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
+"""
+
+# KEYS: the stream. ARGV: how long acknowledged entries are kept (ms), then the commit groups.
+# Trims the entries every consumer group has acknowledged: those older than the oldest entry
+# any group has pending, or has not been delivered yet (just after its last-delivered id), and
+# older than the time kept (by Redis's clock, the one entry ids come from). Nothing while a
+# commit group does not exist yet: it would read from the stream's start. Returns how many
+# entries went.
+_TRIM = """
+local oldest_ms, oldest_seq = nil, nil
+local function keep(id)
+  local ms, seq = string.match(id, '(%d+)-(%d+)')
+  ms, seq = tonumber(ms), tonumber(seq)
+  if oldest_ms == nil or ms < oldest_ms or (ms == oldest_ms and seq < oldest_seq) then
+    oldest_ms, oldest_seq = ms, seq
+  end
+end
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
+local seen = {}
+for _, group in ipairs(groups) do
+  local info = {}
+  for i = 1, #group, 2 do info[group[i]] = group[i + 1] end
+  seen[info['name']] = true
+  if tonumber(info['pending']) > 0 then
+    keep(redis.call('XPENDING', KEYS[1], info['name'])[2])
+  else
+    local ms, seq = string.match(info['last-delivered-id'], '(%d+)-(%d+)')
+    keep(ms .. '-' .. (tonumber(seq) + 1))
+  end
+end
+for i = 2, #ARGV do
+  if not seen[ARGV[i]] then return 0 end
+end
+if oldest_ms == nil then return 0 end
+local now = redis.call('TIME')
+local kept_from = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) - tonumber(ARGV[1])
+if kept_from < oldest_ms then oldest_ms, oldest_seq = kept_from, 0 end
+return redis.call('XTRIM', KEYS[1], 'MINID', string.format('%d-%d', oldest_ms, oldest_seq))
 """
 
 # KEYS: a sample's settled hash. ARGV: consumer group, the claim seen, the new claim. Hands
@@ -92,17 +153,30 @@ def check_entry_id(entry_id: str, name: str) -> None:
 
 
 class ReadyFeed:
-    """Publishes, reads and acknowledges ready entries.
+    """Publishes, reads and acknowledges ready entries, and frees what every commit group
+    acknowledged.
 
     Args:
         client: a ``redis.Redis`` or ``redis.cluster.RedisCluster`` (passed in, never global).
         stream: the stream's key.
-        maxlen: keep about this many entries (approximate trimming); 0 keeps all.
+        maxlen: the most entries the stream may hold (0: no cap). At the cap, a write's
+            announcement is refused (ResourceExhausted, nothing stored where the stream
+            shares the record's server) rather than the oldest entries dropped: entries leave
+            the stream once every consumer group has acknowledged them (``trim``).
         wait_replicas, wait_timeout_ms: replicas that must hold an announcement or an
             acknowledgement before it is answered (see the module docstring), and how long to
             wait for them.
         settled_ttl_ms: how long a sample's claim by the entry that settled it is kept (the
             records' time to live: a repeat can only announce a stored record); 0 keeps it.
+        commit_groups: the consumer groups that must each acknowledge a sample before its
+            record is freed (none: records live out their time to live).
+        free_grace_ms: how long a freed record stays readable (a debugging re-read).
+        fence_ms: how long a freed sample's claims are kept: a writer's late retry of a
+            freed record is stored and announced again, and the claims then tell the
+            consumers it was trained (and free it again).
+        keep_acked_ms: how long acknowledged entries stay in the stream: a consumer whose
+            acknowledgement's answer was lost retries it, and the retry finds its sample's
+            claim through the entry (see ``ack``).
     """
 
     def __init__(
@@ -113,6 +187,10 @@ class ReadyFeed:
         wait_replicas: int = 0,
         wait_timeout_ms: int = WAIT_TIMEOUT_MS,
         settled_ttl_ms: int = 0,
+        commit_groups: Sequence[str] = (),
+        free_grace_ms: int = 60_000,
+        fence_ms: int = 3_600_000,
+        keep_acked_ms: int = 300_000,
     ):
         self.client = client
         self.stream = stream
@@ -120,6 +198,12 @@ class ReadyFeed:
         self.wait_replicas = wait_replicas
         self.wait_timeout_ms = wait_timeout_ms
         self.settled_ttl_ms = settled_ttl_ms
+        self.commit_groups = tuple(commit_groups)
+        self.free_grace_ms = free_grace_ms
+        self.fence_ms = max(fence_ms, free_grace_ms)
+        self.keep_acked_ms = keep_acked_ms
+        self.freed = 0  # records freed by this process's acknowledgements
+        self.trimmed = 0  # stream entries trimmed by this process
 
     def announcement(self, entry: ReadyEntry) -> Announcement | None:
         """``entry`` for a record's commit to add, where the stream shares the record's
@@ -129,20 +213,26 @@ class ReadyFeed:
         return Announcement(self.stream, self.maxlen, _entry_fields(entry))
 
     def publish(self, entry: ReadyEntry) -> str:
-        """Append ``entry`` (its ``entry_id`` is ignored). Returns the new entry id."""
-        fields = _entry_fields(entry)
-        maxlen = self.maxlen or None
+        """Append ``entry`` (its ``entry_id`` is ignored). Returns the new entry id.
+
+        Raises:
+            ResourceExhausted: the stream holds ``maxlen`` entries.
+        """
+        args = [self.maxlen, *(part for item in _entry_fields(entry).items() for part in item)]
         with domain_errors_from_redis():
             if not self.wait_replicas:
-                return _text(self.client.xadd(self.stream, fields, maxlen=maxlen, approximate=True))
-            (entry_id,), replicas = self._replicated(
-                lambda pipe: pipe.xadd(self.stream, fields, maxlen=maxlen, approximate=True)
-            )
-        if replicas < self.wait_replicas:
-            raise Unavailable(
-                f"{replicas} of {self.wait_replicas} replicas confirmed the announcement of "
-                f"{entry.sample_id!r} within {self.wait_timeout_ms} ms"
-            )
+                entry_id = self.client.eval(_PUBLISH, 1, self.stream, *args)
+            else:
+                (entry_id,), replicas = self._replicated(
+                    lambda pipe: pipe.eval(_PUBLISH, 1, self.stream, *args)
+                )
+                if replicas < self.wait_replicas and entry_id is not None:
+                    raise Unavailable(
+                        f"{replicas} of {self.wait_replicas} replicas confirmed the "
+                        f"announcement of {entry.sample_id!r} within {self.wait_timeout_ms} ms"
+                    )
+        if entry_id is None:
+            raise stream_full(self.stream, self.maxlen)
         return _text(entry_id)
 
     def read(self, read: ReadyRead) -> ReadyPage:
@@ -292,6 +382,38 @@ class ReadyFeed:
             )
         return settled
 
+    def trim(self) -> int:
+        """Drop the entries every consumer group has acknowledged (never one that a group
+        has pending or has not been delivered; nothing while a commit group is missing).
+        Returns how many went. The route cache runs it every second (``Upkeep``)."""
+        with domain_errors_from_redis():
+            trimmed = int(
+                self.client.eval(_TRIM, 1, self.stream, self.keep_acked_ms, *self.commit_groups)
+            )
+        self.trimmed += trimmed
+        return trimmed
+
+    def oldest_unconsumed_ms(self) -> dict[str, int]:
+        """Per consumer group, the stream time (ms since the epoch) of the oldest entry it
+        has pending or not yet delivered; groups with neither are left out."""
+        try:
+            groups = self.client.xinfo_groups(self.stream)
+        except redis.exceptions.ResponseError:  # no stream yet
+            return {}
+        oldest = {}
+        for group in groups:
+            name = _text(group["name"])
+            if int(group["pending"]):
+                first = self.client.xpending(self.stream, name)["min"]
+            else:
+                after = self.client.xrange(
+                    self.stream, min=f"({_text(group['last-delivered-id'])}", count=1
+                )
+                first = after[0][0] if after else None
+            if first is not None:
+                oldest[name] = _id(_text(first))[0]
+        return oldest
+
     def _samples(self, entry_ids: Sequence[str]) -> dict[str, str]:
         """The sample id of each entry still in the stream."""
         pipe = self.client.pipeline(transaction=False)
@@ -317,12 +439,19 @@ class ReadyFeed:
         this entry: nobody was told that lost entry settled (``ack`` needs the replicas), and
         without the handover no announcement of the sample could ever settle it again."""
         pipe = self.client.pipeline(transaction=False)
+        lifecycle = (self.free_grace_ms, self.fence_ms, *self.commit_groups)
         for entry_id, sample_id in samples.items():
             claim = f"{entry_id} {consumer}"
+            keys = (settled_key(sample_id), record_key(sample_id), routes_key(sample_id))
             pipe.execute_command(
-                "EVAL", _CLAIM, 1, settled_key(sample_id), group, claim, self.settled_ttl_ms
+                "EVAL", _CLAIM, 3, *keys, group, claim, self.settled_ttl_ms, *lifecycle
             )
-        owners = {e: _text(claim) for e, claim in zip(samples, pipe.execute(), strict=True)}
+        replies = pipe.execute()
+        owners = {e: _text(claim) for e, (claim, _) in zip(samples, replies, strict=True)}
+        freed = sum(int(f) for _, f in replies)
+        if freed:
+            self.freed += freed
+            log.debug("%d records freed: every commit group committed them", freed)
         lost = self._lost({_owner(claim)[0] for claim in owners.values()} - set(samples))
         for entry_id, claim in owners.items():
             if _owner(claim)[0] in lost:

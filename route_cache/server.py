@@ -11,6 +11,7 @@ from concurrent import futures
 import grpc
 from google.protobuf.message_factory import GetMessageClass
 
+from route_cache.budget import MemoryBudget, Upkeep
 from route_cache.cache import NAMESPACE, BlockWrite, RouteCache, Stored
 from route_cache.config import Config
 from route_cache.feed import ReadyFeed
@@ -325,6 +326,10 @@ def _in_daemon_thread(fn) -> futures.Future:
     return future
 
 
+# How often the ready stream is trimmed of what every consumer group acknowledged.
+TRIM_INTERVAL_S = 1.0
+
+
 class RouteCacheServer:
     """The route cache process: ``start()``, then ``stop(grace)`` or ``wait()``."""
 
@@ -339,15 +344,22 @@ class RouteCacheServer:
                 store.wait_replicas,
                 store.wait_timeout_ms,
                 store.ttl_ms,
+                config.commit_group_names,
+                int(config.free_grace_s * 1000),
             )
             if config.ready_stream
             else None
         )
+        self.budget = MemoryBudget(store.client, config.memory_budget)
         self.metrics = ServiceMetrics(NAMESPACE)
         self.grpc_server, self.health = make_server(
             config.limits, [SERVICE_NAME], config.security, self.metrics
         )
-        self.cache = RouteCache(store, config, self.feed, self.metrics.registry)
+        self.cache = RouteCache(store, config, self.feed, self.metrics.registry, self.budget)
+        tasks = [(self.budget.interval_s, self.budget.read)] if config.memory_budget else []
+        if self.feed is not None:
+            tasks.append((TRIM_INTERVAL_S, self.feed.trim))
+        self.upkeep = Upkeep(tasks)
         self.servicer = RouteCacheServicer(self.cache)
         _add_servicer(self.servicer, self.grpc_server)
         self.port = add_port(self.grpc_server, f"{config.host}:{config.port}", config.security)
@@ -357,6 +369,7 @@ class RouteCacheServer:
 
     def start(self) -> RouteCacheServer:
         self.redis_health.start()
+        self.upkeep.start()
         self.grpc_server.start()
         self.metrics.serve(self.config.metrics)
         if self.metrics.port:
@@ -370,11 +383,16 @@ class RouteCacheServer:
 
     def stop(self, grace_s: float | None = None) -> None:
         self.redis_health.stop()
+        self.upkeep.stop()
         set_serving(self.health, [SERVICE_NAME], False)
         self.grpc_server.stop(self.config.grace_s if grace_s is None else grace_s).wait()
         self.metrics.stop()
 
     def wait(self) -> None:
         """Serve until SIGTERM/SIGINT, then stop gracefully."""
-        wait_for_termination(self.grpc_server, self.config.grace_s, on_stop=self.redis_health.stop)
+        wait_for_termination(self.grpc_server, self.config.grace_s, on_stop=self._stop_threads)
         self.metrics.stop()
+
+    def _stop_threads(self) -> None:
+        self.redis_health.stop()
+        self.upkeep.stop()

@@ -71,26 +71,29 @@ from routereplay.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     Unavailable,
 )
 
 # KEYS: record, routes, staging, and the ready stream when the commit announces the record.
 # ARGV: geometry JSON, group, block field, block descriptor, tokens field, tokens, rows, ttl,
-# gen, then the stream's maxlen (0: untrimmed) and the entry's fields and values. The small
-# fields go first: HSET is the only command Redis may refuse at its memory limit, and then
-# nothing has changed (a script that has written may go on writing: the XADD too).
+# gen, then the stream's cap (0: none) and the entry's fields and values. A stream at its cap
+# refuses the write before anything changes (-3). The small fields go first: HSET is the only
+# command Redis may refuse at its memory limit, and then nothing has changed (a script that
+# has written may go on writing: the XADD too).
 _COMMIT = """
 local function announce(result)
   if KEYS[4] then
-    local args = {}
-    if tonumber(ARGV[10]) > 0 then args = {'MAXLEN', '~', ARGV[10]} end
-    table.insert(args, '*')
-    for i = 11, #ARGV do table.insert(args, ARGV[i]) end
-    redis.call('XADD', KEYS[4], unpack(args))
+    redis.call('XADD', KEYS[4], '*', unpack(ARGV, 11))
   end
   return result
 end
 if redis.call('EXISTS', KEYS[3]) == 0 then return -2 end
+if KEYS[4] and tonumber(ARGV[10]) > 0
+    and redis.call('XLEN', KEYS[4]) >= tonumber(ARGV[10]) then
+  redis.call('DEL', KEYS[3])
+  return -3
+end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   redis.call('DEL', KEYS[3])
   if redis.call('HGET', KEYS[1], 'geometry') == ARGV[1]
@@ -146,12 +149,23 @@ return {-1, rows}
 
 @dataclass(frozen=True)
 class Announcement:
-    """A stream entry for a write's commit to add: ``fields`` to ``stream``, trimmed near
-    ``maxlen`` entries (0: untrimmed). All its keys must share the record's server."""
+    """A stream entry for a write's commit to add: ``fields`` to ``stream``, refused when
+    the stream holds ``maxlen`` entries (0: no cap). All its keys must share the record's
+    server."""
 
     stream: str
     maxlen: int
     fields: dict[str, str | int]
+
+
+def stream_full(stream: str, maxlen: int) -> ResourceExhausted:
+    """The refusal of an announcement at the ready stream's cap."""
+    return ResourceExhausted(
+        f"the ready stream {stream!r} holds {maxlen} entries, its cap (--ready-maxlen): its "
+        "consumers are that far behind. Entries leave as every consumer group acknowledges "
+        "them; nothing was stored, retry later",
+        retry_after_s=1.0,
+    )
 
 
 # Route bytes a whole-record read fetches per round trip (``RouteStore``): one 32K-token
@@ -265,6 +279,8 @@ class RouteStore:
         result = self._run(key, queue)[-1]
         if result == -2:
             raise Unavailable(f"the staged record of {sample_id!r} vanished before its commit")
+        if result == -3:
+            raise stream_full(announcement.stream, announcement.maxlen)
         if result == -1:
             self._refuse_old_format(sample_id, "written again")
             raise AlreadyExists(f"sample_id {sample_id!r} already holds a different record")

@@ -3,9 +3,15 @@ them all and the client can raise the same classes back to its callers."""
 
 
 class RouteReplayError(Exception):
-    """Base class. ``status`` is the name of a ``grpc.StatusCode``."""
+    """Base class. ``status`` is the name of a ``grpc.StatusCode``; ``retry_after_s``, when
+    set, how long the caller should wait before trying again (sent as the call's
+    ``retry-after-ms`` trailer)."""
 
     status = "INTERNAL"
+
+    def __init__(self, *args, retry_after_s: float | None = None):
+        super().__init__(*args)
+        self.retry_after_s = retry_after_s
 
 
 class InvalidArgument(RouteReplayError):
@@ -29,6 +35,9 @@ class Unavailable(RouteReplayError):
 
 
 class ResourceExhausted(RouteReplayError):
+    """Over a limit: a server's, or the route cache's memory budget (then with
+    ``retry_after_s``: the write is refused whole, and the trainer frees memory as it commits)."""
+
     status = "RESOURCE_EXHAUSTED"
 
 
@@ -48,6 +57,9 @@ class CaptureError(RouteReplayError):
 
     status = "INTERNAL"
 
+
+# The trailer that carries ``retry_after_s`` (milliseconds, an integer).
+RETRY_AFTER_TRAILER = "retry-after-ms"
 
 BY_STATUS = {
     cls.status: cls

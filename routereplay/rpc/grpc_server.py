@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from routereplay.errors import InvalidArgument, RouteReplayError
+from routereplay.errors import RETRY_AFTER_TRAILER, InvalidArgument, RouteReplayError
 from routereplay.rpc.metrics import ServiceMetrics
 from routereplay.rpc.security import AioTokenInterceptor, ServerSecurity, TokenInterceptor
 from routereplay.rpc.service_config import flag
@@ -137,9 +137,17 @@ def _domain_status(exc: Exception) -> tuple[grpc.StatusCode, str] | None:
     return None
 
 
+def _retry_trailer(exc: Exception) -> tuple[tuple[str, str], ...] | None:
+    """The ``retry-after-ms`` trailer of a domain error that says when to try again."""
+    after = getattr(exc, "retry_after_s", None)
+    return None if after is None else ((RETRY_AFTER_TRAILER, str(round(after * 1000))),)
+
+
 def _abort(context: grpc.ServicerContext, exc: Exception, method: str):
     status = _domain_status(exc)
     if status is not None:
+        if trailer := _retry_trailer(exc):
+            context.set_trailing_metadata(trailer)
         context.abort(*status)
     if not context.is_active():  # the client went away: nothing to answer
         raise exc
@@ -152,6 +160,8 @@ async def _abort_aio(context: grpc.aio.ServicerContext, exc: Exception, method: 
         raise exc
     status = _domain_status(exc)
     if status is not None:
+        if trailer := _retry_trailer(exc):
+            context.set_trailing_metadata(trailer)
         await context.abort(*status)
     if context.done():  # the client went away: nothing to answer
         raise exc

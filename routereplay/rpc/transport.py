@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from routereplay.errors import BY_STATUS, RouteReplayError
+from routereplay.errors import BY_STATUS, RETRY_AFTER_TRAILER, RouteReplayError
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,15 @@ def domain_error(exc: grpc.RpcError) -> RouteReplayError:
     """The domain exception for a failed call, with the server's message."""
     code = exc.code()
     cls = BY_STATUS.get(code.name if code else "", RouteReplayError)
-    return cls(exc.details() or str(code))
+    return cls(exc.details() or str(code), retry_after_s=_retry_after_s(exc))
+
+
+def _retry_after_s(exc: grpc.RpcError) -> float | None:
+    trailers = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    for key, value in trailers or ():
+        if key == RETRY_AFTER_TRAILER:
+            return int(value) / 1000
+    return None
 
 
 def _same(value):

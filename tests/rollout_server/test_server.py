@@ -10,6 +10,7 @@ import asyncio
 import threading
 import time
 import uuid
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -344,6 +345,85 @@ def test_backpressure_refuses_with_unavailable(vllm_engine, loop):
     ((_, final),) = done.items()
     assert not final.stored and "retried" in final.store_error
     assert status.pending_writes == 1 and status.counters["refused_backpressure"] == 1
+
+
+def test_a_route_cache_at_its_memory_budget_holds_writes_and_admission(vllm_engine, loop):
+    """A real route cache whose Redis is at its memory budget: the sample generated meanwhile
+    waits in the writer (not failed, past ``write_retry_s`` too), new calls are refused with
+    RESOURCE_EXHAUSTED saying why, and once the trainer's group commits what it trained (the
+    records freed) the held record lands whole and generation is admitted again."""
+    from rollout_server.server import RolloutServer
+    from route_cache.config import Config as CacheConfig
+    from route_cache.connection import connect
+    from route_cache.server import RouteCacheServer
+    from route_cache.store import RouteStore
+    from routereplay.dev.redis_nodes import RedisProcess
+    from routereplay.dev.synthetic import QWEN3_30B_A3B, synthetic_record
+    from routereplay.errors import ResourceExhausted
+    from routereplay.rpc.client import RouteCacheClient
+    from routereplay.rpc.ready import ReadyConsumer
+
+    node = RedisProcess("--maxmemory", "4mb", "--maxmemory-policy", "noeviction").start()
+    store = RouteStore(connect(node.url, cluster=False), ttl_ms=600_000)
+    cache_config = CacheConfig(
+        host="127.0.0.1",
+        port=0,
+        grace_s=1,
+        memory_budget=0.5,
+        commit_groups="trainer",
+        free_grace_s=0,
+    )
+    cache = RouteCacheServer(cache_config, store).start()
+    target = f"127.0.0.1:{cache.port}"
+    feeder = RouteCacheClient(target, timeout_s=10)
+    # Other samples' records, written past the budget through a route cache without one (on
+    # the same Redis and ready stream), so that Redis's own small ups and downs cannot bring
+    # it back under the budget before the trainer commits.
+    unbudgeted = RouteCacheServer(replace(cache_config, memory_budget=0), store).start()
+    filled, rng = 0, np.random.default_rng(0)
+    with RouteCacheClient(f"127.0.0.1:{unbudgeted.port}", timeout_s=10) as writer:
+        while cache.budget.read()["redis"].used < 0.6 * 4 * 2**20:
+            writer.write(synthetic_record(f"fill-{filled}", QWEN3_30B_A3B, 300, rng))
+            filled += 1
+    unbudgeted.stop(0)
+    config = rollout_config(target, store_wait_s=0.5, write_retry_s=1, cache_timeout_s=2)
+
+    async def run():
+        server = await RolloutServer(config, vllm_engine).start()
+        client = AsyncRolloutClient(f"127.0.0.1:{server.port}")
+        try:
+            first = await events_of(client.generate("hello", GREEDY))
+            await asyncio.sleep(1.5)  # past write_retry_s: still held, not given up
+            with pytest.raises(ResourceExhausted, match="wait here for room") as refused:
+                await events_of(client.generate("hello", GREEDY))
+            assert refused.value.retry_after_s > 0
+            held = server.rollout.writer.held_for_memory
+            trainer = ReadyConsumer(feeder, "trainer", "t0", 1, max_entries=256, block_ms=200)
+            assert len(trainer.settle(trainer.next_groups(filled, timeout_s=10))) == filled
+            cache.budget.read()
+            for _ in range(100):
+                if not server.rollout.writer.num_pending:
+                    break
+                await asyncio.sleep(0.1)
+            again = await events_of(client.generate("hello", GREEDY))
+            return first, held, again, server.rollout.writer.counters
+        finally:
+            await client.close()
+            await server.stop(0.5)
+
+    try:
+        first, held, again, counters = loop.run_until_complete(run())
+        ((sid, final),) = split(first)[1].items()
+        assert not final.stored and held == 1
+        assert feeder.stat(sid).num_tokens == final.num_tokens  # landed whole afterwards
+        ((_, done),) = split(again)[1].items()
+        assert done.stored
+        assert counters["writes_failed"] == 0 and counters["writes_held_for_memory"] >= 1
+    finally:
+        feeder.close()
+        cache.stop(0)
+        store.client.close()
+        node.stop()
 
 
 def test_server_status(rollout, loop):

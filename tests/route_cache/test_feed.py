@@ -120,17 +120,6 @@ def test_a_refused_write_announces_nothing(feed, rng, sid):
     assert entries[0][1][b"num_tokens"] == b"8"
 
 
-def test_announcements_keep_the_stream_near_maxlen(store, rng, sid):
-    """Each announcement trims the stream (approximately: whole nodes of entries)."""
-    feed = Feed(store, ready_maxlen=10)
-    try:
-        for _ in range(250):
-            feed.write(rng, sid())
-        assert 10 <= feed.redis.xlen(feed.stream) < 250
-    finally:
-        feed.close()
-
-
 def test_a_multi_turn_sample_is_announced_when_complete(feed, rng, sid):
     """``more_turns`` on the write holds the announcement back; the append marked ``final``
     announces the whole record (its token count, every turn's version); other appends don't."""

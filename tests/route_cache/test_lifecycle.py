@@ -1,0 +1,148 @@
+"""The run's lifecycle over real gRPC and real Redis: records freed once every commit group
+acknowledged them, the ready stream trimmed by consumption and capped by refusal, and writes
+refused at the memory budget, whole, until the trainer catches up (docs/route_cache.md,
+"Lifecycle")."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from route_cache.record_format import record_key, routes_key
+from routereplay.dev.redis_nodes import RedisProcess
+from routereplay.dev.synthetic import synthetic_record
+from routereplay.errors import NotFound, ResourceExhausted
+from tests.route_cache.conftest import SMALL
+from tests.route_cache.test_feed import Feed
+
+
+def _entries(feed: Feed) -> list[str]:
+    return [
+        sample
+        for _, fields in feed.redis.xrange(feed.stream)
+        for sample in [fields[b"sample_id"].decode()]
+    ]
+
+
+def test_a_record_is_freed_once_every_commit_group_acknowledged_it(store, rng, sid):
+    """Declared groups ``a`` and ``b``: ``a``'s acknowledgement (and ``c``'s, undeclared)
+    leaves the record whole; ``b``'s frees it after the grace, and a repeat changes nothing."""
+    feed = Feed(store, commit_groups="a,b", free_grace_s=0.5)
+    try:
+        record = feed.write(rng, sid())
+        keys = (record_key(record.sample_id), routes_key(record.sample_id))
+        for group in ("a", "c"):
+            consumer = feed.consumer(group, group=group)
+            assert len(consumer.settle(consumer.next_groups(1, timeout_s=2))) == 1
+            assert feed.client.stat(record.sample_id).sample_id == record.sample_id
+            assert all(feed.redis.pttl(k) > 60_000 for k in keys), group
+        last = feed.consumer("b", group="b")
+        assert len(last.settle(last.next_groups(1, timeout_s=2))) == 1
+        assert all(0 < feed.redis.pttl(k) <= 500 for k in keys)
+        assert feed.server.feed.freed == 1
+        feed.client.ack_ready("b", [feed.redis.xrange(feed.stream)[0][0].decode()], "b")
+        assert all(0 < feed.redis.pttl(k) <= 500 for k in keys)  # not lengthened again
+        time.sleep(0.6)
+        with pytest.raises(NotFound):
+            feed.client.stat(record.sample_id)
+    finally:
+        feed.close()
+
+
+def test_trim_drops_only_what_every_group_acknowledged(store, rng, sid):
+    """Group ``a`` acknowledges all 6 entries; ``b`` has 4 delivered, the 2nd of them still
+    pending. The trim keeps from ``b``'s pending entry on: the 1st entry goes, nothing else."""
+    feed = Feed(store, commit_groups="a,b")
+    try:
+        samples = [feed.write(rng, sid()).sample_id for _ in range(6)]
+        feed.server.feed.keep_acked_ms = 0  # the retry window, tested below
+        assert feed.server.feed.trim() == 0  # b has not read: nothing is everybody's yet
+        a = feed.consumer("a", group="a")
+        a.ack(a.next_groups(6, timeout_s=2))
+        assert feed.server.feed.trim() == 0  # b (declared) does not exist yet
+        page = feed.client.read_ready("b", "b0", max_entries=4)
+        acked = [e.entry_id for e in page.entries if e.sample_id != samples[1]]
+        feed.client.ack_ready("b", acked, "b0")
+        assert feed.server.feed.trim() == 1
+        assert _entries(feed) == samples[1:]
+        feed.client.ack_ready("b", [page.entries[1].entry_id], "b0")
+        feed.server.feed.keep_acked_ms = 60_000  # entries this young stay, acknowledged or not
+        assert feed.server.feed.trim() == 0
+        feed.server.feed.keep_acked_ms = 0
+        assert feed.server.feed.trim() == 3  # up to b's first undelivered entry
+        assert _entries(feed) == samples[4:]
+    finally:
+        feed.close()
+
+
+def test_the_stream_refuses_announcements_at_its_cap(store, rng, sid):
+    """At the cap a write is refused with RESOURCE_EXHAUSTED and a retry time; the oldest
+    entries are never dropped. Once the consumers catch up (acknowledged, trimmed) the
+    writer's retry lands and is announced."""
+    feed = Feed(store, ready_maxlen=3)
+    try:
+        samples = [feed.write(rng, sid()).sample_id for _ in range(3)]
+        late = synthetic_record(sid(), SMALL, 8, rng)
+        with pytest.raises(ResourceExhausted) as refused:
+            feed.client.write(late)
+        assert "cap" in str(refused.value) and refused.value.retry_after_s > 0
+        assert _entries(feed) == samples
+        consumer = feed.consumer("t")
+        consumer.ack(consumer.next_groups(3, timeout_s=2))
+        feed.server.feed.keep_acked_ms = 0
+        feed.server.feed.trim()
+        feed.client.write(late)
+        assert _entries(feed) == [late.sample_id]
+        (group,) = consumer.next_groups(1, timeout_s=2)
+        assert group.sample_ids == [late.sample_id]
+    finally:
+        feed.close()
+
+
+@pytest.fixture
+def small_redis():
+    """A Redis of its own with 4 MiB of maxmemory, as deployed: noeviction."""
+    node = RedisProcess("--maxmemory", "4mb", "--maxmemory-policy", "noeviction").start()
+    yield node
+    node.stop()
+
+
+def test_writes_are_refused_whole_at_the_memory_budget(small_redis, rng, sid):
+    """Writes of 64 KiB records land until Redis holds half its maxmemory; the next is
+    refused with RESOURCE_EXHAUSTED and a retry time, before any of it is stored, and counted.
+    The trainer commits (its group acknowledges: the records are freed), and writes land
+    again."""
+    from route_cache.connection import connect
+    from route_cache.store import RouteStore
+
+    store = RouteStore(connect(small_redis.url, cluster=False), ttl_ms=600_000)
+    feed = Feed(store, memory_budget=0.5, commit_groups="trainer", free_grace_s=0)
+    try:
+        feed.server.budget.read()
+        written, refused = [], None
+        for _ in range(100):
+            record = synthetic_record(sid(), SMALL, 3000, rng)
+            try:
+                feed.client.write(record)
+            except ResourceExhausted as exc:
+                refused = (record, exc)
+                break
+            written.append(record.sample_id)
+            feed.server.budget.read()  # the upkeep thread's next reading, now
+        assert refused is not None and len(written) > 3
+        record, exc = refused
+        assert "memory budget" in str(exc) and exc.retry_after_s >= 1
+        with pytest.raises(NotFound):
+            feed.client.stat(record.sample_id)
+        assert feed.server.cache.metrics.refused_for_memory._value.get() == 1
+        info = feed.redis.info("memory")
+        assert info["used_memory"] < info["maxmemory"]  # refused before Redis was full
+        consumer = feed.consumer("trainer", max_entries=100)
+        assert len(consumer.settle(consumer.next_groups(len(written), timeout_s=5))) == len(written)
+        feed.server.budget.read()
+        feed.client.write(record)
+        assert feed.client.stat(record.sample_id).sample_id == record.sample_id
+    finally:
+        feed.close()
+        store.client.close()
