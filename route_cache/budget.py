@@ -2,21 +2,25 @@
 
 Redis with ``maxmemory`` and ``noeviction`` refuses a write only once it is full, and then it
 refuses every write, the ready feed's acknowledgements' bookkeeping included. The budget acts
-earlier: a write or append whose record lands on a Redis node holding ``fraction`` of its
-``maxmemory`` or more is answered RESOURCE_EXHAUSTED with ``retry_after_s``, before any of
-its bytes are received, and nothing is stored. Memory comes back as the trainer commits what
+earlier: a write or append whose bytes would take a Redis node past ``fraction`` of its
+``maxmemory`` is answered RESOURCE_EXHAUSTED with ``retry_after_s``, before any of its bytes
+are received, and nothing is stored. Memory comes back as the trainer commits what
 it trained (``ReadyFeed``: records freed after every commit group's acknowledgement), so the
 writers' retries land once it catches up.
 
 Each node's ``used_memory`` and ``maxmemory`` are read from ``INFO memory`` by ``Upkeep``, a
-background thread, every ``interval_s`` (no round trip on the write path): a write may pass on
-a reading up to ``interval_s`` old, which is what ``1 - fraction`` of ``maxmemory`` must
-absorb, beside the append-only file's rewrite buffer. A node whose ``maxmemory`` is 0 has no
+background thread, every ``interval_s`` (no round trip on the write path); between two
+readings, each write's bytes are added to its node's figure as it is admitted (``reserve``).
+What ``1 - fraction`` of ``maxmemory`` must absorb: Redis's own overhead per record, the
+writes of other route cache replicas since the last reading, and the ready feed's
+bookkeeping, which the acknowledgements that free memory need (their script may run at the
+memory limit: ``route_cache.feed``). A node whose ``maxmemory`` is 0 has no
 budget. In a Redis Cluster every master is read, and a write is held to its own record's node.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -57,6 +61,10 @@ class MemoryBudget:
         self.fraction = fraction
         self.interval_s = interval_s
         self.nodes: dict[str, NodeMemory] = {}
+        self._lock = threading.Lock()
+        self.refused = 0  # writes refused at the budget
+        self._since: dict[str, int] = {}  # bytes committed here since the node's last reading
+        self._in_flight: dict[str, int] = {}  # bytes of writes reserved here, not yet done
 
     def read(self) -> dict[str, NodeMemory]:
         """Read every master's memory now (a node that cannot be reached keeps its last
@@ -67,26 +75,46 @@ class MemoryBudget:
                 info = node.info("memory")
             except redis.exceptions.RedisError:
                 continue
+            with self._lock:
+                self._since[name] = 0  # the reading holds what was committed before it
             nodes[name] = NodeMemory(name, int(info["used_memory"]), int(info["maxmemory"]))
         self.nodes = nodes
         return nodes
 
-    def check(self, key: str) -> None:
-        """Raise ResourceExhausted when ``key``'s node is at its budget."""
-        if not self.fraction:
-            return
-        memory = self.nodes.get(self._node_of(key))
-        if memory is None or not memory.maxmemory:
+    @contextlib.contextmanager
+    def reserve(self, key: str, size: int):
+        """Hold ``size`` bytes of ``key``'s node's budget for one write, or raise
+        ResourceExhausted (nothing received yet). Counted against the budget: the last
+        reading, what this process committed since it, and the writes in flight here, so
+        that a burst of writes between two readings cannot pass the budget together."""
+        node = self._node_of(key)
+        memory = self.nodes.get(node)
+        if not self.fraction or memory is None or not memory.maxmemory:
+            yield
             return
         budget = int(self.fraction * memory.maxmemory)
-        if memory.used >= budget:
-            raise ResourceExhausted(
-                f"the route cache is at its memory budget: Redis node {memory.node} holds "
-                f"{memory.used / MIB:.0f} MiB, the budget is {budget / MIB:.0f} MiB "
-                f"({self.fraction:g} of maxmemory {memory.maxmemory / MIB:.0f} MiB). Records "
-                "are freed as the trainer commits them: nothing was stored, retry later",
-                retry_after_s=max(4 * self.interval_s, 1.0),
-            )
+        with self._lock:
+            held = memory.used + self._since.get(node, 0) + self._in_flight.get(node, 0)
+            if held + size > budget:
+                self.refused += 1
+                raise ResourceExhausted(
+                    f"the route cache is at its memory budget: Redis node {memory.node} holds "
+                    f"{held / MIB:.0f} MiB with the writes in flight, the budget is "
+                    f"{budget / MIB:.0f} MiB ({self.fraction:g} of maxmemory "
+                    f"{memory.maxmemory / MIB:.0f} MiB). Records are freed as the trainer "
+                    "commits them: nothing was stored, retry later",
+                    retry_after_s=max(4 * self.interval_s, 1.0),
+                )
+            self._in_flight[node] = self._in_flight.get(node, 0) + size
+        committed = False
+        try:
+            yield
+            committed = True
+        finally:
+            with self._lock:
+                self._in_flight[node] -= size
+                if committed:
+                    self._since[node] = self._since.get(node, 0) + size
 
     def used_fraction(self) -> dict[str, float]:
         """Each node's used memory as a fraction of its budget (nodes with a budget)."""

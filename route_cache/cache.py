@@ -139,12 +139,6 @@ class CacheMetrics:
             namespace=NAMESPACE,
             registry=registry,
         )
-        self.refused_for_memory = Counter(
-            "writes_refused_for_memory",
-            "Writes and appends refused at the memory budget (RESOURCE_EXHAUSTED; retried)",
-            namespace=NAMESPACE,
-            registry=registry,
-        )
         self.committed_as, self.refused_as = children(self.committed), children(self.refused)
         if feed is not None:
             registry.register(_BacklogCollector(feed))
@@ -220,8 +214,12 @@ class _MemoryCollector:
             used.add_metric([node], memory.used)
         for node, ratio in self.budget.used_fraction().items():
             share.add_metric([node], ratio)
-        yield used
-        yield share
+        refused = CounterMetricFamily(
+            f"{NAMESPACE}_writes_refused_for_memory",
+            "Writes and appends refused at the memory budget (RESOURCE_EXHAUSTED; retried)",
+        )
+        refused.add_metric([], self.budget.refused)
+        yield from (used, share, refused)
 
 
 class RouteCache:
@@ -240,8 +238,8 @@ class RouteCache:
         self.store = store
         self.config = config
         self.feed = feed
-        self.budget = budget
-        self.metrics = CacheMetrics(registry or CollectorRegistry(), feed, budget)
+        self.budget = budget or MemoryBudget(store.client, 0.0)
+        self.metrics = CacheMetrics(registry or CollectorRegistry(), feed, self.budget)
         idcheck.warm_up()  # the id check's kernels compiled (or loaded) before the first write
 
     # Writes ------------------------------------------------------------------------------
@@ -270,12 +268,10 @@ class RouteCache:
         # A duplicate is announced again: the first announcement may have been lost. The
         # writer hears back only after the announcement, so its retries make delivery at
         # least once.
-        if self.budget is not None:
-            try:
-                self.budget.check(record_key(write.sample_id))
-            except ResourceExhausted:
-                self.metrics.refused_for_memory.inc()
-                raise
+        with self.budget.reserve(record_key(write.sample_id), write.block.encoded_size):
+            return self._commit(write, data)
+
+    def _commit(self, write: BlockWrite, data: Iterable[bytes]) -> Stored:
         block = self._receive(write, data)
         announce = self.feed is not None and write.announce
         if write.append:

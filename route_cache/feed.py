@@ -13,9 +13,14 @@ two leaves the record committed but unannounced until the writer's retry (a dupl
 announces it.
 
 Entries hold ``sample_id``, ``group_id``, ``num_tokens`` and ``policy_versions`` (the turns'
-versions, comma-separated). The stream is capped near ``maxlen`` entries (``XADD MAXLEN ~``):
-a consumer group more than that far behind loses the oldest entries it had not read, and
-pending entries trimmed before their acknowledgement come back as ``trimmed`` counts.
+versions, comma-separated). The stream is trimmed by consumption (``trim``: what every consumer
+group acknowledged), and ``maxlen`` is a hard cap that refuses announcements (and so writes)
+rather than dropping entries a group has not read. Pending entries removed by hand before
+their acknowledgement come back as ``trimmed`` counts.
+
+The acknowledgement frees: once every group of ``commit_groups`` holds a claim on a sample, the
+claim script brings its record's expiry down to ``free_grace_ms`` (docs/route_cache.md,
+"Lifecycle").
 
 With the route cache's ``--wait-replicas``, an announcement is answered only once that many
 replicas hold it (``WAIT``, as for records), so a failover of the stream's master cannot lose
@@ -60,8 +65,10 @@ _UINT64_MAX = 2**64 - 1
 # retries its failed commands one by one, and its HGET then ran before its HSETNX (nil: the
 # fault run's proxy_drop told a sole consumer its sample was taken, and nobody trained it).
 # And one script with the freeing: a record is freed only in the step that sees the last
-# commit group's claim, all on the record's slot.
-_CLAIM = """
+# commit group's claim, all on the record's slot. It may run at Redis's memory limit
+# (allow-oom): it is what frees memory, and a full Redis must not stop it (a run's trainer
+# could then never acknowledge, and nothing would ever be freed).
+_CLAIM = """#!lua flags=allow-oom
 redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
 if tonumber(ARGV[3]) > 0 then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
@@ -127,7 +134,7 @@ return redis.call('XTRIM', KEYS[1], 'MINID', string.format('%d-%d', oldest_ms, o
 
 # KEYS: a sample's settled hash. ARGV: consumer group, the claim seen, the new claim. Hands
 # the claim over only if it is still the one seen (two new entries race for it).
-_TAKE_OVER = """
+_TAKE_OVER = """#!lua flags=allow-oom
 if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
 end

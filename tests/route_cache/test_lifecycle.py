@@ -135,7 +135,7 @@ def test_writes_are_refused_whole_at_the_memory_budget(small_redis, rng, sid):
         assert "memory budget" in str(exc) and exc.retry_after_s >= 1
         with pytest.raises(NotFound):
             feed.client.stat(record.sample_id)
-        assert feed.server.cache.metrics.refused_for_memory._value.get() == 1
+        assert feed.server.budget.refused == 1
         info = feed.redis.info("memory")
         assert info["used_memory"] < info["maxmemory"]  # refused before Redis was full
         consumer = feed.consumer("trainer", max_entries=100)
@@ -143,6 +143,32 @@ def test_writes_are_refused_whole_at_the_memory_budget(small_redis, rng, sid):
         feed.server.budget.read()
         feed.client.write(record)
         assert feed.client.stat(record.sample_id).sample_id == record.sample_id
+    finally:
+        feed.close()
+        store.client.close()
+
+
+def test_acknowledgements_free_records_at_redis_own_memory_limit(small_redis, rng, sid):
+    """No budget: writes fill Redis to its maxmemory and it refuses them itself. The trainer's
+    acknowledgements (a claim script that writes) still run, and free what it committed."""
+    from route_cache.connection import connect
+    from route_cache.store import RouteStore
+
+    store = RouteStore(connect(small_redis.url, cluster=False), ttl_ms=600_000)
+    feed = Feed(store, memory_budget=0, commit_groups="trainer", free_grace_s=0)
+    try:
+        feed.client.read_ready("trainer", "trainer")  # the group, made before the run
+        written = []
+        with pytest.raises(ResourceExhausted, match="maxmemory") as refused:
+            for _ in range(200):
+                record = synthetic_record(sid(), SMALL, 3000, rng)
+                feed.client.write(record)
+                written.append(record.sample_id)
+        assert refused.value.retry_after_s and len(written) > 3
+        consumer = feed.consumer("trainer", max_entries=200)
+        settled = consumer.settle(consumer.next_groups(len(written), timeout_s=5))
+        assert len(settled) == len(written) and feed.server.feed.freed == len(written)
+        feed.client.write(synthetic_record(sid(), SMALL, 3000, rng))
     finally:
         feed.close()
         store.client.close()
