@@ -8,6 +8,11 @@ A SOURCE is a records file (``.npz`` / ``.pt``) or ``cache:HOST:PORT`` (then nam
   routes import FILE cache:HOST:PORT         records from a file into the cache
   routes plot SOURCE [IDS...] --out PNG [--against OTHER]
                                              expert load per layer (and agreement) as a figure
+  routes size CONFIG --tokens T --samples-per-step N [--steps-ahead A]
+      [--checkpoint-interval C] [--logprob-tokens G] [--maxmemory 2gb] [--masters M]
+                                             route bytes per token, sample and step, and the
+                                             Redis memory a run needs (CONFIG: a checkpoint
+                                             folder or its config.json)
 """
 
 from __future__ import annotations
@@ -24,6 +29,15 @@ from routereplay.domain.record_file import load_records, save_records
 from routereplay.domain.route_stats import agreement, expert_load, summarize_load
 from routereplay.errors import RouteReplayError
 from routereplay.rpc.client import RouteCacheClient
+from routereplay.sizing import (
+    MEMORY_BUDGET,
+    Run,
+    geometry_of,
+    parse_memory,
+    read_config,
+    report,
+    size_run,
+)
 
 CACHE = "cache:"
 
@@ -158,6 +172,25 @@ def _plot(args) -> str:
     return f"wrote {plot(records, args.out, against)}"
 
 
+def _size(args) -> str:
+    try:
+        config, model_id = read_config(args.config)
+        geometry = geometry_of(config, model_id, str(args.config))
+        run = Run(
+            args.tokens,
+            args.samples_per_step,
+            args.steps_ahead,
+            args.checkpoint_interval,
+            args.logprob_tokens,
+        )
+        maxmemory = parse_memory(args.maxmemory) if args.maxmemory else None
+        if args.masters < 1 or not 0 < args.memory_budget <= 1:
+            raise ValueError("--masters must be >= 1 and --memory-budget in (0, 1]")
+    except ValueError as exc:
+        raise SystemExit(f"routes size: {exc}") from exc
+    return report(size_run(geometry, run), maxmemory, args.masters, args.memory_budget)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="routes", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -187,6 +220,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--against", default="")
     p.set_defaults(run=_plot)
+    p = sub.add_parser("size", help="the Redis memory a run needs (docs/deployment.md)")
+    p.add_argument("config", help="a checkpoint folder, or its config.json")
+    p.add_argument("--tokens", type=int, required=True, help="tokens per sample")
+    p.add_argument("--samples-per-step", type=int, required=True)
+    p.add_argument("--steps-ahead", type=int, default=1, help="rollout steps ahead of training")
+    p.add_argument("--checkpoint-interval", type=int, default=1, help="steps per checkpoint")
+    p.add_argument(
+        "--logprob-tokens", type=int, default=0, help="generated tokens with stored log-probs"
+    )
+    p.add_argument("--maxmemory", default="", help="a Redis maxmemory to check (e.g. 2gb)")
+    p.add_argument("--masters", type=int, default=1, help="Redis Cluster masters (1: one Redis)")
+    p.add_argument(
+        "--memory-budget",
+        type=float,
+        default=MEMORY_BUDGET,
+        help="the route cache's --memory-budget: the share of maxmemory routes may fill",
+    )
+    p.set_defaults(run=_size)
     args = parser.parse_args(argv)
     try:
         print(args.run(args))
