@@ -70,6 +70,7 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from benchmarks.fault_history import (
+    TRAINER,
     WRITES,
     History,
     check,
@@ -101,6 +102,8 @@ OP_TIMEOUT_S = 5.0
 IN_FLIGHT_S = 0.5
 RECOVERY_WINDOW_S = 5.0  # an operation counts towards a fault's recovery up to this after heal
 READY_STREAM = "rr:ready"  # the route cache's default ready feed
+CONSUMER_GROUP = "faultrun"  # the feed consumers' group (fault_consumer.py's default)
+FREE_GRACE_S = 3600  # a freed record's expiry: far below the records' 24 h, above the run
 MUTATIONS = ("early-ack", "commit-before-settle", "no-aof", "trainer-early-ack")
 TRAINER_POINTS = {"trainer_kill_ack": "after_ack", "trainer_kill_step": "after_checkpoint"}
 
@@ -283,6 +286,12 @@ class Environment:
             "1",
             "--health-interval-s",
             "0.2",
+            # The lifecycle under fire: a record is freed once both groups committed it; a
+            # long grace keeps it for the final read, which tells freed from not by its expiry.
+            "--commit-groups",
+            f"{CONSUMER_GROUP},{TRAINER}",
+            "--free-grace-s",
+            str(FREE_GRACE_S),
         ]
         with open(self.workdir / f"cache{i}.log", "ab") as log:
             proc = subprocess.Popen(
@@ -361,6 +370,21 @@ class Environment:
     def restart_node(self, node: RedisProcess) -> None:
         node.start()  # same port and directory: it reloads its append-only file
         redis.Redis(port=node.port).config_set("cluster-node-timeout", self.config.node_timeout_ms)
+
+    def freed(self, sample_ids: list[str]) -> dict[str, bool]:
+        """Whether the route cache freed each sample's record: its expiry is within the grace
+        (a record not freed lives out the route cache's 24 h time to live)."""
+        node = self.proxies[self.master_of(0).port].port
+        client = redis.cluster.RedisCluster(host="127.0.0.1", port=node, socket_timeout=10)
+        try:
+            pipe = client.pipeline(transaction=False)
+            for sample_id in sample_ids:
+                pipe.pttl(record_key(sample_id))
+            ttls = pipe.execute()
+        finally:
+            client.close()
+        grace = FREE_GRACE_S * 1000
+        return {s: 0 < ttl <= grace for s, ttl in zip(sample_ids, ttls, strict=True)}
 
     def feed_state(self) -> dict:
         """The ready feed's consumer groups (pending, lag, consumers), its length."""
@@ -1250,7 +1274,7 @@ def run(config: FaultConfig, out: Path, png: Path | None = None) -> dict:
         for proc in [*env.consumers, env.trainer]:
             proc.wait(60)
         attempted = sorted({e["sample"] for e in history.entries if e["op"] in WRITES})
-        final = final_entries(read_stored(env.target)(attempted))
+        final = final_entries(read_stored(env.target)(attempted), env.freed(attempted))
         feed = env.feed_state()
     finally:
         stop.set()

@@ -20,7 +20,9 @@ Ops (``op``), with their fields besides ``t`` (seconds since the run's start), `
         the consumer trained on), ``turns``
     ack: ``samples``, ``ok``; dropped_ack: ``samples`` (the deliberate failure)
     duplicate: ``samples`` (dropped as repeats; ``taken``: claimed by another consumer)
-    final_read: ``sample``, ``turns``, ``digest`` (None: no record), read after the run
+    final_read: ``sample``, ``turns``, ``digest`` (None: no record), ``freed`` (its expiry
+        brought down to the route cache's grace: every commit group acknowledged it), read
+        after the run
     feed_state: ``groups`` (per consumer group: ``name``, ``pending``, ``lag``, ...), after it
 
 ``python -m benchmarks.fault_check HISTORY`` prints the verdict from the file alone.
@@ -156,8 +158,11 @@ def digest(record: Record) -> str:
 # --- the end state, saved in the history --------------------------------------------------------
 
 
-def final_entries(records: dict[str, Record | None]) -> list[dict]:
-    """The final read as history entries: turns held and digest per sample (None: no record)."""
+def final_entries(
+    records: dict[str, Record | None], freed: dict[str, bool] | None = None
+) -> list[dict]:
+    """The final read as history entries: turns held and digest per sample (None: no record),
+    and (``freed``) whether the route cache had freed it (its expiry down to the grace)."""
     return [
         {
             "t": 0.0,
@@ -166,6 +171,7 @@ def final_entries(records: dict[str, Record | None]) -> list[dict]:
             "sample": s,
             "turns": len(r.turns) if r is not None else 0,
             "digest": digest(r) if r is not None else None,
+            **({"freed": freed.get(s, False)} if freed is not None else {}),
         }
         for s, r in sorted(records.items())
     ]
@@ -342,6 +348,8 @@ class Verdict:
     trainer_never_trained: list[str] = field(default_factory=list)  # published, in no step
     trainer_trained_wrong: list[str] = field(default_factory=list)
     trainer_unfinished: list[str] = field(default_factory=list)  # no final checkpoint
+    # Freed (its expiry brought down to the grace) while a commit group had not committed it.
+    freed_before_commit: list[str] = field(default_factory=list)
     floors: list[dict] = field(default_factory=list)
     counts: dict = field(default_factory=dict)
 
@@ -360,6 +368,7 @@ class Verdict:
         "trainer_never_trained",
         "trainer_trained_wrong",
         "trainer_unfinished",
+        "freed_before_commit",
     )
 
     @property
@@ -462,6 +471,19 @@ def check(
         verdict.trainer_never_trained = sorted(published - set(in_steps))
         if not steps["finished"]:
             verdict.trainer_unfinished.append("the last trainer process did not finish")
+
+    # The lifecycle: a record freed is one every commit group (the consumers' and the
+    # trainer's) acknowledged after committing its training.
+    trainer_acked = {
+        s for e in history if e["op"] == "ack" and e.get("ok") and e["proc"] == TRAINER
+        for s in e["samples"]
+    }  # fmt: skip
+    committed_by_all = {s for s in ack_samples if s in trainer_acked or steps is None}
+    verdict.freed_before_commit = sorted(
+        e["sample"]
+        for e in history
+        if e["op"] == "final_read" and e.get("freed") and e["sample"] not in committed_by_all
+    )
 
     faults = [e for e in history if e["op"] == "fault"]
     for f in faults:

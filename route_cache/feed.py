@@ -37,6 +37,9 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import redis
@@ -82,6 +85,18 @@ local freed = redis.call('PEXPIRE', KEYS[2], ARGV[4], 'LT')
 redis.call('PEXPIRE', KEYS[3], ARGV[4], 'LT')
 redis.call('PEXPIRE', KEYS[1], ARGV[5], 'LT')
 return {claim, freed}
+"""
+
+# KEYS: a freed record, its routes. ARGV: the grace (ms). Deletes them if their expiry is
+# still within the grace, or the hash is gone (PTTL deletes an expired key it meets; the
+# routes may still lie in memory): a record written again under the id since lives its full
+# time. At the memory limit too: it frees memory.
+_SWEEP = """#!lua flags=allow-oom
+local ttl = redis.call('PTTL', KEYS[1])
+if ttl == -2 or (ttl >= 0 and ttl <= tonumber(ARGV[1])) then
+  return redis.call('UNLINK', KEYS[1], KEYS[2])
+end
+return 0
 """
 
 # KEYS: the stream. ARGV: its cap (0: none), then the entry's fields and values. Adds the
@@ -210,6 +225,8 @@ class ReadyFeed:
         self.fence_ms = max(fence_ms, free_grace_ms)
         self.keep_acked_ms = keep_acked_ms
         self.freed = 0  # records freed by this process's acknowledgements
+        self._freeing: deque[tuple[float, str]] = deque()  # (grace's end, sample): to sweep
+        self._lock = threading.Lock()
         self.trimmed = 0  # stream entries trimmed by this process
 
     def announcement(self, entry: ReadyEntry) -> Announcement | None:
@@ -389,6 +406,25 @@ class ReadyFeed:
             )
         return settled
 
+    def sweep(self) -> int:
+        """Delete the records this process freed whose grace is over. Redis's own expiry
+        would delete them too, but it finds expired keys by sampling: with many keys that
+        have a time to live (the claims' hour) it can take minutes, while they hold memory.
+        Returns how many went; records freed by a process that has stopped are left to
+        Redis's expiry."""
+        now, due = time.monotonic(), []
+        with self._lock:
+            while self._freeing and self._freeing[0][0] <= now:
+                due.append(self._freeing.popleft()[1])
+        if not due:
+            return 0
+        with domain_errors_from_redis():
+            pipe = self.client.pipeline(transaction=False)
+            for sample_id in due:
+                keys = (record_key(sample_id), routes_key(sample_id))
+                pipe.eval(_SWEEP, 2, *keys, self.free_grace_ms)
+            return sum(1 for deleted in pipe.execute() if deleted)
+
     def trim(self) -> int:
         """Drop the entries every consumer group has acknowledged (never one that a group
         has pending or has not been delivered; nothing while a commit group is missing).
@@ -455,10 +491,12 @@ class ReadyFeed:
             )
         replies = pipe.execute()
         owners = {e: _text(claim) for e, (claim, _) in zip(samples, replies, strict=True)}
-        freed = sum(int(f) for _, f in replies)
+        due = time.monotonic() + self.free_grace_ms / 1000
+        freed = [samples[e] for e, (_, f) in zip(samples, replies, strict=True) if int(f)]
         if freed:
-            self.freed += freed
-            log.debug("%d records freed: every commit group committed them", freed)
+            with self._lock:
+                self.freed += len(freed)
+                self._freeing.extend((due, sample_id) for sample_id in freed)
         lost = self._lost({_owner(claim)[0] for claim in owners.values()} - set(samples))
         for entry_id, claim in owners.items():
             if _owner(claim)[0] in lost:

@@ -326,8 +326,10 @@ def _in_daemon_thread(fn) -> futures.Future:
     return future
 
 
-# How often the ready stream is trimmed of what every consumer group acknowledged.
+# How often the ready stream is trimmed of what every consumer group acknowledged, and how
+# often freed records whose grace is over are deleted.
 TRIM_INTERVAL_S = 1.0
+SWEEP_INTERVAL_S = 0.25
 
 
 class RouteCacheServer:
@@ -358,7 +360,7 @@ class RouteCacheServer:
         self.cache = RouteCache(store, config, self.feed, self.metrics.registry, self.budget)
         tasks = [(self.budget.interval_s, self.budget.read)] if config.memory_budget else []
         if self.feed is not None:
-            tasks.append((TRIM_INTERVAL_S, self.feed.trim))
+            tasks += [(TRIM_INTERVAL_S, self.feed.trim), (SWEEP_INTERVAL_S, self.feed.sweep)]
         self.upkeep = Upkeep(tasks)
         self.servicer = RouteCacheServicer(self.cache)
         _add_servicer(self.servicer, self.grpc_server)

@@ -254,6 +254,23 @@ def test_the_trainers_committed_steps_are_checked():
     assert verdict(history + twice[:-1], whole).trainer_unfinished
 
 
+def test_a_record_freed_before_every_group_committed_it_fails_the_run():
+    """The final read says which records the route cache freed (their expiry within its
+    grace): only samples that the consumers' group and the trainer both acknowledged may be."""
+    history = []
+    for s in "abc":
+        history += published(s) + trained(s)
+    history += trainer_life(0, [(0, ["a"]), (1, ["b"]), (2, ["c"])], finish=3)
+    history.append({"t": 11, "proc": "trainer", "op": "ack", "samples": ["a", "b"], "ok": True})
+    final = final_entries(
+        {s: expected(SEED, s, 3) for s in "abc"}, {"a": True, "b": False, "c": True}
+    )
+    found = check(history + final, SEED, 3)
+    assert found.freed_before_commit == ["c"]  # the trainer never acknowledged it
+    final = final_entries({s: expected(SEED, s, 3) for s in "abc"}, {"a": True})
+    assert check(history + final, SEED, 3).ok
+
+
 def test_reads_and_the_feed_left_pending_are_checked():
     whole = {"a": expected(SEED, "a", 3)}
     history = published("a") + trained("a")

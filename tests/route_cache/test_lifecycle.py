@@ -172,3 +172,31 @@ def test_acknowledgements_free_records_at_redis_own_memory_limit(small_redis, rn
     finally:
         feed.close()
         store.client.close()
+
+
+def test_a_freed_record_is_deleted_when_its_grace_ends(rng, sid):
+    """Redis finds expired keys by sampling those with a time to live; among 20,000 others
+    (the claims' hour, in a long run) a freed record would linger, holding its memory. The
+    route cache deletes what it freed once the grace is over (DBSIZE counts keys that are
+    still in memory, expired or not)."""
+    from route_cache.connection import connect
+    from route_cache.store import RouteStore
+
+    node = RedisProcess().start()
+    store = RouteStore(connect(node.url, cluster=False), ttl_ms=600_000)
+    pipe = store.client.pipeline(transaction=False)
+    for i in range(20_000):
+        pipe.set(f"other-{i}", b"x", ex=3600)
+    pipe.execute()
+    feed = Feed(store, memory_budget=0, commit_groups="trainer", free_grace_s=0.3)
+    try:
+        feed.write(rng, sid())
+        consumer = feed.consumer("trainer")
+        before = store.client.dbsize()
+        assert len(consumer.settle(consumer.next_groups(1, timeout_s=2))) == 1
+        time.sleep(1.0)
+        assert store.client.dbsize() == before + 1 - 2  # + its claims, - its hash and routes
+    finally:
+        feed.close()
+        store.client.close()
+        node.stop()
