@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 import redis
 
-from benchmarks.common import ROOT, machine, write_section
+from benchmarks.common import ROOT, Run, interleaved, machine, paired_ratio, write_section
 from benchmarks.fault_history import History, digest, load_history, trainer_steps
 from route_cache.server import SWEEP_INTERVAL_S
 from routereplay.dev.launch import free_port, start_service, stop_process
@@ -81,9 +81,9 @@ class LifecycleConfig:
     step_s: float = 0.2
     every: int = 4  # checkpoint every this many steps
     phases: tuple[tuple[str, float], ...] = (
-        ("steady", 60),
+        ("steady", 80),
         ("trainer_stopped", 30),
-        ("trainer_back", 60),
+        ("trainer_back", 80),
         ("trainer_killed", 40),
         ("cache_restart", 40),
     )
@@ -139,7 +139,7 @@ def make_record(seed: int, sample_id: str, config: LifecycleConfig, pool: list) 
     )
 
 
-class Run:
+class LongRun:
     """The processes of one run and what the writers saw."""
 
     def __init__(self, config: LifecycleConfig, workdir: Path):
@@ -203,7 +203,7 @@ class Run:
         self.history.close()
 
 
-def writer(run: Run, name: str, pool: list, deadline: float) -> None:
+def writer(run: LongRun, name: str, pool: list, deadline: float) -> None:
     """Starts a record every ``1 / rate`` s (a late one starts at once), holding refused ones."""
     config, n = run.config, 0
     with RouteCacheClient(run.target, timeout_s=30) as client:
@@ -237,7 +237,7 @@ def writer(run: Run, name: str, pool: list, deadline: float) -> None:
                     time.sleep(0.5)
 
 
-def sampler(run: Run, stop: threading.Event) -> None:
+def sampler(run: LongRun, stop: threading.Event) -> None:
     while not stop.wait(run.config.sample_s):
         try:
             info = run.r.info("memory")
@@ -270,11 +270,11 @@ def _oldest_unconsumed_s(r: redis.Redis) -> float | None:
     return max(0.0, time.time() - int(first.decode().split("-")[0]) / 1000)
 
 
-def _trainer_log(run: Run) -> list[dict]:
+def _trainer_log(run: LongRun) -> list[dict]:
     return load_history([run.workdir / "trainer.jsonl"])
 
 
-def phase(run: Run, name: str, seconds: float) -> None:
+def phase(run: LongRun, name: str, seconds: float) -> None:
     run.history.log("phase", name=name)
     end = time.monotonic() + seconds
     if name == "trainer_stopped":
@@ -305,8 +305,8 @@ def _wait(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def execute(config: LifecycleConfig, workdir: Path, pool: list) -> tuple[list[dict], Run]:
-    run = Run(config, workdir)
+def execute(config: LifecycleConfig, workdir: Path, pool: list) -> tuple[list[dict], LongRun]:
+    run = LongRun(config, workdir)
     try:
         stop = threading.Event()
         threading.Thread(target=sampler, args=(run, stop), daemon=True).start()
@@ -498,12 +498,141 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def cost_section(found: dict) -> str:
+    return (
+        "## The lifecycle's cost to writes\n\n"
+        "`python -m benchmarks.bench_lifecycle --cost`: batches of "
+        f"{found['records_per_batch']} Qwen3-30B-A3B records of {found['tokens']} tokens "
+        "written through a route cache that frees (`--commit-groups trainer`, the memory "
+        "budget read every 0.25 s and checked on each write) and through one that does not, "
+        "on the same Redis, taking turns batch by batch; between batches, untimed, the "
+        "trainer's group acknowledges the last batch (freeing it; the other's is deleted). "
+        f"Median of {found['repeats']} rounds of paired ratios (target: at least 0.95).\n\n"
+        f"{machine()}\n\n| route cache | MiB/s | ratio |\n|---|---:|---:|\n"
+        f"| freeing | {found['freeing_mib_s']} | {found['ratio']} |\n"
+        f"| not freeing | {found['plain_mib_s']} | 1 |\n"
+    )
+
+
+def section(result: dict, text: str, png: str) -> str:
+    """The run's section of docs/benchmarks.md."""
+    c = result["config"]
+    phases = ", ".join(f"{name} {seconds:g} s" for name, seconds in c["phases"])
+    if c["free"]:
+        head = (
+            "## The long run: memory bounded by the work in flight\n\n"
+            "`python -m benchmarks.bench_lifecycle` (`make bench`; a small run in the test "
+            "suite, `tests/route_cache/test_lifecycle_run.py`). "
+        )
+    else:
+        head = (
+            "## The long run without freeing (`--no-free`): it must fail\n\n"
+            "The same run with the route cache freeing nothing (no `--commit-groups`, the "
+            "behaviour before the lifecycle). "
+        )
+    return (
+        f"{head}A `redis-server` with `maxmemory` {c['maxmemory_mb']} MiB (`noeviction`), the "
+        f"route cache as its own process (`--memory-budget {c['budget']}`, "
+        f"`--free-grace-s {c['free_grace_s']:g}`), {c['writers']} writers each starting a "
+        f"Qwen3-30B-A3B record of {c['tokens'][0]}-{c['tokens'][1]} tokens every "
+        f"{1 / c['rate']:g} s and holding a refused one as the rollout server does (dropped "
+        f"after {c['hold_s']:g} s), and the trainer's own feed path (`fault_trainer.py`: "
+        f"`FeedPlans`, `CacheSource`, a checkpoint every {c['every']} steps, then the "
+        f"acknowledgement; a stand-in step of {c['step_s']:g} s), slower than the writers. "
+        f"Phases: {phases}; then the trainer drains. Memory sampled every {c['sample_s']:g} s; "
+        "the route bytes in flight are those stored and not yet acknowledged (plus the grace "
+        "and the next sweep), from the writers' and the trainer's logs. Headroom: a largest "
+        "record per connection in flight, which Redis counts as client buffers.\n\n"
+        f"{machine()}\n\n```\n{text}\n```\n\n"
+        f"![Redis memory, route bytes in flight and writes refused, per phase]({png})"
+    )
+
+
+def cost(repeats: int, records: int = 16, tokens: int = 4096) -> dict:
+    """Write throughput through a route cache that frees (``--commit-groups``, the memory
+    budget read and checked) against one that does not, on the same Redis, taking turns
+    batch by batch. Each batch is then acknowledged by the trainer's group, untimed (that frees
+    the first one's records; the second's are deleted), so Redis holds the same either way."""
+    rng = np.random.default_rng(0)
+    routes = synthetic_routes(QWEN3_30B_A3B, tokens, rng)
+    node = RedisProcess("--maxmemory", "2gb", "--maxmemory-policy", "noeviction").start()
+    flags = {
+        "freeing": ["--commit-groups", GROUP, "--memory-budget", "0.9", "--free-grace-s", "0"],
+        "plain": ["--memory-budget", "0"],
+    }
+    caches = {
+        name: start_service(
+            "route_cache", "--redis-url", node.url, "--ready-stream", f"rr:ready:{name}",
+            *args, quiet=True, timeout_s=120,
+        )
+        for name, args in flags.items()
+    }  # fmt: skip
+    clients = {name: RouteCacheClient(target, timeout_s=60) for name, (_, target) in caches.items()}
+    batch = {name: 0 for name in caches}
+
+    def write(name: str):
+        def fn():
+            for i in range(records):
+                sample_id = f"{name}-{batch[name]}-{i}"
+                token_ids = rng.integers(0, 32000, tokens, dtype=np.int32)
+                turn = Turn(0, tokens, tokens // 4, 0, np.zeros(tokens - tokens // 4, np.float32))
+                record = Record(sample_id, QWEN3_30B_A3B, token_ids, routes[: tokens - 1], [turn])
+                clients[name].write(record)
+
+        return fn
+
+    def commit(name: str):
+        def setup():  # the previous batch acknowledged (and, without freeing, deleted)
+            page = clients[name].read_ready(GROUP, "t", max_entries=records)
+            if page.entries:
+                clients[name].ack_ready(GROUP, [e.entry_id for e in page.entries], "t")
+                if name == "plain":
+                    for entry in page.entries:
+                        clients[name].delete(entry.sample_id)
+            batch[name] += 1
+
+        return setup
+
+    try:
+        timings = interleaved(
+            {
+                name: Run(write(name), {"route cache": proc.pid}, commit(name))
+                for name, (proc, _) in caches.items()
+            },
+            repeats,
+        )
+    finally:
+        for client in clients.values():
+            client.close()
+        for proc, _ in caches.values():
+            stop_process(proc, 10)
+        node.stop()
+    mib = records * (tokens - 1) * QWEN3_30B_A3B.row_bytes / MIB
+    return {
+        "records_per_batch": records,
+        "tokens": tokens,
+        "repeats": repeats,
+        "freeing_mib_s": round(mib / timings["freeing"].median, 1),
+        "plain_mib_s": round(mib / timings["plain"].median, 1),
+        "ratio": round(paired_ratio(timings["freeing"], timings["plain"]), 3),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the test suite's small run")
     parser.add_argument("--no-free", action="store_true", help="the route cache frees nothing")
     parser.add_argument("--out", type=Path, default=None, help="the run's JSON (history too)")
+    parser.add_argument(
+        "--cost", action="store_true", help="only: write throughput with freeing against without"
+    )
     args = parser.parse_args(argv)
+    if args.cost:
+        found = cost(repeats=5 if args.quick else 20)
+        print(json.dumps(found))
+        if not args.quick:
+            write_section("lifecycle_cost", cost_section(found), found)
+        return 0 if found["ratio"] >= 0.95 else 1
     config = QUICK if args.quick else LifecycleConfig()
     if args.no_free:
         config = LifecycleConfig(**{**asdict(config), "free": False})
@@ -517,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         png = ROOT / "docs" / f"benchmarks-{name.replace('_', '-')}.png"
         plot(result["entries"], config, png, text.splitlines()[0])
         summary = {k: v for k, v in result.items() if k != "entries"}
-        write_section(name, f"{machine()}\n\n```\n{text}\n```\n\n![{name}]({png.name})", summary)
+        write_section(name, section(result, text, png.name), summary)
     return 0 if result["verdict"]["pass"] != args.no_free else 1
 
 

@@ -30,6 +30,11 @@ Each benchmark compares against a baseline measured in the same run, on the same
   masters, a consumer and the network fail on a schedule; a checker's verdict on the history
   (no acknowledged record lost, every published sample trained once), write availability,
   latency outside and during each fault, recovery per fault (``docs/reliability.md``).
+- ``lifecycle``: the long run: writers faster than the trainer's own feed path, through a Redis
+  whose ``maxmemory`` is at most 1/20 of the run's route bytes; steady state, the trainer
+  stopped, back, killed and resumed, the route cache restarted; Redis memory against the route
+  bytes in flight (target: at most 1.2x plus Redis's buffers), writes refused and retried,
+  nothing lost, dropped or freed before its commit (``docs/route_cache.md``, "Lifecycle").
 - ``pipeline``: one RL batch end to end (rollout server, route cache, a trainer rank's fetch
   and reshard), time per stage and the share spent moving routes, against the same engine
   behind a server that stores nothing (interleaved) and the engine alone with capture off.
@@ -146,6 +151,14 @@ BENCHMARKS = (
         ("--quick",),
         "load under faults (replica, master, node, consumer, network): checker verdict, "
         "availability, latency, recovery",
+    ),
+    Benchmark(
+        "lifecycle",
+        "bench_lifecycle.py",
+        ("--quick",),
+        "a long run through a Redis holding a small fraction of its route bytes: memory vs "
+        "bytes in flight, backpressure, exactly once through a trainer kill and a route cache "
+        "restart",
     ),
     Benchmark(
         "pipeline",

@@ -364,13 +364,18 @@ class RouteCache:
         sample_ids: Sequence[str],
         layers: Sequence[int] | None = None,
         skip_missing: bool = False,
+        expire_after_ms: int = 0,
     ) -> Iterator[StoredRecord | Missing]:
-        """Records in the order asked, streamed as they come from Redis.
+        """Records in the order asked, streamed as they come from Redis; with
+        ``expire_after_ms``, each expires at most that long after this read (set first, so a
+        read abandoned midway still frees what it asked for).
 
         Raises:
             NotFound: an id has no record (unless ``skip_missing``: a ``Missing`` in its place).
         """
         ids = self._ids(sample_ids, "sample_ids", check_sample_id)
+        if expire_after_ms:
+            self.store.expire_within(ids, expire_after_ms)
         for sample_id, record in zip(
             ids, self.store.read_many(ids, _selection(layers)), strict=True
         ):

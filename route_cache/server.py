@@ -78,7 +78,7 @@ class RouteCacheServicer(route_cache_pb2_grpc.RouteCacheServicer):
 
     def ReadBatch(self, request, context):
         records = self.cache.read_many(
-            request.sample_ids, _selection(request), request.skip_missing
+            request.sample_ids, _selection(request), request.skip_missing, request.expire_after_ms
         )
         for record in records:
             if isinstance(record, Missing):

@@ -489,6 +489,16 @@ class RouteStore:
         stored = int(usage or 0) + int(routes_usage or 0)
         return record_format.stat_record(sample_id, fields, stored, int(ttl))
 
+    def expire_within(self, sample_ids: Sequence[str], ms: int) -> None:
+        """Each record expires at most ``ms`` from now (``PEXPIRE LT``: never lengthened;
+        unknown ids are left alone). One round trip."""
+        with domain_errors_from_redis():
+            pipe = self.client.pipeline(transaction=False)
+            for sample_id in sample_ids:
+                pipe.pexpire(record_key(sample_id), ms, lt=True)
+                pipe.pexpire(routes_key(sample_id), ms, lt=True)
+            pipe.execute()
+
     def delete(self, sample_id: str) -> None:
         with domain_errors_from_redis():
             if not self.client.delete(record_key(sample_id), routes_key(sample_id)):

@@ -13,6 +13,7 @@ own routers, so a worker fetches only those (a layer-selected read, once per TP/
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -30,6 +31,9 @@ from routereplay.domain.record_checks import (
 from routereplay.errors import NotFound
 
 logger = logging.getLogger(__name__)
+
+FETCHED_TTL_ENV = "ROUTER_REPLAY_FETCHED_TTL_S"
+DEFAULT_FETCHED_TTL_S = 3600.0
 
 
 class Routes(NamedTuple):
@@ -200,6 +204,14 @@ def router_layers(model) -> list[int]:
     return sorted(layers)
 
 
+def fetched_ttl_s() -> float:
+    """How long a record lives after a trainer worker fetched it (``$ROUTER_REPLAY_FETCHED_TTL_S``,
+    default an hour; 0: its full time to live). verl has no ready feed to acknowledge, so this is
+    how what it trained is freed: a step's passes (old log-probs, then each update epoch) read
+    their records again well within it."""
+    return float(os.environ.get(FETCHED_TTL_ENV, DEFAULT_FETCHED_TTL_S))
+
+
 def worker_source(target: str, model, geometry: MoEGeometry, timeout_s: float = 60.0):
     """The route cache, read as this worker's stage needs it: only the MoE layers of ``model``'s
     routers, by one rank of each TP/CP group (the others receive the bytes over gloo).
@@ -212,7 +224,7 @@ def worker_source(target: str, model, geometry: MoEGeometry, timeout_s: float = 
     from trainer.data.source import CacheSource
     from trainer.data.stage_reads import StageReads, group_reads
 
-    source = CacheSource(target, timeout_s=timeout_s)
+    source = CacheSource(target, timeout_s=timeout_s, expire_after_s=fetched_ttl_s())
     moe = geometry.record.moe_layers
     mine = router_layers(model)
     layers = None if len(mine) == len(moe) else [moe.index(layer) for layer in mine]

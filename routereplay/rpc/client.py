@@ -235,10 +235,13 @@ class _RouteCacheCalls:
         sample_ids: Sequence[str],
         skip_missing: bool = False,
         layers: Sequence[int] | None = None,
+        expire_after_s: float = 0.0,
     ) -> Iterator[Record | Missing]:
         """Records in the order asked, streamed; unknown ids raise NotFound, or come back as
         ``Missing`` with ``skip_missing``. ``layers``: as in ``read``, for every record.
-        After UNAVAILABLE, resumes after the last one."""
+        ``expire_after_s``: each record expires at most that long after this read (a trainer
+        without the ready feed frees what it fetched). After UNAVAILABLE, resumes after the
+        last one."""
         selection = _selection_pb(layers)
 
         def after(done: int) -> route_cache_pb2.ReadBatchRequest:
@@ -248,6 +251,7 @@ class _RouteCacheCalls:
                 layers=selection,
                 layer_parts=True,
                 first_chunk_with_record=True,
+                expire_after_ms=round(expire_after_s * 1000),
             )
 
         return self.transport.stream(READ_BATCH, after, self.timeout_s)
@@ -344,6 +348,7 @@ class AsyncRouteCacheClient(_RouteCacheCalls):
             sample_ids: Sequence[str],
             skip_missing: bool = False,
             layers: Sequence[int] | None = None,
+            expire_after_s: float = 0.0,
         ) -> AsyncIterator[Record | Missing]: ...
         async def stat(self, sample_id: str) -> RecordInfo: ...
         async def delete(self, sample_id: str) -> None: ...

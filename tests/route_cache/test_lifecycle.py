@@ -200,3 +200,21 @@ def test_a_freed_record_is_deleted_when_its_grace_ends(rng, sid):
         feed.close()
         store.client.close()
         node.stop()
+
+
+def test_a_read_can_start_a_short_expiry_for_what_it_fetched(store, rng, sid):
+    """verl's trainer has no ready feed to acknowledge: its reads ask that what they fetched
+    expire within a time. The expiry only ever shortens; unknown ids are fine."""
+    feed = Feed(store)
+    try:
+        fetched, other = feed.write(rng, sid()), feed.write(rng, sid())
+        keys = (record_key(fetched.sample_id), routes_key(fetched.sample_id))
+        ids = [fetched.sample_id, sid()]
+        got = list(feed.client.read_batch(ids, skip_missing=True, expire_after_s=30))
+        assert got[0].sample_id == fetched.sample_id
+        assert all(0 < feed.redis.pttl(k) <= 30_000 for k in keys)
+        assert feed.redis.pttl(record_key(other.sample_id)) > 60_000
+        list(feed.client.read_batch(ids, skip_missing=True, expire_after_s=3600))
+        assert all(0 < feed.redis.pttl(k) <= 30_000 for k in keys)  # not lengthened
+    finally:
+        feed.close()

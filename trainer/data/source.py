@@ -98,16 +98,21 @@ class FetchedBatch:
 
 class CacheSource:
     """Records from the route cache: one ``read_batch`` call per batch. ``security``: a
-    ``routereplay.rpc.security.ClientSecurity`` (default: plaintext). Under model parallelism the
-    trainer reads it through ``trainer.data.stage_reads`` (each stage's layers, once)."""
+    ``routereplay.rpc.security.ClientSecurity`` (default: plaintext). ``expire_after_s``: each
+    record fetched expires at most that long after (a trainer without the ready feed frees
+    what it fetched). Under model parallelism the trainer reads it through
+    ``trainer.data.stage_reads`` (each stage's layers, once)."""
 
     reads = True  # this rank's fetches are route cache reads (FetchedBatch.route_bytes)
 
-    def __init__(self, target: str, timeout_s: float = 60.0, security=None):
+    def __init__(
+        self, target: str, timeout_s: float = 60.0, security=None, expire_after_s: float = 0.0
+    ):
         from routereplay.rpc.client import RouteCacheClient
         from routereplay.rpc.security import PLAINTEXT
 
         self.client = RouteCacheClient(target, timeout_s=timeout_s, security=security or PLAINTEXT)
+        self.expire_after_s = expire_after_s
 
     def fetch(
         self, sample_ids: Sequence[str], layers: Sequence[int] | None = None
@@ -115,7 +120,9 @@ class CacheSource:
         """The records (None where missing); ``layers``: only these MoE layer positions."""
         from routereplay.domain.record import Missing
 
-        items = self.client.read_batch(list(sample_ids), skip_missing=True, layers=layers)
+        items = self.client.read_batch(
+            list(sample_ids), skip_missing=True, layers=layers, expire_after_s=self.expire_after_s
+        )
         return [None if isinstance(item, Missing) else item for item in items]
 
     def close(self) -> None:
