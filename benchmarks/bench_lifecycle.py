@@ -438,7 +438,8 @@ def plot(entries: list[dict], config: LifecycleConfig, path: Path, title: str) -
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
     top.plot(t, [s["used"] / MIB for s in samples], label="Redis used_memory")
     top.plot([x for x, _ in flight], [b / MIB for _, b in flight], label="route bytes in flight")
-    top.axhline(0.9 * config.maxmemory_mb, color="red", ls="--", label="budget (0.9 maxmemory)")
+    budget = config.budget * config.maxmemory_mb
+    top.axhline(budget, color="red", ls="--", label=f"budget ({config.budget:g} of maxmemory)")
     top.axhline(config.maxmemory_mb, color="black", ls=":", label="maxmemory")
     top.set_ylabel("MiB")
     top.legend(loc="upper left", fontsize=8)

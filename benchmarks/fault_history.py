@@ -511,6 +511,9 @@ def check(
             len(e["samples"]) for e in history if e["op"] == "duplicate"
         ),
         "faults": ops["fault"],
+        "records freed (every group committed them)": sum(
+            1 for e in history if e["op"] == "final_read" and e.get("freed")
+        ),
     }
     if steps is not None:
         verdict.counts["trainer steps trained / committed / discarded"] = (

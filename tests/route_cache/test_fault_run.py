@@ -429,6 +429,8 @@ def test_short_fault_run_passes_the_checker_with_a_traffic_floor_per_fault(tmp_p
     assert results["counts"]["trainer processes"] >= 3
     assert results["counts"]["trainer samples in discarded steps"] >= 1
     assert results["counts"]["samples published (final turn acknowledged)"] > 60
+    # the lifecycle under fire: records were freed as both groups committed them
+    assert results["counts"]["records freed (every group committed them)"] > 60
     # the checker command, from the history file alone, gives the same verdict
     found, _ = check_file(tmp_path / "faults-history.jsonl")
     assert found.ok and found.lines() == results["verdict_lines"]
