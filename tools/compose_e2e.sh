@@ -208,5 +208,5 @@ printf 'healthy, seconds after up: %s\n' "${HEALTH_TIMES[*]}"
 
 if ((KUBE)); then
     phase "kube play"
-    "$ROOT/tools/kube_play.sh"
+    "$PYTHON" tools/kube_play.py
 fi

@@ -27,10 +27,11 @@ BASE_IMAGE=localhost/router-replay-stand-in/debian:$SUITE-minbase
 log() { printf '[podman-host] %s\n' "$*" >&2; }
 
 # Packages: podman from Debian; runc because crun refuses this kind of VM's mixed cgroup
-# layout; debootstrap to make the base images; netavark/iptables for the compose network.
+# layout; debootstrap to make the base images; netavark/iptables for the compose network;
+# catatonit, the pause process of `podman kube play`'s pods.
 install_packages() {
     local missing=()
-    for tool in podman runc debootstrap iptables; do
+    for tool in podman runc debootstrap iptables catatonit; do
         command -v "$tool" >/dev/null || missing+=("$tool")
     done
     if ((${#missing[@]})); then
@@ -38,7 +39,7 @@ install_packages() {
         apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
             podman runc debootstrap uidmap slirp4netns netavark aardvark-dns iptables \
-            containernetworking-plugins >/dev/null
+            containernetworking-plugins catatonit >/dev/null
     fi
 }
 
@@ -93,22 +94,23 @@ find_compose() {
 # systemd here. This loop runs each running container's check at its own interval; Compose's
 # `condition: service_healthy` then sees the status through the API.
 health_loop() {
+    set +e  # a check that fails or a container that goes away must not end the loop
     declare -A last=()
+    local name every now
     while true; do
-        local now
         now=$(date +%s)
-        while read -r name interval; do
-            [[ -n $name && $interval != "<nil>" && $interval != "0" ]] || continue
-            local every=$((interval / 1000000000))
-            ((every > 0)) || every=30
+        while read -r name every; do
+            every=${every%%.*}
+            [[ -n $name && -n $every && $every != 0 ]] || continue
             if ((now - ${last[$name]:-0} >= every)); then
                 last[$name]=$now
                 podman healthcheck run "$name" >/dev/null 2>&1 &
             fi
         done < <(podman ps --format '{{.Names}}' 2>/dev/null | while read -r c; do
-            podman inspect --format '{{.Name}} {{if .Config.Healthcheck}}{{.Config.Healthcheck.Interval}}{{else}}0{{end}}' "$c" 2>/dev/null || true
+            podman inspect --format '{{.Name}} {{if .Config.Healthcheck}}{{.Config.Healthcheck.Interval.Seconds}}{{else}}0{{end}}' "$c" 2>/dev/null
         done)
-        sleep 2
+        wait
+        sleep 1
     done
 }
 
