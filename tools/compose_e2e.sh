@@ -31,6 +31,9 @@ RESULTS=()
 START_ALL=$(date +%s)
 PODMAN_HOST=0
 ENGINE=docker
+TORN_DOWN=0
+SUMMARY=""
+TRAINER_RUN="?"
 
 log() { printf '[compose-e2e %(%H:%M:%S)T] %s\n' -1 "$*"; }
 # A phase's time: `phase NAME` starts it; the next call (or `finish`) ends the last one.
@@ -94,7 +97,7 @@ on_exit() {
             done
         fi
     fi
-    if [[ ${KEEP:-0} != 1 && -n ${COMPOSE:-} ]]; then
+    if [[ ${KEEP:-0} != 1 && -n ${COMPOSE:-} && $TORN_DOWN == 0 ]]; then
         phase teardown
         compose down -v --remove-orphans --timeout 90 >"$WORK/down.log" 2>&1 || {
             log "compose down failed:"; cat "$WORK/down.log"; rc=1; }
@@ -102,6 +105,7 @@ on_exit() {
     ((PODMAN_HOST)) && [[ ${KEEP:-0} != 1 ]] && "$ROOT/tools/podman_host.sh" down "$WORK/host"
     phase end
     report
+    [[ -z $SUMMARY ]] || printf '\n%s\n' "$SUMMARY"
     if ((rc == 0)); then echo "PASS"; else echo "FAIL ($PHASE_FAILED)"; fi
     [[ ${KEEP:-0} == 1 ]] || rm -rf "$WORK"
     exit "$rc"
@@ -192,7 +196,12 @@ while [[ $(service_field trainer-cpu State) != exited ]]; do
     sleep 5
 done
 code=$(service_field trainer-cpu ExitCode)
-log "trainer exited with $code"
+trainer=$(service_field trainer-cpu Name)
+TRAINER_RUN=$($ENGINE inspect --format '{{.State.StartedAt}}|{{.State.FinishedAt}}' "$trainer" |
+    "$PYTHON" -c 'import sys; from datetime import datetime as d
+s, f = (d.fromisoformat(t.strip()[:26].replace(" ", "T").rstrip("Z")) for t in sys.stdin.read().split("|")[:2])
+print(round((f - s).total_seconds()))' 2>/dev/null || echo "?")
+log "trainer exited with $code, after running ${TRAINER_RUN} s"
 [[ $code == 0 ]]
 compose logs --no-color trainer-cpu >"$WORK/trainer.log" 2>&1
 compose run --rm --no-deps -T exports-owner ls -lR /exports | tee "$WORK/exports.txt" | head -20
@@ -203,10 +212,14 @@ phase "policy versions"
     "$SECRETS_DIR/rollout-server-token" --min-version "$TRAINER_STEPS"
 compose logs --no-color rollout-server-cpu 2>&1 | grep -i 'version' | tail -5 || true
 
-printf '\nimage sizes (MB): %s\n' "${IMAGE_SIZES[*]}"
-printf 'healthy, seconds after up: %s\n' "${HEALTH_TIMES[*]}"
+SUMMARY=$(printf 'image sizes (MB): %s\nhealthy, seconds after up: %s\ntrainer container ran: %s s\n' \
+    "${IMAGE_SIZES[*]}" "${HEALTH_TIMES[*]}" "$TRAINER_RUN")
 
+# ---- the Kubernetes pods, once the compose stack is down (its ports and memory freed)
 if ((KUBE)); then
+    phase teardown
+    compose down -v --remove-orphans --timeout 90 >"$WORK/down.log" 2>&1
+    TORN_DOWN=1
     phase "kube play"
     "$PYTHON" tools/kube_play.py
 fi
