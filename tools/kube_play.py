@@ -6,27 +6,31 @@ What it does, and why each step:
 - renders ``k8s/overlays/cpu-demo`` and its trainer with kustomize, as ``kubectl apply -k``
   would, and points the images at the locally built ones (the manifests name a registry);
 - plays each workload kind as shipped and records what podman does with it (podman 4.3 plays
-  Pods, Deployments and PersistentVolumeClaims);
+  Pods, Deployments and PersistentVolumeClaims; a StatefulSet or a Job it refuses);
 - plays what it cannot play as the Pod its controller would create, spec unchanged: Redis's
   StatefulSet as ``redis-0`` with its volume claim, the trainer's indexed Job as ``trainer-0``
   and ``trainer-1`` (their completion index annotation set, as the Job controller sets it);
 - stands in for the cluster's Services and DNS: one podman network, a fixed address per pod,
   and ``hostAliases`` for the Service names the pods dial (redis, route-cache, rollout-server,
   trainer-0.trainer); the Secrets are podman secrets holding Kubernetes Secret objects;
-- checks from the host: each pod's containers run as the manifest says (uid, read-only root),
-  gRPC health by the readiness probes' service names, generation through the rollout server
-  (examples/generate.py), and the trainer pods' exit status after a short run
-  (``--steps`` lowered to fit the samples generated).
+- does what the kubelet does and podman 4.3 does not (each place says so): emptyDirs per pod,
+  world-writable, in memory for medium Memory; fsGroup on the claim; ``$(VAR)`` in args and
+  fieldRef to annotations; an unset secret ``optional``; containerPorts kept off the host's
+  addresses;
+- checks from the host: each pod's containers run as the manifest says (uid, read-only root,
+  capabilities), readiness by the probes' own checks (Redis's command, gRPC health by service
+  name), generation through the rollout server (examples/generate.py), and the trainer pods'
+  exit status and step lines after a short run (``--steps`` lowered to TRAINER_STEPS).
 
 Prints a table of what ran; exit status 0 when every played pod did its part.
 """
 
 from __future__ import annotations
 
-import base64
 import copy
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -71,6 +75,14 @@ def log(message: str) -> None:
     print(f"[kube-play {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
+class Table(list):
+    """The report's rows, each logged as it comes."""
+
+    def append(self, row: tuple[str, str]) -> None:
+        super().append(row)
+        log(f"{row[0]}: {row[1]}")
+
+
 def render(folder: str) -> list[dict]:
     return [
         d for d in yaml.safe_load_all(sh("kubectl", "kustomize", str(ROOT / folder)).stdout) if d
@@ -85,10 +97,61 @@ def local_image(image: str) -> str:
     return f"docker.io/router-replay/{name}"
 
 
-def pod_template(doc: dict) -> dict:
+def prime_volume(volume: str, script: str) -> None:
+    """Mount a volume once where no image has a folder, then set its mode: podman 4.3 gives a
+    volume, on its first mount, the owner and mode of the image's folder at the mount point
+    (root, 0755 for /dev/shm), where the kubelet makes an emptyDir world-writable and applies
+    fsGroup. Later mounts keep what this sets."""
+    sh(
+        "podman",
+        "run",
+        "--rm",
+        "--network",
+        "none",
+        "-v",
+        f"{volume}:/claim",
+        local_image("busybox:1.36"),
+        "/bin/sh",
+        "-c",
+        script,
+    )
+
+
+def pod_template(doc: dict, pod_name: str) -> dict:
     spec = copy.deepcopy(doc["spec"]["template"]["spec"])
     for container in spec["containers"]:
         container["image"] = local_image(container["image"])
+    # podman 4.3 makes an emptyDir a named volume called after the pod spec's volume name,
+    # shared by every pod using that name, on disk even for medium Memory. Each pod gets its
+    # own (prefixed with the pod's name), in memory where the manifest says so, world-writable
+    # as the kubelet makes them (sizeLimit is not enforced: podman's tmpfs volumes take no size).
+    renamed = {}
+    for volume in spec.get("volumes", []):
+        if "emptyDir" not in volume:
+            continue
+        name = renamed[volume["name"]] = f"{pod_name}-{volume['name']}"
+        volume["name"] = name
+        sh("podman", "volume", "rm", "-f", name, check=False)
+        if volume["emptyDir"].get("medium") == "Memory":
+            sh(
+                "podman",
+                "volume",
+                "create",
+                "--opt",
+                "type=tmpfs",
+                "--opt",
+                "device=tmpfs",
+                "--opt",
+                "o=mode=1777",
+                name,
+            )
+            prime_volume(name, "chmod 1777 /claim")
+        else:
+            sh("podman", "volume", "create", name)
+            prime_volume(name, "chmod 0777 /claim")
+    for container in spec["containers"]:
+        for mount in container.get("volumeMounts", []):
+            mount["name"] = renamed.get(mount["name"], mount["name"])
     # podman 4.3 dereferences a secret volume's unset `optional` and panics (podman issue
     # 16636, fixed in 4.4): spell out what an unset field means, false.
     for volume in spec.get("volumes", []):
@@ -113,6 +176,30 @@ def with_host_aliases(spec: dict) -> dict:
     for alias, pod in ALIASES.items():
         by_address.setdefault(ADDRESSES[pod], []).append(alias)
     spec["hostAliases"] = [{"ip": ip, "hostnames": names} for ip, names in by_address.items()]
+    return spec
+
+
+def expand_like_kubelet(spec: dict, annotations: dict) -> dict:
+    """podman 4.3 neither expands ``$(VAR)`` in args nor resolves a fieldRef to the pod's
+    annotations; the kubelet does both (the trainer's ``--node-rank=$(NODE_RANK)``, from the
+    Job's completion index annotation). Do it here, from the manifest's own env."""
+    for container in spec["containers"]:
+        values = {}
+        for env in container.get("env", []):
+            path = env.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath", "")
+            match = re.fullmatch(r"metadata\.annotations\['(.+)'\]", path)
+            if match:
+                env.pop("valueFrom")
+                env["value"] = annotations[match.group(1)]
+            if "value" in env:
+                values[env["name"]] = env["value"]
+
+        def expand(arg: str, values: dict = values) -> str:
+            return re.sub(r"\$\((\w+)\)", lambda m: values.get(m.group(1), m.group(0)), arg)
+
+        for key in ("command", "args"):
+            if key in container:
+                container[key] = [expand(arg) for arg in container[key]]
     return spec
 
 
@@ -146,11 +233,21 @@ def make_secrets(workdir: Path) -> dict[str, Path]:
             "apiVersion": "v1",
             "kind": "Secret",
             "metadata": {"name": name},
-            "data": {key: base64.b64encode(value.encode()).decode()},
+            # podman 4.3 writes a `data` value into the volume as it stands (not decoded from
+            # base64) and ignores stringData: the podman secret holds the value itself.
+            "data": {key: value},
         }
         sh("podman", "secret", "rm", name, check=False)
         sh("podman", "secret", "create", name, "-", input=yaml.safe_dump(secret))
     return files
+
+
+def outcome(result: subprocess.CompletedProcess) -> str:
+    """A play's result: its status, and podman's last error line when it failed."""
+    if result.returncode == 0:
+        return "played (rc 0)"
+    lines = [line for line in (result.stderr or result.stdout).splitlines() if line.strip()]
+    return f"rc {result.returncode}: {lines[-1] if lines else 'no output'}"
 
 
 def containers_of(pod_name: str) -> list[dict]:
@@ -180,19 +277,30 @@ def describe(container: str) -> str:
     info = inspect(container)
     config, host = info["Config"], info["HostConfig"]
     mounts = sorted(m["Destination"] for m in info["Mounts"])
+    check = config.get("Healthcheck") or {}
     return (
         f"user {config.get('User') or 'image default'}, read-only root "
-        f"{host.get('ReadonlyRootfs')}, caps dropped {host.get('CapDrop') or []}, "
-        f"mounts {mounts}, health check {'yes' if config.get('Healthcheck') else 'none'}"
+        f"{host.get('ReadonlyRootfs')}, {len(host.get('CapDrop') or [])} capabilities dropped, "
+        f"mounts {mounts}, health check {check.get('Test') or 'none'}"
     )
 
 
 def teardown(workdir: Path) -> None:
     for name in [*ADDRESSES, "route-cache-pod-0", "rollout-server-pod-0"]:
         sh("podman", "pod", "rm", "-f", "-t", "5", name, check=False)
-    # The claim, and the volumes podman 4.3 makes for secret volumes (named after the Secret).
-    for volume in ["data-redis-0", *SECRETS]:
-        sh("podman", "volume", "rm", "-f", volume, check=False)
+    # The claim, the pods' emptyDirs, and the volumes podman 4.3 makes for secret volumes
+    # (named after the Secret); a volume a removed pod's container still held is retried.
+    names = sh("podman", "volume", "ls", "--format", "{{.Name}}").stdout.split()
+    ours = [
+        v
+        for v in names
+        if v in SECRETS or v == "data-redis-0" or v.startswith(tuple(f"{p}-" for p in ADDRESSES))
+    ]
+    for volume in ours:
+        for _ in range(5):
+            if sh("podman", "volume", "rm", "-f", volume, check=False).returncode == 0:
+                break
+            time.sleep(2)
     sh("podman", "network", "rm", "-f", NETWORK, check=False)
     for name in SECRETS:
         sh("podman", "secret", "rm", name, check=False)
@@ -201,7 +309,7 @@ def teardown(workdir: Path) -> None:
 def main() -> int:
     # A stopped run still removes what it played (the finally below).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    rows: list[tuple[str, str]] = []
+    rows = Table()
     pipeline = render("k8s/overlays/cpu-demo")
     trainer_docs = render("k8s/overlays/cpu-demo/trainer")
     by_kind = {(d["kind"], d["metadata"]["name"]): d for d in pipeline + trainer_docs}
@@ -227,7 +335,7 @@ def main() -> int:
 
         # Redis: the StatefulSet's pod and its claim.
         sts = by_kind[("StatefulSet", "redis")]
-        spec = on_loopback(with_host_aliases(pod_template(sts)), "redis-0")
+        spec = on_loopback(with_host_aliases(pod_template(sts, "redis-0")), "redis-0")
         claim = sts["spec"]["volumeClaimTemplates"][0]
         spec["volumes"].append(
             {
@@ -243,24 +351,12 @@ def main() -> int:
         }
         spec["hostname"], spec["subdomain"] = "redis-0", sts["spec"]["serviceName"]
         result = play([pvc], workdir, "data-redis-0", None)
-        rows.append(("PersistentVolumeClaim data-redis-0", f"rc {result.returncode}"))
+        rows.append(("PersistentVolumeClaim data-redis-0", outcome(result)))
         # podman 4.3 ignores the pod's fsGroup, and its first mount copies the image's /data,
         # owner and all, into the volume: Redis (uid 10999) could not write there. Do what
         # the kubelet does for fsGroup (group, setgid, group-writable) before Redis starts.
-        fs_group = str(spec["securityContext"]["fsGroup"])
-        sh(
-            "podman",
-            "run",
-            "--rm",
-            "--network",
-            "none",
-            "-v",
-            "data-redis-0:/claim",
-            local_image("busybox:1.36"),
-            "sh",
-            "-c",
-            f"chgrp {fs_group} /claim && chmod 2775 /claim",
-        )
+        fs_group = spec["securityContext"]["fsGroup"]
+        prime_volume("data-redis-0", f"chgrp {fs_group} /claim && chmod 2775 /claim")
         result = play(
             [pod("redis-0", spec, sts["spec"]["template"]["metadata"]["labels"])],
             workdir,
@@ -270,7 +366,7 @@ def main() -> int:
         rows.append(
             (
                 "StatefulSet redis -> Pod redis-0",
-                f"rc {result.returncode} {result.stderr.strip()[-300:]}",
+                outcome(result),
             )
         )
 
@@ -279,13 +375,11 @@ def main() -> int:
         for name in ("route-cache", "rollout-server"):
             deployment = copy.deepcopy(by_kind[("Deployment", name)])
             deployment["spec"]["template"]["spec"] = on_loopback(
-                with_host_aliases(pod_template(deployment)), name
+                with_host_aliases(pod_template(deployment, name)), name
             )
             deployment["spec"]["replicas"] = 1
             result = play([*configmaps, deployment], workdir, name, ADDRESSES[name])
-            rows.append(
-                (f"Deployment {name}", f"rc {result.returncode} {result.stderr.strip()[-300:]}")
-            )
+            rows.append((f"Deployment {name}", outcome(result)))
 
         redis = containers_of("redis-0")
         if not redis:
@@ -350,11 +444,13 @@ def main() -> int:
         # The trainer's indexed Job as the two pods its controller would create.
         job = by_kind[("Job", "trainer")]
         for index in range(job["spec"]["completions"]):
-            spec = on_loopback(with_host_aliases(pod_template(job)), f"trainer-{index}")
+            pod_name = f"trainer-{index}"
+            spec = on_loopback(with_host_aliases(pod_template(job, pod_name)), pod_name)
+            annotations = {"batch.kubernetes.io/job-completion-index": str(index)}
+            spec = expand_like_kubelet(spec, annotations)
             spec["hostname"] = f"trainer-{index}"
             args = spec["containers"][0]["args"]
             args[args.index("--steps") + 1] = str(STEPS)
-            annotations = {"batch.kubernetes.io/job-completion-index": str(index)}
             labels = job["spec"]["template"]["metadata"]["labels"]
             result = play(
                 [pod(f"trainer-{index}", spec, labels, annotations)],
@@ -365,7 +461,7 @@ def main() -> int:
             rows.append(
                 (
                     f"Job trainer -> Pod trainer-{index}",
-                    f"rc {result.returncode} {result.stderr.strip()[-300:]}",
+                    outcome(result),
                 )
             )
 
@@ -381,8 +477,15 @@ def main() -> int:
             rows.append(
                 (f"{p} exit status", f"{code} after {waited:.0f} s ({describe(container)})")
             )
+            logs = sh("podman", "logs", container, check=False)
+            steps = [
+                ln
+                for ln in (logs.stdout + logs.stderr).splitlines()
+                if "step " in ln and "reward" in ln
+            ]
+            rows.append((f"{p} steps", "; ".join(steps[-STEPS:]) or "no step line"))
             if code != 0:
-                print(sh("podman", "logs", "--tail", "40", container, check=False).stderr[-4000:])
+                print((logs.stdout + logs.stderr)[-4000:])
     except Exception as exc:  # report what ran, then the failure
         failed = True
         rows.append(("FAILED", str(exc)[-600:]))

@@ -150,7 +150,10 @@ build_base_images() {
             tar -C "$rootfs" -cf "$tarball.tmp" . && mv "$tarball.tmp" "$tarball"
             rm -rf "$rootfs"
         fi
-        podman import --change 'CMD ["bash"]' "$tarball" "$BASE_IMAGE" >/dev/null
+        # An imported root has no environment: PATH as Debian's images set it.
+        podman import --change 'CMD ["bash"]' \
+            --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+            "$tarball" "$BASE_IMAGE" >/dev/null
     fi
     local context
     context=$(mktemp -d)
