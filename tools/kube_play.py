@@ -483,7 +483,8 @@ def main() -> int:
                 for ln in (logs.stdout + logs.stderr).splitlines()
                 if "step " in ln and "reward" in ln
             ]
-            rows.append((f"{p} steps", "; ".join(steps[-STEPS:]) or "no step line"))
+            if p == "trainer-0":  # rank 0 reports the steps
+                rows.append((f"{p} steps", " | ".join(line[:60] for line in steps) or "none"))
             if code != 0:
                 print((logs.stdout + logs.stderr)[-4000:])
     except Exception as exc:  # report what ran, then the failure
