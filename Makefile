@@ -3,6 +3,8 @@
 #   make test    set up (first time) and run the test suite (with the policy scanner's venv, and
 #                the verl integration's tests in verl's venv)
 #   make bench   set up and run every benchmark (BENCH_ARGS=--quick: a smoke run)
+#   make compose-e2e  build the images and run the compose stack for real (docs/deployment.md,
+#                "A real container run"; E2E_ARGS=--kube adds the Kubernetes pods); not in CI
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -27,7 +29,7 @@ MOONCAKE_VENV ?= $(VENV)-mooncake
 MOONCAKE_STAMP := $(MOONCAKE_VENV)/.req-$(shell cat tools/mooncake-requirements.txt | sha256sum | cut -c1-16)
 STUBS_STAMP := routereplay/v1/.generated
 
-.PHONY: setup proto checkov verl mooncake demo test lint bench clean gpu-wheels
+.PHONY: setup proto checkov verl mooncake demo test lint bench clean gpu-wheels compose-e2e
 
 setup: $(DEPS_STAMP) $(STUBS_STAMP)
 	@$(PY) -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
@@ -88,6 +90,11 @@ bench: setup verl mooncake
 # "Replay on a GPU"): megatron-core and the route cache's packages for its Python 3.12.
 gpu-wheels: setup
 	PYTHON=$(PY) tools/gpu_bench.sh --prepare
+
+# The compose stack run for real with Docker, or with podman set up by the script where no
+# Docker engine runs (tools/compose_e2e.sh); the host's client needs the project's venv.
+compose-e2e: setup
+	PYTHON=$(abspath $(PY)) tools/compose_e2e.sh $(E2E_ARGS)
 
 clean:
 	rm -rf $(VENV) $(CHECKOV_VENV) $(VERL_VENV) $(MOONCAKE_VENV) routereplay/v1 build *.egg-info
