@@ -218,3 +218,45 @@ def test_a_read_can_start_a_short_expiry_for_what_it_fetched(store, rng, sid):
         assert all(0 < feed.redis.pttl(k) <= 30_000 for k in keys)  # not lengthened
     finally:
         feed.close()
+
+
+def test_the_budget_holds_each_cluster_node_to_its_own(rng, sid):
+    """A Redis Cluster of 3 masters with 4 MiB each: writes to records on one node are refused
+    once that node is at its budget, while records on the others still land."""
+    from redis.crc import key_slot
+
+    from route_cache.connection import connect
+    from route_cache.store import RouteStore
+    from routereplay.dev.redis_nodes import start_cluster
+
+    nodes = start_cluster(
+        3,
+        lambda: RedisProcess(
+            "--maxmemory", "4mb", "--maxmemory-policy", "noeviction", cluster=True
+        ),
+    )
+    client = connect(nodes[0].url.rsplit("/", 1)[0], cluster=True)
+    feed = Feed(RouteStore(client, ttl_ms=600_000), memory_budget=0.5)
+
+    def on(node: int) -> str:  # a sample id whose record lives on ``node``
+        while True:
+            sample_id = sid()
+            slot = key_slot(record_key(sample_id).encode())
+            found = next(i for i in range(3) if i * 16384 // 3 <= slot < (i + 1) * 16384 // 3)
+            if found == node:
+                return sample_id
+
+    try:
+        feed.server.budget.read()
+        with pytest.raises(ResourceExhausted, match="memory budget") as refused:
+            for _ in range(100):
+                feed.client.write(synthetic_record(on(0), SMALL, 3000, rng))
+                feed.server.budget.read()
+        assert f":{nodes[0].port}" in str(refused.value)
+        for node in (1, 2):
+            feed.client.write(synthetic_record(on(node), SMALL, 3000, rng))
+    finally:
+        feed.close()
+        client.close()
+        for node in nodes:
+            node.stop()
