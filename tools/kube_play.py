@@ -152,6 +152,14 @@ def pod_template(doc: dict, pod_name: str) -> dict:
     for container in spec["containers"]:
         for mount in container.get("volumeMounts", []):
             mount["name"] = renamed.get(mount["name"], mount["name"])
+    # podman 4.3 turns a tcpSocket liveness probe on a named port into `nc -z -v '' 0`, which
+    # never passes (and the images have no nc), and restarts the container whenever it fails:
+    # with the health-check loop running, Redis was killed twice within a minute and every
+    # record write after that failed. The kubelet would open a TCP connection; here readiness
+    # is checked from the host instead, so such a probe is left out.
+    for container in spec["containers"]:
+        if "tcpSocket" in container.get("livenessProbe", {}):
+            del container["livenessProbe"]
     # podman 4.3 dereferences a secret volume's unset `optional` and panics (podman issue
     # 16636, fixed in 4.4): spell out what an unset field means, false.
     for volume in spec.get("volumes", []):
