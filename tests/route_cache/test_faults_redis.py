@@ -291,11 +291,14 @@ def test_wait_refuses_to_acknowledge_a_write_no_replica_confirms(redis_node):
 def test_a_payload_redis_refuses_leaves_only_an_expiring_staging_hash():
     """Redis at its memory limit refuses the record's routes (sent after the staging hash is
     created with its expiry): RESOURCE_EXHAUSTED, no record, the staging hash expires; once
-    Redis has room the retry stores the record whole."""
+    Redis has room the retry stores the record whole. Without the route cache's memory
+    budget, which refuses such a write before Redis sees it (tests/route_cache/test_lifecycle.py):
+    here Redis refuses it itself."""
     node = RedisProcess("--maxmemory", "4mb", "--maxmemory-policy", "noeviction").start()
     client = connect(node.url, cluster=False)
     store = RouteStore(client)
-    server = RouteCacheServer(Config(host="127.0.0.1", port=0, grace_s=1), store).start()
+    config = Config(host="127.0.0.1", port=0, grace_s=1, memory_budget=0)
+    server = RouteCacheServer(config, store).start()
     record = synthetic_record("oom", SMALL, 400_000, np.random.default_rng(5))  # 8 MB routes
     try:
         with RouteCacheClient(f"127.0.0.1:{server.port}") as cache:
