@@ -70,11 +70,14 @@ class RouteFetcher:
         self.geometry = geometry
         self.missing = MissingRecord(missing)
 
-    def records(self, sample_ids: Sequence[str]) -> list[Record | None]:
-        """This worker's records, in order (None where missing and ``missing="native"``)."""
-        ids = [str(s) for s in sample_ids]
-        records = self.source.fetch(ids)
-        absent = absent_samples(ids, records)
+    def records(self, sample_ids: Sequence[str | None]) -> list[Record | None]:
+        """This worker's records, in order (None where missing and ``missing="native"``). A
+        None id is a row not to replay (it trains nothing): not fetched, its record None."""
+        ids = [None if s is None else str(s) for s in sample_ids]
+        wanted = [s for s in ids if s is not None]
+        fetched = iter(self.source.fetch(wanted) if wanted else [])
+        records = [None if s is None else next(fetched) for s in ids]
+        absent = [s for s in absent_samples(ids, records) if s is not None]
         if absent and self.missing is MissingRecord.ERROR:
             raise NotFound(
                 f"no route record for sample(s) {absent} (expired, never written, or another "
@@ -90,7 +93,8 @@ class RouteFetcher:
         """``batch["routed_experts"]`` for these samples.
 
         Args:
-            sample_ids: One per row of ``input_ids`` (verl's ``non_tensor_batch`` id column).
+            sample_ids: One per row of ``input_ids`` (verl's ``non_tensor_batch`` id column);
+                None for a row routed natively without a fetch (it trains nothing).
             input_ids: jagged ``[bs, j]`` (the result is jagged), or padded ``[bs, seq]`` with
                 ``attention_mask`` (bool or 0/1 ``[bs, seq]``, True on real tokens).
 

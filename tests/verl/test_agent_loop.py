@@ -379,3 +379,97 @@ def test_aborted_empty_outputs_pass_through_untouched(ray_local, setup, route_ca
     with RouteCacheClient(route_cache) as rc:
         with pytest.raises(Exception, match="sample-aborted"):
             rc.stat("sample-aborted")
+
+
+# --- verl's batch padding (V1's _balance_batch) ----------------------------------------------
+
+
+def _padded_by_verl(agent_runs, setup, multiple=3):
+    """The V1 run's sample as verl's V1 trainer balances it: ``upsample_batch_to_divisible_size``
+    (what ``_balance_batch`` calls when the batch is not divisible by ``lcm(dp_size,
+    ppo_mini_batch_size x n)``) appends ``multiple - 1`` copies of sample 0 in TransferQueue:
+    EOS tokens, a zero loss mask, and sample 0's ``extra_fields`` (its route cache id). Returns
+    the sample's id and what the trainer workers get back (``kv_batch_get``)."""
+    import transfer_queue as tq
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
+
+    from verl_integration.engine import row_ids
+
+    batch, _ = agent_runs("V1")
+    (sample,) = row_ids(batch)
+    key = "prompt-0_0_0"
+    tags = tq.kv_list(partition_id="train")["train"][key]
+    meta = KVBatchMeta(keys=[key], tags=[tags], partition_id="train")
+    meta = upsample_batch_to_divisible_size(meta, multiple, setup.tokenizer.eos_token_id)
+    assert len(meta) == multiple and [t.get("is_padding", False) for t in meta.tags] == [
+        False,
+        *[True] * (multiple - 1),
+    ]
+    return sample, tq.kv_batch_get(keys=meta.keys, partition_id="train")
+
+
+def test_verls_padding_rows_are_neither_fetched_nor_checked(agent_runs, setup, route_cache):
+    """The padding rows carry sample 0's id with other tokens: fetched and checked they would
+    fail the step (``InvalidArgument``: the tokens differ at position 0). Their loss mask is
+    empty, so they train nothing: the engine fetches only the real row, routes the padding
+    natively and counts it in the step's report."""
+    from trainer.data.source import CacheSource
+    from verl_integration.engine import ROUTED_FIELD, RouteReport, attach_routes, row_ids
+    from verl_integration.fetch import RouteFetcher
+
+    geometry = served_geometry(setup.policies[0])
+    sample, data = _padded_by_verl(agent_runs, setup)
+    assert row_ids(data) == [sample] * 3  # the deep copy of sample 0's extra_fields
+    fetcher = RouteFetcher(CacheSource(route_cache), geometry)
+    with pytest.raises(Exception, match=f"{sample}.*differ.*position 0"):
+        fetcher.routes(row_ids(data), data["input_ids"])  # what the engine did before
+
+    report = attach_routes(data, fetcher)
+    assert report == RouteReport(replayed=1, untrained=2, no_id=0, missing=0, diverged_rows=0)
+    with RouteCacheClient(route_cache) as client:
+        rows = client.stat(sample).num_tokens - 1
+    routed = [r.tolist() for r in data[ROUTED_FIELD].unbind()]
+    assert routed[0] == [True] * rows + [False] * (len(routed[0]) - rows)
+    assert routed[1] == routed[2] == [False] * 128  # verl's SYNTHETIC_PADDING_SEQ_LEN
+    assert not any(t.any() for t in data["routed_experts"].unbind()[1:])
+
+
+@pytest.mark.slow
+def test_verls_padded_batch_replays_real_rows_under_pp2(agent_runs, setup, route_cache, tmp_path):
+    """The batch verl's ``upsample_batch_to_divisible_size`` padded, through verl's
+    ``forward_backward_batch`` and ``forward_step`` in ``RouteCacheEngine`` (PP2 on megatron's
+    schedule, two gloo ranks; tests/verl/test_engine.py says what stands in): every router of
+    both stages replays the real sample's rows with the experts of the policy that generated
+    each token, and chooses natively on every row of the two padding samples; verl's step
+    metrics carry the report."""
+    import torch
+
+    from routereplay.domain.record import Record, Turn
+    from routereplay.domain.record_file import save_records
+    from tests.verl.helpers import torchrun
+
+    geometry = served_geometry(setup.policies[0]).record
+    sample, data = _padded_by_verl(agent_runs, setup)
+    _, calls = agent_runs("V1")
+    tokens = np.asarray(data["input_ids"].unbind()[0].tolist(), dtype=np.int32)
+    expected = _expected_rows(calls, geometry).astype(geometry.dtype)
+    oracle = Record(sample, geometry, tokens, expected, [Turn(0, tokens.size, 0)])
+    records = save_records(tmp_path / "oracle.npz", [oracle])
+    torch.save(data, tmp_path / "batch.pt")  # what verl's trainer hands the workers
+    out = tmp_path / "engine"
+    batch = tmp_path / "batch.pt"
+    proc = torchrun("engine_pp2_batch", setup.policies[0], records, route_cache, out, [[]], batch)
+    ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
+    assert proc.returncode == 0, (ranks, proc.stderr[-6000:])
+    for r in ranks:
+        assert r["engine_class"] == "RouteCacheEngine" and not r["bad"], r["bad"]
+        assert r["untrained_rows"] == 2
+        assert r["report"] == dict(replayed=1, untrained=2, no_id=0, missing=0, diverged_rows=0), r[
+            "report"
+        ]
+    # Rank 0 holds MoE layer 1, rank 1 layers 2 and 3; the padding's 2 x 128 rows natively,
+    # with the real sample's last row.
+    assert [r["replayed"] for r in ranks] == [oracle.num_rows, 2 * oracle.num_rows]
+    assert [r["natural"] for r in ranks] == [257, 2 * 257]
+    assert "route_cache/untrained" in ranks[1]["metrics"]

@@ -132,7 +132,7 @@ def test_ids_from_verls_v0_column_and_v1_extra_fields():
     v1_without = tu.list_of_dict_to_tensordict(
         [{"input_ids": torch.arange(3), "extra_fields": {"global_steps": 2}}]
     )
-    with pytest.raises(InvalidArgument, match=f"'extra_fields' has no '{ID_FIELD}' for row"):
+    with pytest.raises(InvalidArgument, match=f"has no '{ID_FIELD}' for row"):
         sample_ids(v1_without)
     with pytest.raises(InvalidArgument, match=f"neither a '{ID_FIELD}' column.*'extra_fields'"):
         sample_ids(tu.get_tensordict({"input_ids": torch.zeros(2, 3)}))
