@@ -43,6 +43,26 @@ def token_output(record: Record, prompt_len: int, policy_version: int = 0):
     )
 
 
+def forced_record(model_dir, tokens, prompt_len: int, policy_version: int = 0) -> Record:
+    """The call that produced ``tokens[prompt_len:]`` after ``tokens[:prompt_len]``, scripted:
+    its rows are the model's own routes over ``tokens`` (teacher-forced), as vLLM captures a
+    call's prompt and completion."""
+    from transformers import AutoModelForCausalLM
+
+    from routereplay.dev.hf_rollout import _forward_with_routes
+    from routereplay.domain.record import Turn
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    sequence = torch.tensor([list(tokens)])
+    with torch.no_grad():
+        _, chosen = _forward_with_routes(model, sequence)
+    routes = torch.stack([c.reshape(sequence.shape[1], -1) for c in chosen], dim=1)[:-1]
+    geometry = geometry_of(model_dir).record
+    turn = Turn(0, len(tokens), prompt_len, policy_version)
+    tokens = np.asarray(tokens, dtype=np.int32)
+    return Record("forced", geometry, tokens, routes.numpy().astype(geometry.dtype), [turn])
+
+
 def _num_hidden_layers(record: Record) -> int:
     return record.geometry.moe_layers[-1] + 1  # the tiny models end with a MoE layer
 

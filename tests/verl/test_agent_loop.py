@@ -47,9 +47,10 @@ CHAT_TEMPLATE = (
 CHAT_MARKERS = ["<|im_start|>", "<|im_end|>"]
 
 
-def chat_tokenizer():
-    """The tiny model's byte-level BPE, trained with ChatML's markers as special tokens (ids
-    below the tiny vocabulary, so the tiny model takes them as they are)."""
+def chat_tokenizer(markers=CHAT_MARKERS, template=CHAT_TEMPLATE):
+    """The tiny model's byte-level BPE, trained with a chat template's markers (ChatML's by
+    default) as special tokens (ids below the tiny vocabulary, so the tiny model takes them as
+    they are)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -58,7 +59,7 @@ def chat_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    special = [tiny_model.EOS_TOKEN, tiny_model.PAD_TOKEN, *CHAT_MARKERS]
+    special = [tiny_model.EOS_TOKEN, tiny_model.PAD_TOKEN, *markers]
     trainer = trainers.BpeTrainer(
         vocab_size=tiny_model.VOCAB_SIZE,
         special_tokens=special,
@@ -70,8 +71,8 @@ def chat_tokenizer():
         tokenizer_object=tok,
         eos_token=tiny_model.EOS_TOKEN,
         pad_token=tiny_model.PAD_TOKEN,
-        additional_special_tokens=CHAT_MARKERS,
-        chat_template=CHAT_TEMPLATE,
+        additional_special_tokens=list(markers),
+        chat_template=template,
     )
 
 
