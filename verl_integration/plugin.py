@@ -66,7 +66,9 @@ def carry_sample_ids(client_cls, resuming_client_cls) -> None:
     async def resuming_generate(self, request_id, **kwargs):
         output = await generate(self, request_id, **kwargs)
         rollout = self.config.actor_rollout_ref.rollout
-        if output.token_ids and rollout.enable_rollout_routing_replay and not _deterministic(self):
+        # Even with no tokens (aborted before the first, partial_rollout=False): the trainer
+        # needs the id to tell the sample from one generated without the integration.
+        if rollout.enable_rollout_routing_replay and not _deterministic(self):
             output.extra_fields.setdefault(ID_FIELD, request_id)
         return output
 

@@ -335,10 +335,11 @@ class RouteCacheGenerate:
     Mix it in front of verl's server (``class Server(RouteCacheGenerate, vLLMHttpServer)``; see
     ``route_cache_replica``). The sample id comes from the request id (``sample_of``); a request
     that carries none is refused (the plugin is not loaded in the agent loop's process, or
-    ``full_determinism`` gives every sample one id). Aborted and empty outputs pass through
-    untouched. The route cache is ``contract.route_cache_target``'s; the geometry is read from
-    the served model's ``config.json`` (``self.model_config.local_path``), unless
-    ``route_writer`` is set first.
+    ``full_determinism`` gives every sample one id). Aborted and empty outputs store nothing
+    and pass through untouched but for the sample's id in ``extra_fields`` (verl's agent loop
+    keeps the first call's, which may be an abort before the first token). The route cache is
+    ``contract.route_cache_target``'s; the geometry is read from the served model's
+    ``config.json`` (``self.model_config.local_path``), unless ``route_writer`` is set first.
     """
 
     route_writer: TurnWriter | None = None
@@ -372,8 +373,9 @@ class RouteCacheGenerate:
                 "actor_rollout_ref.rollout.full_determinism=False"
             )
         output = await super().generate(prompt_ids, sampling_params, request_id, **kwargs)
-        if not _stores_anything(output):
-            return output
+        if not _stores_anything(output):  # still carries the id: verl keeps the first call's
+            extra = {**output.extra_fields, ID_FIELD: sample_id}
+            return output.model_copy(update={"extra_fields": extra})
         await self._route_writer().store(sample_id, prompt_ids, output)
         return without_routes(output, sample_id)
 

@@ -369,17 +369,34 @@ def test_a_partial_rollout_resumed_after_an_abort_keeps_both_versions(
     )
 
 
-def test_aborted_empty_outputs_pass_through_untouched(ray_local, setup, route_cache):
+@pytest.mark.parametrize("client", ["LLMServerClient", "FullyAsyncLLMServerClient"])
+def test_an_aborted_empty_first_call_still_carries_the_id(ray_local, setup, route_cache, client):
+    """A request aborted before its first token (verl's answer on pause, drain and every
+    non-naive weight sync), under verl's plain client and under ``FullyAsyncLLMServerClient``
+    with ``partial_rollout=False`` (it returns the abort instead of resuming): nothing is stored,
+    the output is verl's, and it carries the sample's id, which verl's agent loop keeps from the
+    first call (the trainer then tells the sample from one generated without the integration,
+    and skips it: its loss mask is empty)."""
+    from omegaconf import OmegaConf
+    from verl.workers.rollout import llm_server
+
+    config = setup.config
+    if client == "FullyAsyncLLMServerClient":
+        config = OmegaConf.create(OmegaConf.to_container(setup.config))
+        config.async_training = {"partial_rollout": False}
     server = _server(ray_local, setup, route_cache)
-    client = _client(ray_local, setup, server)
+    balancer_setup = SimpleNamespace(**{**vars(setup), "config": config})
+    client_obj = _client(ray_local, balancer_setup, server, getattr(llm_server, client))
     ray_local.get(server.abort_next.remote(0))
+    sample = f"sample-aborted-{client}"
     prompt = setup.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
-    output = asyncio.run(client.generate("sample-aborted", prompt_ids=prompt, sampling_params={}))
+    output = asyncio.run(client_obj.generate(sample, prompt_ids=prompt, sampling_params={}))
     assert output.token_ids == [] and output.routed_experts is None
-    assert output.stop_reason == "aborted" and ID_FIELD not in output.extra_fields
+    assert output.stop_reason == "aborted" and output.extra_fields[ID_FIELD] == sample
+    assert len(ray_local.get(server.calls.remote())) == 1  # not resumed
     with RouteCacheClient(route_cache) as rc:
-        with pytest.raises(Exception, match="sample-aborted"):
-            rc.stat("sample-aborted")
+        with pytest.raises(Exception, match=sample):
+            rc.stat(sample)
 
 
 # --- verl's batch padding (V1's _balance_batch) ----------------------------------------------
