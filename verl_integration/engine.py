@@ -22,6 +22,9 @@ Where each step runs, on every rank (docs/verl.md, "The trainer seam in verl's e
   natively instead of replaying expert 0, k times.
 
 The engine is transparent without ``$ROUTER_REPLAY_CACHE`` or outside R3: it is verl's engine.
+With them, a batch that already holds verl's ``routed_experts`` (through Ray: a disaggregated
+prefill/decode rollout) is refused unless ``$ROUTER_REPLAY_RAY_ROUTES=use``
+(``ray_routes_arrived``).
 """
 
 from __future__ import annotations
@@ -35,8 +38,14 @@ from typing import Any, NamedTuple
 import torch
 
 from routereplay.domain.record_checks import MissingRecord
-from routereplay.errors import InvalidArgument
-from verl_integration.contract import ID_FIELD, route_cache_target, served_geometry
+from routereplay.errors import FailedPrecondition, InvalidArgument
+from verl_integration.contract import (
+    ID_FIELD,
+    RAY_ROUTES_ENV,
+    TARGET_ENV,
+    route_cache_target,
+    served_geometry,
+)
 from verl_integration.fetch import RouteFetcher, native_where_missing, worker_source
 
 logger = logging.getLogger(__name__)
@@ -172,6 +181,30 @@ def attach_routes(data, fetcher: RouteFetcher) -> RouteReport:
     return report
 
 
+def ray_routes_arrived() -> None:
+    """A batch holds verl's ``routed_experts`` (through Ray) while the route cache is on: the
+    rollout bypassed the integration (verl builds disaggregated prefill/decode replicas,
+    ``vLLMPDReplica``, without its replica registry), so multi-turn samples carry the last
+    call's routes for every turn (verl #6054). Refused unless ``$ROUTER_REPLAY_RAY_ROUTES=use``.
+
+    Raises:
+        FailedPrecondition: naming the setting.
+    """
+    policy = os.environ.get(RAY_ROUTES_ENV, "refuse")
+    if policy not in ("refuse", "use"):
+        raise InvalidArgument(f"{RAY_ROUTES_ENV}={policy!r}: use 'refuse' or 'use'")
+    message = (
+        "the batch arrived with routed_experts through Ray while the route cache is on "
+        f"({TARGET_ENV} set, R3): the rollout did not write to the route cache (a disaggregated "
+        "prefill/decode rollout, rollout.disaggregation.enabled, builds vLLMPDReplica without "
+        "the registry router-replay converts), and verl's own routes replay the last call's "
+        "routes on every earlier turn (verl #6054)"
+    )
+    if policy == "refuse":
+        raise FailedPrecondition(f"{message}; set {RAY_ROUTES_ENV}=use to train on them anyway")
+    logger.warning("%s; training on them (%s=use)", message, RAY_ROUTES_ENV)
+
+
 def _replays(engine) -> bool:
     router_replay = getattr(engine.engine_config, "router_replay", None)
     return getattr(router_replay, "mode", "disabled") == "R3"
@@ -210,8 +243,11 @@ class RouteCacheEngineMixin:
         fetcher = self.build_route_source()
         replay = tu.get_non_tensor_data(data, key="enable_routing_replay", default=False)
         report = None
-        if fetcher is not None and replay and data.get("routed_experts", None) is None:
-            report = self.route_report = attach_routes(data, fetcher)
+        if fetcher is not None and replay:
+            if data.get("routed_experts", None) is None:
+                report = self.route_report = attach_routes(data, fetcher)
+            else:
+                ray_routes_arrived()
         output = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
         if report is not None and isinstance(output, dict) and "metrics" in output:
             output["metrics"].update(report.metrics())  # the last stage's: verl's step metrics

@@ -3,7 +3,7 @@ entry points (``pyproject.toml``), and ``import verl`` imports it in every proce
 (driver, TaskRunner, agent loop workers, rollout servers, trainer workers), on any Ray cluster,
 started by the driver or not. ``VERL_USE_EXTERNAL_PLUGINS`` (verl's own switch) can leave it out.
 
-It does three things, each keyed on verl's own extension points:
+It does four things, each keyed on verl's own extension points:
 
 - the ``vllm`` rollout replica is registered again (``RolloutReplicaRegistry``), with
   ``RouteCacheGenerate`` in front of ``vLLMHttpServer`` on the actor's replicas that have
@@ -12,7 +12,10 @@ It does three things, each keyed on verl's own extension points:
   verl's fresh per-call id and carries the agent loop's per-sample id inside it
   (``rollout.tag_request_id``), and ``FullyAsyncLLMServerClient.generate``, which rebuilds the
   output of a resumed partial rollout, keeps the sample's id in ``extra_fields``;
-- the trainer's engine is registered for verl's Megatron backend (``engine.register_engine``).
+- the trainer's engine is registered for verl's Megatron backend (``engine.register_engine``);
+- verl's ``get_rollout_replica_class`` logs an error where the route cache is configured and a
+  disaggregated prefill/decode replica is asked for (verl builds it without the registry, so its
+  routes go through Ray; ``warn_disaggregated``).
 
 Each change is made right after verl imports the module it changes (``when_imported``), so
 ``import verl`` itself imports nothing more (measured: ``import verl`` took 9.2-9.6 s with the
@@ -30,7 +33,7 @@ import sys
 from collections.abc import Callable
 from types import ModuleType
 
-from verl_integration.contract import ID_FIELD
+from verl_integration.contract import ID_FIELD, RAY_ROUTES_ENV, route_cache_target
 from verl_integration.rollout import route_cache_replica, tag_request_id
 
 logger = logging.getLogger(__name__)
@@ -126,10 +129,41 @@ def when_imported(name: str, hook: Callable[[ModuleType], None]) -> None:
 
 def register_replica(replica) -> None:
     replica.RolloutReplicaRegistry.register("vllm", load_replica)
+    warn_disaggregated(replica)
+
+
+def warn_disaggregated(replica) -> None:
+    """verl's ``get_rollout_replica_class`` returns its disaggregated prefill/decode replica
+    (``vLLMPDReplica``) without the registry above: its servers keep verl's ``generate()``, and
+    R3 routes travel through Ray. Said loudly where the route cache is configured; the trainer
+    engine refuses such batches (``engine.ray_routes_arrived``). Idempotent."""
+    resolve = replica.get_rollout_replica_class
+    if getattr(resolve, "_warns_disaggregated", False):
+        return
+
+    @functools.wraps(resolve)
+    def get_rollout_replica_class(rollout, disaggregation_enabled=False):
+        if disaggregation_enabled and route_cache_target() is not None:
+            logger.error(
+                "router-replay: rollout.disaggregation.enabled builds verl's %r PD replica "
+                "without the route cache: its routes go through Ray, and the trainer engine "
+                "refuses them unless %s=use",
+                rollout,
+                RAY_ROUTES_ENV,
+            )
+        return resolve(rollout, disaggregation_enabled)
+
+    get_rollout_replica_class._warns_disaggregated = True
+    replica.get_rollout_replica_class = get_rollout_replica_class
 
 
 def patch_clients(llm_server) -> None:
     carry_sample_ids(llm_server.LLMServerClient, llm_server.FullyAsyncLLMServerClient)
+    # llm_server binds the function by name at its import: the wrapped one.
+    from verl.workers.rollout import replica
+
+    warn_disaggregated(replica)
+    llm_server.get_rollout_replica_class = replica.get_rollout_replica_class
 
 
 def register_engine(transformer_impl) -> None:
