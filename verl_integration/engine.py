@@ -46,7 +46,12 @@ from verl_integration.contract import (
     route_cache_target,
     served_geometry,
 )
-from verl_integration.fetch import RouteFetcher, native_where_missing, worker_source
+from verl_integration.fetch import (
+    PolicyVersions,
+    RouteFetcher,
+    native_where_missing,
+    worker_source,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +112,32 @@ def sample_ids(data) -> list[str]:
     return ids
 
 
+def row_versions(data) -> list[PolicyVersions]:
+    """Each row's ``PolicyVersions`` from verl's batch: V0's ``global_steps``,
+    ``min_global_steps`` and ``max_global_steps`` columns, or V1's ``extra_fields`` dicts."""
+    keys = set(data.keys())
+    names = PolicyVersions._fields
+    if EXTRA_FIELDS in keys and ID_FIELD not in keys:
+        extra = [getattr(e, "data", e) for e in data[EXTRA_FIELDS]]
+        rows = [[e.get(n) if isinstance(e, dict) else None for n in names] for e in extra]
+    else:
+        columns = [_column(data, n) or [None] * len(data) for n in names]
+        rows = list(zip(*columns, strict=True))
+    return [PolicyVersions(*(None if v is None else int(v) for v in row)) for row in rows]
+
+
+def _column(data, name: str) -> list | None:
+    """A per-row column of ``data``, or None (absent, or a batch-wide value of that name)."""
+    value = data.get(name, None)
+    if value is None:
+        return None
+    try:
+        values = [getattr(v, "data", v) for v in value]
+    except (TypeError, RuntimeError, ValueError):
+        return None
+    return values if len(values) == len(data) else None
+
+
 def trained_rows(data) -> torch.Tensor:
     """bool ``[bs]``: the rows whose loss mask holds a token. verl's batch padding
     (``upsample_batch_to_divisible_size``: copies of sample 0 with EOS tokens and a zero loss
@@ -165,7 +196,7 @@ def attach_routes(data, fetcher: RouteFetcher) -> RouteReport:
             f"{MISSING_ENV}=native trains them with native routing"
         )
     wanted = [i if t else None for i, t in zip(ids, trains, strict=True)]
-    routes = fetcher.routes(wanted, input_ids)
+    routes = fetcher.routes(wanted, input_ids, versions=row_versions(data))
     data["routed_experts"] = routes.routed_experts
     data[ROUTED_FIELD] = routes.routed
     present = routes.present.tolist()
