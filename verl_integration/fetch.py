@@ -141,10 +141,10 @@ class RouteFetcher:
 
         Token check: where the batch's tokens differ from the record's first at position ``d``,
         rows ``d`` on (whose prefix differs) are left native and counted in ``diverged``; only
-        a difference inside the record's first turn (before its last token) is an error. verl's
-        token builders may drop a stop token where a tool's answer follows a generation, so a
-        later turn's history can differ from the record from that junction on; every row
-        before ``d`` saw the recorded prefix and is exact.
+        a difference inside the record's first turn (before its last token) is an error. Every
+        row before ``d`` saw the recorded prefix and is exact. verl 0.9.1's flow does not reach
+        this (the rollout side rewrites the record to the history the agent loop keeps:
+        ``rollout.rewritten``); it guards edits made after the last call.
 
         Raises:
             NotFound: a missing record with ``missing="error"``, naming it.
