@@ -3,7 +3,7 @@ entry points (``pyproject.toml``), and ``import verl`` imports it in every proce
 (driver, TaskRunner, agent loop workers, rollout servers, trainer workers), on any Ray cluster,
 started by the driver or not. ``VERL_USE_EXTERNAL_PLUGINS`` (verl's own switch) can leave it out.
 
-It does four things, each keyed on verl's own extension points:
+It does five things, each keyed on verl's own extension points:
 
 - the ``vllm`` rollout replica is registered again (``RolloutReplicaRegistry``), with
   ``RouteCacheGenerate`` in front of ``vLLMHttpServer`` on the actor's replicas that have
@@ -15,7 +15,9 @@ It does four things, each keyed on verl's own extension points:
 - the trainer's engine is registered for verl's Megatron backend (``engine.register_engine``);
 - verl's ``get_rollout_replica_class`` logs an error where the route cache is configured and a
   disaggregated prefill/decode replica is asked for (verl builds it without the registry, so its
-  routes go through Ray; ``warn_disaggregated``).
+  routes go through Ray; ``warn_disaggregated``);
+- verl's agent-loop workers (V0 ``AgentLoopWorker``, V1 ``AgentLoopWorkerTQ``) mark their
+  validation batches, whose calls the servers then never store (``mark_validation``).
 
 Each change is made right after verl imports the module it changes (``when_imported``), so
 ``import verl`` itself imports nothing more (measured: ``import verl`` took 9.2-9.6 s with the
@@ -31,6 +33,7 @@ import importlib.abc
 import logging
 import sys
 from collections.abc import Callable
+from contextvars import ContextVar
 from types import ModuleType
 
 from verl_integration.contract import ID_FIELD, RAY_ROUTES_ENV, route_cache_target
@@ -61,7 +64,9 @@ def carry_sample_ids(client_cls, resuming_client_cls) -> None:
 
     def _vllm_request_id(self, request_id: str) -> str:
         sent = fresh_id(self, request_id)
-        return sent if _deterministic(self) else tag_request_id(request_id, sent)
+        if _deterministic(self):
+            return sent
+        return tag_request_id(request_id, sent, validation=VALIDATING.get())
 
     generate = resuming_client_cls.generate
 
@@ -78,6 +83,46 @@ def carry_sample_ids(client_cls, resuming_client_cls) -> None:
     client_cls._vllm_request_id = _vllm_request_id
     resuming_client_cls.generate = resuming_generate
     client_cls._carries_sample_ids = True
+
+
+VALIDATING: ContextVar[bool] = ContextVar("router_replay_validating", default=False)
+"""True inside a validation batch of verl's agent-loop workers (``mark_validation``): the tasks
+they start inherit it, and their calls' request ids say so (``tag_request_id``)."""
+
+
+def _validating(batch) -> bool:
+    """verl's validation flag: V0's ``DataProto.meta_info["validate"]``, V1's
+    ``batch["validate"]`` (a ``TensorDict``)."""
+    meta = getattr(batch, "meta_info", None)
+    if meta is not None:
+        return bool(meta.get("validate", False))
+    if "validate" in batch.keys():
+        value = batch["validate"]
+        return bool(getattr(value, "data", value))
+    return False
+
+
+def mark_validation(worker_cls) -> None:
+    """verl's agent-loop worker runs validation batches over the same clients and servers as
+    training ones; its ``generate_sequences`` now sets ``VALIDATING`` for what it starts, so the
+    servers store nothing for validation (idempotent)."""
+    worker_cls = getattr(
+        getattr(worker_cls, "__ray_metadata__", None), "modified_class", worker_cls
+    )
+    if "_marks_validation" in vars(worker_cls):
+        return
+    generate = worker_cls.generate_sequences
+
+    @functools.wraps(generate)
+    async def generate_sequences(self, batch, *args, **kwargs):
+        token = VALIDATING.set(_validating(batch))
+        try:
+            return await generate(self, batch, *args, **kwargs)
+        finally:
+            VALIDATING.reset(token)
+
+    worker_cls.generate_sequences = generate_sequences
+    worker_cls._marks_validation = True
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -166,6 +211,14 @@ def patch_clients(llm_server) -> None:
     llm_server.get_rollout_replica_class = replica.get_rollout_replica_class
 
 
+def mark_v0_validation(agent_loop) -> None:
+    mark_validation(agent_loop.AgentLoopWorker)
+
+
+def mark_v1_validation(agent_loop_tq) -> None:
+    mark_validation(agent_loop_tq.AgentLoopWorkerTQ)
+
+
 def register_engine(transformer_impl) -> None:
     from verl_integration import engine
 
@@ -175,3 +228,5 @@ def register_engine(transformer_impl) -> None:
 when_imported("verl.workers.rollout.replica", register_replica)
 when_imported("verl.workers.rollout.llm_server", patch_clients)
 when_imported("verl.workers.engine.megatron.transformer_impl", register_engine)
+when_imported("verl.experimental.agent_loop.agent_loop", mark_v0_validation)
+when_imported("verl.trainer.ppo.v1.agent_loop_tq", mark_v1_validation)

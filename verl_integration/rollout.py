@@ -313,12 +313,22 @@ def without_routes(output: Any, sample_id: str) -> Any:
 
 REQUEST_TAG = "rr:"
 """Prefix of a request id that carries its sample's id (``tag_request_id``)."""
+VALIDATION_TAG = "rr-val:"
+"""Prefix of a validation call's request id: its routes are never stored (validation never
+trains, so its records would only wait out the route cache's TTL)."""
 
 
-def tag_request_id(sample_id: str, request_id: str) -> str:
+def tag_request_id(sample_id: str, request_id: str, validation: bool = False) -> str:
     """The request id verl sends the server (``request_id``: fresh per call, as vLLM needs),
     carrying the agent loop's per-sample id, which verl's client would otherwise drop."""
-    return f"{REQUEST_TAG}{sample_id}:{request_id}"
+    return f"{VALIDATION_TAG if validation else REQUEST_TAG}{sample_id}:{request_id}"
+
+
+def validation_sample_of(request_id: str) -> str | None:
+    """The sample id carried by a validation call's request id, else None."""
+    if not request_id.startswith(VALIDATION_TAG) or ":" not in request_id[len(VALIDATION_TAG) :]:
+        return None
+    return request_id[len(VALIDATION_TAG) :].rsplit(":", 1)[0]
 
 
 def sample_of(request_id: str) -> str | None:
@@ -364,6 +374,10 @@ class RouteCacheGenerate:
         return sample_of(request_id)
 
     async def generate(self, prompt_ids, sampling_params, request_id, **kwargs):
+        validation = validation_sample_of(request_id)
+        if validation is not None:  # never trained: nothing stored, nothing for Ray to carry
+            output = await super().generate(prompt_ids, sampling_params, request_id, **kwargs)
+            return without_routes(output, validation)
         sample_id = self.sample_id_of(request_id)
         if sample_id is None:
             raise FailedPrecondition(

@@ -164,13 +164,14 @@ def _client(ray, setup, server, client_cls=None):
 MESSAGES = [{"role": "user", "content": "1+2, then 3+4?"}]
 
 
-def _run_v0(setup, client):
+def _run_v0(setup, client, validate=False):
     """verl's V0 agent-loop worker: one prompt; returns the trainer's batch (``DataProto``)."""
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
     from verl.protocol import DataProto
 
     batch = DataProto.from_dict(
-        non_tensors={"raw_prompt": np.array([MESSAGES], dtype=object), "index": np.array([0])}
+        non_tensors={"raw_prompt": np.array([MESSAGES], dtype=object), "index": np.array([0])},
+        meta_info={"validate": validate},
     )
 
     async def run():
@@ -179,7 +180,7 @@ def _run_v0(setup, client):
     return asyncio.run(run())
 
 
-def _run_v1(setup, client):
+def _run_v1(setup, client, validate=False):
     """verl's V1 agent-loop worker (TransferQueue): one prompt; returns what verl's V1 trainer
     reads back from TransferQueue for the sample (a ``TensorDict``)."""
     import torch
@@ -188,23 +189,24 @@ def _run_v1(setup, client):
     from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
 
     worker_cls = AgentLoopWorkerTQ.__ray_metadata__.modified_class  # the class under @ray.remote
-    batch = TensorDict(
-        {
-            "raw_prompt": NonTensorStack(MESSAGES),
-            "index": torch.tensor([0]),
-            "uid": NonTensorStack("prompt-0"),
-            "global_steps": NonTensorData(1),
-        },
-        batch_size=[1],
-    )
+    uid, partition = ("prompt-val-0", "val") if validate else ("prompt-0", "train")
+    fields = {
+        "raw_prompt": NonTensorStack(MESSAGES),
+        "index": torch.tensor([0]),
+        "uid": NonTensorStack(uid),
+        "global_steps": NonTensorData(1),
+    }
+    if validate:
+        fields["validate"] = NonTensorData(True)
+    batch = TensorDict(fields, batch_size=[1])
 
     async def run():
         worker = worker_cls(setup.config, client)
         await worker.generate_sequences(batch)
         await asyncio.gather(*worker.background_tasks)
-        listed = tq.kv_list(partition_id="train")["train"]
-        assert listed["prompt-0"]["status"] == "finished", listed
-        return tq.kv_batch_get(keys=["prompt-0_0_0"], partition_id="train")
+        listed = tq.kv_list(partition_id=partition)[partition]
+        assert listed[uid]["status"] == "finished", listed
+        return tq.kv_batch_get(keys=[f"{uid}_0_0"], partition_id=partition)
 
     return asyncio.run(run())
 
@@ -491,3 +493,26 @@ def test_verls_padded_batch_replays_real_rows_under_pp2(agent_runs, setup, route
     assert [r["replayed"] for r in ranks] == [oracle.num_rows, 2 * oracle.num_rows]
     assert [r["natural"] for r in ranks] == [257, 2 * 257]
     assert "route_cache/untrained" in ranks[1]["metrics"]
+
+
+@pytest.mark.parametrize("path", ["V0", "V1"])
+def test_validation_rollouts_store_nothing(ray_local, setup, route_cache, path):
+    """verl runs validation batches (V0 ``meta_info["validate"]``, V1 ``batch["validate"]``)
+    through the same agent-loop workers, clients and servers as training ones, and never trains
+    them: the plugin marks the worker's validation batches, every call's request id says so,
+    and the server stores nothing (a record would only wait out the route cache's TTL). The
+    batch still carries the sample's id; the calls ran as in training."""
+    from verl_integration.engine import row_ids
+    from verl_integration.rollout import VALIDATION_TAG, validation_sample_of
+
+    server = _server(ray_local, setup, route_cache)
+    client = _client(ray_local, setup, server)
+    batch = (_run_v0 if path == "V0" else _run_v1)(setup, client, validate=True)
+    calls = ray_local.get(server.calls.remote())
+    assert len(calls) == 3 and all(c[0].startswith(VALIDATION_TAG) for c in calls)
+    data = batch.to_tensordict() if path == "V0" else batch
+    (sample,) = row_ids(data)
+    assert {validation_sample_of(c[0]) for c in calls} == {sample}
+    with RouteCacheClient(route_cache) as rc:
+        with pytest.raises(Exception, match=sample):
+            rc.stat(sample)
