@@ -252,7 +252,9 @@ class TurnWriter:
         stored, at = await self.stored_tokens(sample_id, history[:generated_start])
         version = _version(output, policy_version)
         if at is not None:
-            result = await self._rewrite(sample_id, stored, at, history, generated_start, output)
+            result = await self._rewrite(
+                sample_id, stored, at, history, generated_start, output, version
+            )
             self._remember(sample_id, history)
             return result
         update = next_turn(
@@ -265,11 +267,11 @@ class TurnWriter:
         self._remember(sample_id, history)
         return result
 
-    async def _rewrite(self, sample_id, stored, at, history, generated_start, output):
+    async def _rewrite(self, sample_id, stored, at, history, generated_start, output, version):
         """Replace the record by ``rewritten`` (delete, then write: the route cache never
         overwrites a record; a failure between them leaves the sample without a record)."""
         old = await _value(self.client.read(sample_id))
-        record = rewritten(old, at, history, generated_start, output, self.geometry)
+        record = rewritten(old, at, history, generated_start, output, self.geometry, version)
         logger.log(
             logging.INFO if at == stored - 1 else logging.WARNING,
             "sample %r: this call's prompt differs from the stored history at token %d of %d "
