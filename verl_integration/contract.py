@@ -15,6 +15,11 @@ keeps it in each sample's ``extra_fields`` dict."""
 
 TARGET_ENV = "ROUTER_REPLAY_CACHE"
 
+RAY_ROUTES_ENV = "ROUTER_REPLAY_RAY_ROUTES"
+"""``refuse`` (default) or ``use``: what the trainer engine does with a batch that arrives with
+verl's own ``routed_experts`` (through Ray: a disaggregated prefill/decode rollout, whose
+replicas verl builds without the registry the plugin converts) while the route cache is on."""
+
 
 def served_geometry(model_dir: str) -> MoEGeometry:
     """The geometry of the model in ``model_dir`` (its ``config.json``), named by the folder's

@@ -3,7 +3,7 @@ entry points (``pyproject.toml``), and ``import verl`` imports it in every proce
 (driver, TaskRunner, agent loop workers, rollout servers, trainer workers), on any Ray cluster,
 started by the driver or not. ``VERL_USE_EXTERNAL_PLUGINS`` (verl's own switch) can leave it out.
 
-It does three things, each keyed on verl's own extension points:
+It does five things, each keyed on verl's own extension points:
 
 - the ``vllm`` rollout replica is registered again (``RolloutReplicaRegistry``), with
   ``RouteCacheGenerate`` in front of ``vLLMHttpServer`` on the actor's replicas that have
@@ -12,7 +12,12 @@ It does three things, each keyed on verl's own extension points:
   verl's fresh per-call id and carries the agent loop's per-sample id inside it
   (``rollout.tag_request_id``), and ``FullyAsyncLLMServerClient.generate``, which rebuilds the
   output of a resumed partial rollout, keeps the sample's id in ``extra_fields``;
-- the trainer's engine is registered for verl's Megatron backend (``engine.register_engine``).
+- the trainer's engine is registered for verl's Megatron backend (``engine.register_engine``);
+- verl's ``get_rollout_replica_class`` logs an error where the route cache is configured and a
+  disaggregated prefill/decode replica is asked for (verl builds it without the registry, so its
+  routes go through Ray; ``warn_disaggregated``);
+- verl's agent-loop workers (V0 ``AgentLoopWorker``, V1 ``AgentLoopWorkerTQ``) mark their
+  validation batches, whose calls the servers then never store (``mark_validation``).
 
 Each change is made right after verl imports the module it changes (``when_imported``), so
 ``import verl`` itself imports nothing more (measured: ``import verl`` took 9.2-9.6 s with the
@@ -28,9 +33,10 @@ import importlib.abc
 import logging
 import sys
 from collections.abc import Callable
+from contextvars import ContextVar
 from types import ModuleType
 
-from verl_integration.contract import ID_FIELD
+from verl_integration.contract import ID_FIELD, RAY_ROUTES_ENV, route_cache_target
 from verl_integration.rollout import route_cache_replica, tag_request_id
 
 logger = logging.getLogger(__name__)
@@ -58,7 +64,9 @@ def carry_sample_ids(client_cls, resuming_client_cls) -> None:
 
     def _vllm_request_id(self, request_id: str) -> str:
         sent = fresh_id(self, request_id)
-        return sent if _deterministic(self) else tag_request_id(request_id, sent)
+        if _deterministic(self):
+            return sent
+        return tag_request_id(request_id, sent, validation=VALIDATING.get())
 
     generate = resuming_client_cls.generate
 
@@ -66,13 +74,55 @@ def carry_sample_ids(client_cls, resuming_client_cls) -> None:
     async def resuming_generate(self, request_id, **kwargs):
         output = await generate(self, request_id, **kwargs)
         rollout = self.config.actor_rollout_ref.rollout
-        if output.token_ids and rollout.enable_rollout_routing_replay and not _deterministic(self):
+        # Even with no tokens (aborted before the first, partial_rollout=False): the trainer
+        # needs the id to tell the sample from one generated without the integration.
+        if rollout.enable_rollout_routing_replay and not _deterministic(self):
             output.extra_fields.setdefault(ID_FIELD, request_id)
         return output
 
     client_cls._vllm_request_id = _vllm_request_id
     resuming_client_cls.generate = resuming_generate
     client_cls._carries_sample_ids = True
+
+
+VALIDATING: ContextVar[bool] = ContextVar("router_replay_validating", default=False)
+"""True inside a validation batch of verl's agent-loop workers (``mark_validation``): the tasks
+they start inherit it, and their calls' request ids say so (``tag_request_id``)."""
+
+
+def _validating(batch) -> bool:
+    """verl's validation flag: V0's ``DataProto.meta_info["validate"]``, V1's
+    ``batch["validate"]`` (a ``TensorDict``)."""
+    meta = getattr(batch, "meta_info", None)
+    if meta is not None:
+        return bool(meta.get("validate", False))
+    if "validate" in batch.keys():
+        value = batch["validate"]
+        return bool(getattr(value, "data", value))
+    return False
+
+
+def mark_validation(worker_cls) -> None:
+    """verl's agent-loop worker runs validation batches over the same clients and servers as
+    training ones; its ``generate_sequences`` now sets ``VALIDATING`` for what it starts, so the
+    servers store nothing for validation (idempotent)."""
+    worker_cls = getattr(
+        getattr(worker_cls, "__ray_metadata__", None), "modified_class", worker_cls
+    )
+    if "_marks_validation" in vars(worker_cls):
+        return
+    generate = worker_cls.generate_sequences
+
+    @functools.wraps(generate)
+    async def generate_sequences(self, batch, *args, **kwargs):
+        token = VALIDATING.set(_validating(batch))
+        try:
+            return await generate(self, batch, *args, **kwargs)
+        finally:
+            VALIDATING.reset(token)
+
+    worker_cls.generate_sequences = generate_sequences
+    worker_cls._marks_validation = True
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -124,10 +174,49 @@ def when_imported(name: str, hook: Callable[[ModuleType], None]) -> None:
 
 def register_replica(replica) -> None:
     replica.RolloutReplicaRegistry.register("vllm", load_replica)
+    warn_disaggregated(replica)
+
+
+def warn_disaggregated(replica) -> None:
+    """verl's ``get_rollout_replica_class`` returns its disaggregated prefill/decode replica
+    (``vLLMPDReplica``) without the registry above: its servers keep verl's ``generate()``, and
+    R3 routes travel through Ray. Said loudly where the route cache is configured; the trainer
+    engine refuses such batches (``engine.ray_routes_arrived``). Idempotent."""
+    resolve = replica.get_rollout_replica_class
+    if getattr(resolve, "_warns_disaggregated", False):
+        return
+
+    @functools.wraps(resolve)
+    def get_rollout_replica_class(rollout, disaggregation_enabled=False):
+        if disaggregation_enabled and route_cache_target() is not None:
+            logger.error(
+                "router-replay: rollout.disaggregation.enabled builds verl's %r PD replica "
+                "without the route cache: its routes go through Ray, and the trainer engine "
+                "refuses them unless %s=use",
+                rollout,
+                RAY_ROUTES_ENV,
+            )
+        return resolve(rollout, disaggregation_enabled)
+
+    get_rollout_replica_class._warns_disaggregated = True
+    replica.get_rollout_replica_class = get_rollout_replica_class
 
 
 def patch_clients(llm_server) -> None:
     carry_sample_ids(llm_server.LLMServerClient, llm_server.FullyAsyncLLMServerClient)
+    # llm_server binds the function by name at its import: the wrapped one.
+    from verl.workers.rollout import replica
+
+    warn_disaggregated(replica)
+    llm_server.get_rollout_replica_class = replica.get_rollout_replica_class
+
+
+def mark_v0_validation(agent_loop) -> None:
+    mark_validation(agent_loop.AgentLoopWorker)
+
+
+def mark_v1_validation(agent_loop_tq) -> None:
+    mark_validation(agent_loop_tq.AgentLoopWorkerTQ)
 
 
 def register_engine(transformer_impl) -> None:
@@ -139,3 +228,5 @@ def register_engine(transformer_impl) -> None:
 when_imported("verl.workers.rollout.replica", register_replica)
 when_imported("verl.workers.rollout.llm_server", patch_clients)
 when_imported("verl.workers.engine.megatron.transformer_impl", register_engine)
+when_imported("verl.experimental.agent_loop.agent_loop", mark_v0_validation)
+when_imported("verl.trainer.ppo.v1.agent_loop_tq", mark_v1_validation)

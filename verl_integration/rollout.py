@@ -15,8 +15,10 @@ the server alone cannot tell which sample a call continues. The agent loop's own
 sample, kept across its turns and its partial-rollout resumes) is carried inside that request
 id (``tag_request_id``, installed by ``verl_integration.plugin`` in verl's client), and the
 server keys the record by it (``sample_of``). Before appending, the call's prompt is checked
-against the record's tokens, content and length: a history that does not extend the record is
-refused, naming the sample, never spliced.
+against the record's tokens, content and length: a history that does not extend the record
+(verl's GLM token builder replaces the record's last token) is rewritten from the first
+difference (``rewritten``), never spliced and never refused, so one sample's history costs no
+batch.
 
 Stored rows: a record of T tokens holds T - 1 rows (the last token has no route until it is an
 input); the append of a later call starts with the previous last token's row, computed in this
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -38,6 +41,8 @@ from routereplay.domain.model_geometry import MoEGeometry
 from routereplay.domain.record import Record, Turn, TurnAppend
 from routereplay.errors import FailedPrecondition, InvalidArgument, NotFound
 from verl_integration.contract import ID_FIELD, route_cache_target, served_geometry
+
+logger = logging.getLogger(__name__)
 
 
 def moe_columns(
@@ -126,6 +131,41 @@ def next_turn(
     )
 
 
+def rewritten(
+    old: Record,
+    at: int,
+    tokens: np.ndarray,
+    generated_start: int,
+    output: Any,
+    geometry: MoEGeometry,
+    policy_version: int | None = None,
+) -> Record:
+    """The record of a call whose prompt differs from the stored history ``old`` first at
+    token ``at``: rows ``[0, at)`` from ``old`` (their tokens and every earlier one are
+    unchanged), rows from ``at`` on from this call (``output``'s capture); the turns of ``old``
+    cut at ``at``, then one turn for this call from ``at`` (the rewritten tokens are its prompt).
+
+    Args:
+        tokens: int32 ``[T]``: the call's prompt and the tokens it generated from
+            ``generated_start`` on.
+    """
+    sample_id = old.sample_id
+    version = _version(output, policy_version)
+    fresh = next_turn(sample_id, tokens, generated_start, output, geometry, 0, version)
+    routes = np.concatenate([old.routes[:at], fresh.routes[at:]])
+    turns = []
+    for turn in old.turns:
+        if turn.token_start >= at:
+            break
+        end = min(turn.token_end, at)
+        start = min(turn.generated_start, end)
+        logprobs = turn.logprobs[: end - start] if turn.logprobs.size else turn.logprobs
+        turns.append(Turn(turn.token_start, end, start, turn.policy_version, logprobs))
+    last = fresh.turns[0]
+    turns.append(Turn(at, tokens.size, generated_start, version, last.logprobs))
+    return Record(sample_id, geometry.record, tokens, routes, turns, group_id=old.group_id)
+
+
 def _version(output: Any, policy_version: int | None) -> int:
     """The given version, else the server's (verl sets ``extra_fields["global_steps"]``), else
     0 (before the first weight update)."""
@@ -168,41 +208,38 @@ class TurnWriter:
         self.remembered = remembered
         self._written: OrderedDict[str, tuple[int, bytes]] = OrderedDict()
 
-    async def stored_tokens(self, sample_id: str, prompt: np.ndarray) -> int:
-        """Tokens the route cache holds for the sample (0: none), checked to be the start of
-        ``prompt`` (int32 ``[P]``).
-
-        Raises:
-            InvalidArgument: naming the sample and the first position where the prompt differs
-                from the record (or that the record is longer than the prompt).
-        """
+    async def stored_tokens(self, sample_id: str, prompt: np.ndarray) -> tuple[int, int | None]:
+        """Tokens the route cache holds for the sample (0: none), and the first position where
+        ``prompt`` (int32 ``[P]``) differs from them (None: the record is the prompt's start;
+        a record longer than the prompt differs at ``P`` at the latest)."""
         try:
             stored = (await _value(self.client.stat(sample_id))).num_tokens
         except NotFound:
-            return 0
-        if stored > prompt.size:
-            raise InvalidArgument(
-                f"sample {sample_id!r}: the route cache holds {stored} tokens but this call's "
-                f"prompt has {prompt.size}: a turn must extend the stored history"
-            )
-        if self._written.get(sample_id) == (stored, _digest(prompt[:stored])):
-            return stored
+            return 0, None
+        if stored <= prompt.size and self._written.get(sample_id) == (
+            stored,
+            _digest(prompt[:stored]),
+        ):
+            return stored, None
         record = await _value(self.client.read(sample_id, layers=[0]))
-        differ = np.flatnonzero(record.token_ids != prompt[: record.num_tokens])
+        common = min(record.num_tokens, prompt.size)
+        differ = np.flatnonzero(record.token_ids[:common] != prompt[:common])
         if differ.size:
-            at = int(differ[0])
-            raise InvalidArgument(
-                f"sample {sample_id!r}: this call's prompt differs from the stored history at "
-                f"token {at} of {record.num_tokens} (stored {int(record.token_ids[at])}, prompt "
-                f"{int(prompt[at])}): a turn must extend the stored history, not rewrite it "
-                "(a chat template that edits earlier tokens, or two samples under one id)"
-            )
-        return record.num_tokens
+            return record.num_tokens, int(differ[0])
+        return record.num_tokens, None if record.num_tokens <= prompt.size else common
 
     async def store(
         self, sample_id: str, prompt_ids: Sequence[int], output: Any, policy_version=None
     ):
         """Store ``output``'s new tokens and rows as the sample's next turn.
+
+        A prompt that rewrites the stored history (verl's GLM token builder replaces the
+        record's last token at the assistant/tool junction; anything else that edits earlier
+        tokens) costs no batch: the record is rewritten from the first difference ``d``
+        (``rewritten``): rows before ``d`` are kept (their prefix is unchanged), the rest come
+        from this call. At the record's last token nothing recorded is lost (a record of T
+        tokens holds T - 1 rows); earlier, rows ``[d, T - 1)`` take this call's policy's routes
+        for the rewritten tokens (a new segment from the common prefix), logged as a warning.
 
         Returns:
             The route cache's ``WriteResult``, or None when the call added nothing to store
@@ -212,8 +249,14 @@ class TurnWriter:
             return None
         history = np.asarray([*prompt_ids, *output.token_ids], dtype=np.int32)
         generated_start = len(prompt_ids)
-        stored = await self.stored_tokens(sample_id, history[:generated_start])
+        stored, at = await self.stored_tokens(sample_id, history[:generated_start])
         version = _version(output, policy_version)
+        if at is not None:
+            result = await self._rewrite(
+                sample_id, stored, at, history, generated_start, output, version
+            )
+            self._remember(sample_id, history)
+            return result
         update = next_turn(
             sample_id, history, generated_start, output, self.geometry, stored, version
         )
@@ -223,6 +266,25 @@ class TurnWriter:
             result = await _value(self.client.append(update))
         self._remember(sample_id, history)
         return result
+
+    async def _rewrite(self, sample_id, stored, at, history, generated_start, output, version):
+        """Replace the record by ``rewritten`` (delete, then write: the route cache never
+        overwrites a record; a failure between them leaves the sample without a record)."""
+        old = await _value(self.client.read(sample_id))
+        record = rewritten(old, at, history, generated_start, output, self.geometry, version)
+        logger.log(
+            logging.INFO if at == stored - 1 else logging.WARNING,
+            "sample %r: this call's prompt differs from the stored history at token %d of %d "
+            "(%s); the record is rewritten from there: %d recorded rows kept, %d replaced",
+            sample_id,
+            at,
+            stored,
+            "its last token" if at == stored - 1 else "an earlier token",
+            at,
+            max(stored - 1 - at, 0),
+        )
+        await _value(self.client.delete(sample_id))
+        return await _value(self.client.write(record, more_turns=True))
 
     def write(self, sample_id: str, prompt_ids: Sequence[int], output: Any, policy_version=None):
         """``store`` over the blocking client, from code that runs no event loop."""
@@ -253,12 +315,22 @@ def without_routes(output: Any, sample_id: str) -> Any:
 
 REQUEST_TAG = "rr:"
 """Prefix of a request id that carries its sample's id (``tag_request_id``)."""
+VALIDATION_TAG = "rr-val:"
+"""Prefix of a validation call's request id: its routes are never stored (validation never
+trains, so its records would only wait out the route cache's TTL)."""
 
 
-def tag_request_id(sample_id: str, request_id: str) -> str:
+def tag_request_id(sample_id: str, request_id: str, validation: bool = False) -> str:
     """The request id verl sends the server (``request_id``: fresh per call, as vLLM needs),
     carrying the agent loop's per-sample id, which verl's client would otherwise drop."""
-    return f"{REQUEST_TAG}{sample_id}:{request_id}"
+    return f"{VALIDATION_TAG if validation else REQUEST_TAG}{sample_id}:{request_id}"
+
+
+def validation_sample_of(request_id: str) -> str | None:
+    """The sample id carried by a validation call's request id, else None."""
+    if not request_id.startswith(VALIDATION_TAG) or ":" not in request_id[len(VALIDATION_TAG) :]:
+        return None
+    return request_id[len(VALIDATION_TAG) :].rsplit(":", 1)[0]
 
 
 def sample_of(request_id: str) -> str | None:
@@ -275,10 +347,11 @@ class RouteCacheGenerate:
     Mix it in front of verl's server (``class Server(RouteCacheGenerate, vLLMHttpServer)``; see
     ``route_cache_replica``). The sample id comes from the request id (``sample_of``); a request
     that carries none is refused (the plugin is not loaded in the agent loop's process, or
-    ``full_determinism`` gives every sample one id). Aborted and empty outputs pass through
-    untouched. The route cache is ``contract.route_cache_target``'s; the geometry is read from
-    the served model's ``config.json`` (``self.model_config.local_path``), unless
-    ``route_writer`` is set first.
+    ``full_determinism`` gives every sample one id). Aborted and empty outputs store nothing
+    and pass through untouched but for the sample's id in ``extra_fields`` (verl's agent loop
+    keeps the first call's, which may be an abort before the first token). The route cache is
+    ``contract.route_cache_target``'s; the geometry is read from the served model's
+    ``config.json`` (``self.model_config.local_path``), unless ``route_writer`` is set first.
     """
 
     route_writer: TurnWriter | None = None
@@ -303,6 +376,10 @@ class RouteCacheGenerate:
         return sample_of(request_id)
 
     async def generate(self, prompt_ids, sampling_params, request_id, **kwargs):
+        validation = validation_sample_of(request_id)
+        if validation is not None:  # never trained: nothing stored, nothing for Ray to carry
+            output = await super().generate(prompt_ids, sampling_params, request_id, **kwargs)
+            return without_routes(output, validation)
         sample_id = self.sample_id_of(request_id)
         if sample_id is None:
             raise FailedPrecondition(
@@ -312,8 +389,9 @@ class RouteCacheGenerate:
                 "actor_rollout_ref.rollout.full_determinism=False"
             )
         output = await super().generate(prompt_ids, sampling_params, request_id, **kwargs)
-        if not _stores_anything(output):
-            return output
+        if not _stores_anything(output):  # still carries the id: verl keeps the first call's
+            extra = {**output.extra_fields, ID_FIELD: sample_id}
+            return output.model_copy(update={"extra_fields": extra})
         await self._route_writer().store(sample_id, prompt_ids, output)
         return without_routes(output, sample_id)
 

@@ -43,6 +43,26 @@ def token_output(record: Record, prompt_len: int, policy_version: int = 0):
     )
 
 
+def forced_record(model_dir, tokens, prompt_len: int, policy_version: int = 0) -> Record:
+    """The call that produced ``tokens[prompt_len:]`` after ``tokens[:prompt_len]``, scripted:
+    its rows are the model's own routes over ``tokens`` (teacher-forced), as vLLM captures a
+    call's prompt and completion."""
+    from transformers import AutoModelForCausalLM
+
+    from routereplay.dev.hf_rollout import _forward_with_routes
+    from routereplay.domain.record import Turn
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    sequence = torch.tensor([list(tokens)])
+    with torch.no_grad():
+        _, chosen = _forward_with_routes(model, sequence)
+    routes = torch.stack([c.reshape(sequence.shape[1], -1) for c in chosen], dim=1)[:-1]
+    geometry = geometry_of(model_dir).record
+    turn = Turn(0, len(tokens), prompt_len, policy_version)
+    tokens = np.asarray(tokens, dtype=np.int32)
+    return Record("forced", geometry, tokens, routes.numpy().astype(geometry.dtype), [turn])
+
+
 def _num_hidden_layers(record: Record) -> int:
     return record.geometry.moe_layers[-1] + 1  # the tiny models end with a MoE layer
 
@@ -151,8 +171,9 @@ def engine_on_cpu(model_dir, pg_collection, cache: str, overrides: dict):
     ``p2p_communication._communicate_shapes``, calls it after the gloo exchange).
 
     Returns:
-        (engine, the ``TrainerModel``, ``calls``: the micro-batches' ids in schedule order,
-        the route source's builds and whether one ran inside megatron's schedule).
+        (engine, the ``TrainerModel``, ``calls``: the micro-batches' ids and rows (id, tokens,
+        trains) in schedule order, the route source's builds and whether one ran inside
+        megatron's schedule).
     """
     import os
     from types import SimpleNamespace
@@ -194,7 +215,12 @@ def engine_on_cpu(model_dir, pg_collection, cache: str, overrides: dict):
     engine.enable_routing_replay = True
     engine.mini_layer_topk_idx_list = []
 
-    calls = {"micro_batches": [], "source_builds": 0, "source_built_in_schedule": False}
+    calls = {
+        "micro_batches": [],
+        "micro_rows": [],
+        "source_builds": 0,
+        "source_built_in_schedule": False,
+    }
     in_schedule = [False]
 
     def verl_initialize(self):  # verl's: tf_config and module from mbridge
@@ -229,6 +255,7 @@ def engine_on_cpu(model_dir, pg_collection, cache: str, overrides: dict):
     def forward_step(batch_iter, model, *args, **kwargs):
         batch = next(batch_iter)
         calls["micro_batches"].append(_batch_ids(batch))
+        calls["micro_rows"].append(_batch_rows(batch))
         return step(iter([batch]), model, *args, **kwargs)
 
     transformer_impl.MegatronEngine.initialize = verl_initialize
@@ -240,10 +267,19 @@ def engine_on_cpu(model_dir, pg_collection, cache: str, overrides: dict):
     return engine, built, calls
 
 
-def _batch_ids(batch) -> list[str]:
-    from verl_integration.engine import sample_ids
+def _batch_ids(batch) -> list[str | None]:
+    from verl_integration.engine import row_ids
 
-    return sample_ids(batch)
+    return row_ids(batch)
+
+
+def _batch_rows(batch) -> list[tuple[str | None, list[int], bool]]:
+    """Each row of a micro-batch: its id, its tokens, whether its loss mask holds a token
+    (verl's padding rows carry sample 0's id with other tokens, so the id alone is not enough)."""
+    from verl_integration.engine import row_ids, trained_rows
+
+    tokens = [t.tolist() for t in batch["input_ids"].unbind()]
+    return list(zip(row_ids(batch), tokens, trained_rows(batch).tolist(), strict=True))
 
 
 def packed_forward(model, input_ids, multi_modal_inputs, logits_processor=None, **kwargs):
@@ -324,9 +360,11 @@ def write_turns(writer, sample_id, policies, prompt, tool_tokens, new_tokens=4, 
     return calls
 
 
-def torchrun(layout: str, model_dir, records, cache: str, out, tails=None):
+def torchrun(layout: str, model_dir, records, cache: str, out, tails=None, batch=None):
     """``tests.verl.multirank`` on two gloo ranks (torchrun): ``layout`` over the records file
-    (the oracle), the route cache at ``cache``; each rank writes ``{out}.rank{N}.json``."""
+    (the oracle), the route cache at ``cache``, the engine's batch built from the records (and
+    ``tails``) or loaded from ``batch`` (a saved ``TensorDict``); each rank writes
+    ``{out}.rank{N}.json``."""
     import json
     import os
     import shutil
@@ -341,6 +379,7 @@ def torchrun(layout: str, model_dir, records, cache: str, out, tails=None):
         *("--layout", layout, "--model-dir", str(model_dir), "--records", str(records)),
         *("--cache", cache, "--out", str(out)),
         *(("--tails", json.dumps(tails)) if tails is not None else ()),
+        *(("--batch", str(batch)) if batch is not None else ()),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
     return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240)

@@ -27,6 +27,7 @@ LAYOUTS = {
     "pp2": dict(pp=2),
     "engine_pp2": dict(pp=2),
     "engine_pp2_v1": dict(pp=2),
+    "engine_pp2_batch": dict(pp=2),
 }
 
 
@@ -35,6 +36,7 @@ def main() -> None:
     for flag in ("--layout", "--model-dir", "--records", "--cache", "--out"):
         parser.add_argument(flag, required=True)
     parser.add_argument("--tails", default="[]")
+    parser.add_argument("--batch", default=None)
     args = parser.parse_args()
     use_cpu()
     torch.set_num_threads(1)
@@ -167,30 +169,46 @@ def run_engine(args) -> dict:
     engine, built, calls = engine_on_cpu(
         args.model_dir, world.pg_collection, args.cache, model_overrides(layout)
     )
-    data = engine_batch([r.sample_id for r in records], tokens, v1=args.layout.endswith("v1"))
+    if args.batch:  # the batch verl's trainer hands its workers (a saved TensorDict)
+        from verl.utils import tensordict_utils as tu
+
+        data = torch.load(args.batch, weights_only=False)
+        longest = int(data["input_ids"].offsets().diff().max())
+        tu.assign_non_tensor(
+            data,
+            use_dynamic_bsz=True,
+            max_token_len_per_gpu=longest + 4,
+            enable_routing_replay=True,
+            temperature=1.0,
+        )
+    else:
+        data = engine_batch([r.sample_id for r in records], tokens, v1=args.layout.endswith("v1"))
     moe = geometry.record.moe_layers
     with capture_routing(built.routers) as (maps, logits), torch.no_grad():
         output = engine.forward_backward_batch(data, None, forward_only=True)
-    by_id = {r.sample_id: (r, tok) for r, tok in zip(records, tokens, strict=True)}
-    replayed = natural = 0
+    by_id = {r.sample_id: r for r in records}
+    replayed = natural = untrained = 0
     bad: list[str] = []
-    for c, micro_ids in enumerate(calls["micro_batches"]):
-        micro = [by_id[i] for i in micro_ids]
-        batch = PaddedBatch.packed(micro_ids, [t for _, t in micro])
+    for c, micro in enumerate(calls["micro_rows"]):
+        rows = [np.asarray(t) for _, t, _ in micro]
+        batch = PaddedBatch.packed([str(b) for b in range(len(micro))], rows)
+        oracle = [by_id[i] if trains else None for i, _, trains in micro]
+        untrained += sum(1 for r in oracle if r is None)
 
-        def expected(b, p, layer, micro=micro):
-            r = micro[b][0]
-            return r.routes[p, moe.index(layer)] if p < r.num_rows else None
+        def expected(b, p, layer, oracle=oracle):
+            r = oracle[b]
+            return r.routes[p, moe.index(layer)] if r is not None and p < r.num_rows else None
 
         rep, nat, wrong = check_rows(
             {k: v[c] for k, v in maps.items()},
             {k: v[c] for k, v in logits.items()},
             batch,
             expected,
-            native=lambda b, p, micro=micro: p >= micro[b][0].num_rows,
+            native=lambda b, p, oracle=oracle: oracle[b] is None or p >= oracle[b].num_rows,
             topk=geometry.record.topk,
         )
         replayed, natural, bad = replayed + rep, natural + nat, bad + wrong
+    report = engine.route_report._asdict() if engine.route_report else None
     return {
         "rank": world.rank,
         "pp_rank": world.coords.pp_rank,
@@ -203,6 +221,9 @@ def run_engine(args) -> dict:
         "replayed": replayed,
         "natural": natural,
         "bad": bad[:20],
+        "untrained_rows": untrained,
+        "report": report,
+        "metrics": sorted(output.get("metrics", {})) if output else None,
         "log_probs": sorted(output.get("model_output", {}).keys()) if output else None,
     }
 

@@ -47,9 +47,10 @@ CHAT_TEMPLATE = (
 CHAT_MARKERS = ["<|im_start|>", "<|im_end|>"]
 
 
-def chat_tokenizer():
-    """The tiny model's byte-level BPE, trained with ChatML's markers as special tokens (ids
-    below the tiny vocabulary, so the tiny model takes them as they are)."""
+def chat_tokenizer(markers=CHAT_MARKERS, template=CHAT_TEMPLATE):
+    """The tiny model's byte-level BPE, trained with a chat template's markers (ChatML's by
+    default) as special tokens (ids below the tiny vocabulary, so the tiny model takes them as
+    they are)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -58,7 +59,7 @@ def chat_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    special = [tiny_model.EOS_TOKEN, tiny_model.PAD_TOKEN, *CHAT_MARKERS]
+    special = [tiny_model.EOS_TOKEN, tiny_model.PAD_TOKEN, *markers]
     trainer = trainers.BpeTrainer(
         vocab_size=tiny_model.VOCAB_SIZE,
         special_tokens=special,
@@ -70,8 +71,8 @@ def chat_tokenizer():
         tokenizer_object=tok,
         eos_token=tiny_model.EOS_TOKEN,
         pad_token=tiny_model.PAD_TOKEN,
-        additional_special_tokens=CHAT_MARKERS,
-        chat_template=CHAT_TEMPLATE,
+        additional_special_tokens=list(markers),
+        chat_template=template,
     )
 
 
@@ -163,13 +164,14 @@ def _client(ray, setup, server, client_cls=None):
 MESSAGES = [{"role": "user", "content": "1+2, then 3+4?"}]
 
 
-def _run_v0(setup, client):
+def _run_v0(setup, client, validate=False):
     """verl's V0 agent-loop worker: one prompt; returns the trainer's batch (``DataProto``)."""
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
     from verl.protocol import DataProto
 
     batch = DataProto.from_dict(
-        non_tensors={"raw_prompt": np.array([MESSAGES], dtype=object), "index": np.array([0])}
+        non_tensors={"raw_prompt": np.array([MESSAGES], dtype=object), "index": np.array([0])},
+        meta_info={"validate": validate},
     )
 
     async def run():
@@ -178,7 +180,7 @@ def _run_v0(setup, client):
     return asyncio.run(run())
 
 
-def _run_v1(setup, client):
+def _run_v1(setup, client, validate=False):
     """verl's V1 agent-loop worker (TransferQueue): one prompt; returns what verl's V1 trainer
     reads back from TransferQueue for the sample (a ``TensorDict``)."""
     import torch
@@ -187,23 +189,24 @@ def _run_v1(setup, client):
     from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
 
     worker_cls = AgentLoopWorkerTQ.__ray_metadata__.modified_class  # the class under @ray.remote
-    batch = TensorDict(
-        {
-            "raw_prompt": NonTensorStack(MESSAGES),
-            "index": torch.tensor([0]),
-            "uid": NonTensorStack("prompt-0"),
-            "global_steps": NonTensorData(1),
-        },
-        batch_size=[1],
-    )
+    uid, partition = ("prompt-val-0", "val") if validate else ("prompt-0", "train")
+    fields = {
+        "raw_prompt": NonTensorStack(MESSAGES),
+        "index": torch.tensor([0]),
+        "uid": NonTensorStack(uid),
+        "global_steps": NonTensorData(1),
+    }
+    if validate:
+        fields["validate"] = NonTensorData(True)
+    batch = TensorDict(fields, batch_size=[1])
 
     async def run():
         worker = worker_cls(setup.config, client)
         await worker.generate_sequences(batch)
         await asyncio.gather(*worker.background_tasks)
-        listed = tq.kv_list(partition_id="train")["train"]
-        assert listed["prompt-0"]["status"] == "finished", listed
-        return tq.kv_batch_get(keys=["prompt-0_0_0"], partition_id="train")
+        listed = tq.kv_list(partition_id=partition)[partition]
+        assert listed[uid]["status"] == "finished", listed
+        return tq.kv_batch_get(keys=[f"{uid}_0_0"], partition_id=partition)
 
     return asyncio.run(run())
 
@@ -368,14 +371,148 @@ def test_a_partial_rollout_resumed_after_an_abort_keeps_both_versions(
     )
 
 
-def test_aborted_empty_outputs_pass_through_untouched(ray_local, setup, route_cache):
+@pytest.mark.parametrize("client", ["LLMServerClient", "FullyAsyncLLMServerClient"])
+def test_an_aborted_empty_first_call_still_carries_the_id(ray_local, setup, route_cache, client):
+    """A request aborted before its first token (verl's answer on pause, drain and every
+    non-naive weight sync), under verl's plain client and under ``FullyAsyncLLMServerClient``
+    with ``partial_rollout=False`` (it returns the abort instead of resuming): nothing is stored,
+    the output is verl's, and it carries the sample's id, which verl's agent loop keeps from the
+    first call (the trainer then tells the sample from one generated without the integration,
+    and skips it: its loss mask is empty)."""
+    from omegaconf import OmegaConf
+    from verl.workers.rollout import llm_server
+
+    config = setup.config
+    if client == "FullyAsyncLLMServerClient":
+        config = OmegaConf.create(OmegaConf.to_container(setup.config))
+        config.async_training = {"partial_rollout": False}
+    server = _server(ray_local, setup, route_cache)
+    balancer_setup = SimpleNamespace(**{**vars(setup), "config": config})
+    client_obj = _client(ray_local, balancer_setup, server, getattr(llm_server, client))
+    ray_local.get(server.abort_next.remote(0))
+    sample = f"sample-aborted-{client}"
+    prompt = setup.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    output = asyncio.run(client_obj.generate(sample, prompt_ids=prompt, sampling_params={}))
+    assert output.token_ids == [] and output.routed_experts is None
+    assert output.stop_reason == "aborted" and output.extra_fields[ID_FIELD] == sample
+    assert len(ray_local.get(server.calls.remote())) == 1  # not resumed
+    with RouteCacheClient(route_cache) as rc:
+        with pytest.raises(Exception, match=sample):
+            rc.stat(sample)
+
+
+# --- verl's batch padding (V1's _balance_batch) ----------------------------------------------
+
+
+def _padded_by_verl(agent_runs, setup, multiple=3):
+    """The V1 run's sample as verl's V1 trainer balances it: ``upsample_batch_to_divisible_size``
+    (what ``_balance_batch`` calls when the batch is not divisible by ``lcm(dp_size,
+    ppo_mini_batch_size x n)``) appends ``multiple - 1`` copies of sample 0 in TransferQueue:
+    EOS tokens, a zero loss mask, and sample 0's ``extra_fields`` (its route cache id). Returns
+    the sample's id and what the trainer workers get back (``kv_batch_get``)."""
+    import transfer_queue as tq
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
+
+    from verl_integration.engine import row_ids
+
+    batch, _ = agent_runs("V1")
+    (sample,) = row_ids(batch)
+    key = "prompt-0_0_0"
+    tags = tq.kv_list(partition_id="train")["train"][key]
+    meta = KVBatchMeta(keys=[key], tags=[tags], partition_id="train")
+    meta = upsample_batch_to_divisible_size(meta, multiple, setup.tokenizer.eos_token_id)
+    assert len(meta) == multiple and [t.get("is_padding", False) for t in meta.tags] == [
+        False,
+        *[True] * (multiple - 1),
+    ]
+    return sample, tq.kv_batch_get(keys=meta.keys, partition_id="train")
+
+
+def test_verls_padding_rows_are_neither_fetched_nor_checked(agent_runs, setup, route_cache):
+    """The padding rows carry sample 0's id with other tokens: fetched and checked they would
+    fail the step (``InvalidArgument``: the tokens differ at position 0). Their loss mask is
+    empty, so they train nothing: the engine fetches only the real row, routes the padding
+    natively and counts it in the step's report."""
+    from trainer.data.source import CacheSource
+    from verl_integration.engine import ROUTED_FIELD, RouteReport, attach_routes, row_ids
+    from verl_integration.fetch import RouteFetcher
+
+    geometry = served_geometry(setup.policies[0])
+    sample, data = _padded_by_verl(agent_runs, setup)
+    assert row_ids(data) == [sample] * 3  # the deep copy of sample 0's extra_fields
+    fetcher = RouteFetcher(CacheSource(route_cache), geometry)
+    with pytest.raises(Exception, match=f"{sample}.*differ.*position 0"):
+        fetcher.routes(row_ids(data), data["input_ids"])  # what the engine did before
+
+    report = attach_routes(data, fetcher)
+    assert report == RouteReport(replayed=1, untrained=2, no_id=0, missing=0, diverged_rows=0)
+    with RouteCacheClient(route_cache) as client:
+        rows = client.stat(sample).num_tokens - 1
+    routed = [r.tolist() for r in data[ROUTED_FIELD].unbind()]
+    assert routed[0] == [True] * rows + [False] * (len(routed[0]) - rows)
+    assert routed[1] == routed[2] == [False] * 128  # verl's SYNTHETIC_PADDING_SEQ_LEN
+    assert not any(t.any() for t in data["routed_experts"].unbind()[1:])
+
+
+@pytest.mark.slow
+def test_verls_padded_batch_replays_real_rows_under_pp2(agent_runs, setup, route_cache, tmp_path):
+    """The batch verl's ``upsample_batch_to_divisible_size`` padded, through verl's
+    ``forward_backward_batch`` and ``forward_step`` in ``RouteCacheEngine`` (PP2 on megatron's
+    schedule, two gloo ranks; tests/verl/test_engine.py says what stands in): every router of
+    both stages replays the real sample's rows with the experts of the policy that generated
+    each token, and chooses natively on every row of the two padding samples; verl's step
+    metrics carry the report."""
+    import torch
+
+    from routereplay.domain.record import Record, Turn
+    from routereplay.domain.record_file import save_records
+    from tests.verl.helpers import torchrun
+
+    geometry = served_geometry(setup.policies[0]).record
+    sample, data = _padded_by_verl(agent_runs, setup)
+    _, calls = agent_runs("V1")
+    tokens = np.asarray(data["input_ids"].unbind()[0].tolist(), dtype=np.int32)
+    expected = _expected_rows(calls, geometry).astype(geometry.dtype)
+    oracle = Record(sample, geometry, tokens, expected, [Turn(0, tokens.size, 0)])
+    records = save_records(tmp_path / "oracle.npz", [oracle])
+    torch.save(data, tmp_path / "batch.pt")  # what verl's trainer hands the workers
+    out = tmp_path / "engine"
+    batch = tmp_path / "batch.pt"
+    proc = torchrun("engine_pp2_batch", setup.policies[0], records, route_cache, out, [[]], batch)
+    ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
+    assert proc.returncode == 0, (ranks, proc.stderr[-6000:])
+    for r in ranks:
+        assert r["engine_class"] == "RouteCacheEngine" and not r["bad"], r["bad"]
+        assert r["untrained_rows"] == 2
+        assert r["report"] == dict(replayed=1, untrained=2, no_id=0, missing=0, diverged_rows=0), r[
+            "report"
+        ]
+    # Rank 0 holds MoE layer 1, rank 1 layers 2 and 3; the padding's 2 x 128 rows natively,
+    # with the real sample's last row.
+    assert [r["replayed"] for r in ranks] == [oracle.num_rows, 2 * oracle.num_rows]
+    assert [r["natural"] for r in ranks] == [257, 2 * 257]
+    assert "route_cache/untrained" in ranks[1]["metrics"]
+
+
+@pytest.mark.parametrize("path", ["V0", "V1"])
+def test_validation_rollouts_store_nothing(ray_local, setup, route_cache, path):
+    """verl runs validation batches (V0 ``meta_info["validate"]``, V1 ``batch["validate"]``)
+    through the same agent-loop workers, clients and servers as training ones, and never trains
+    them: the plugin marks the worker's validation batches, every call's request id says so,
+    and the server stores nothing (a record would only wait out the route cache's TTL). The
+    batch still carries the sample's id; the calls ran as in training."""
+    from verl_integration.engine import row_ids
+    from verl_integration.rollout import VALIDATION_TAG, validation_sample_of
+
     server = _server(ray_local, setup, route_cache)
     client = _client(ray_local, setup, server)
-    ray_local.get(server.abort_next.remote(0))
-    prompt = setup.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
-    output = asyncio.run(client.generate("sample-aborted", prompt_ids=prompt, sampling_params={}))
-    assert output.token_ids == [] and output.routed_experts is None
-    assert output.stop_reason == "aborted" and ID_FIELD not in output.extra_fields
+    batch = (_run_v0 if path == "V0" else _run_v1)(setup, client, validate=True)
+    calls = ray_local.get(server.calls.remote())
+    assert len(calls) == 3 and all(c[0].startswith(VALIDATION_TAG) for c in calls)
+    data = batch.to_tensordict() if path == "V0" else batch
+    (sample,) = row_ids(data)
+    assert {validation_sample_of(c[0]) for c in calls} == {sample}
     with RouteCacheClient(route_cache) as rc:
-        with pytest.raises(Exception, match="sample-aborted"):
-            rc.stat("sample-aborted")
+        with pytest.raises(Exception, match=sample):
+            rc.stat(sample)

@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 from routereplay.dev.hf_rollout import rollout_records
-from routereplay.errors import InvalidArgument
 from routereplay.rpc.client import AsyncRouteCacheClient, RouteCacheClient
 from tests.verl.cpu import needs_verl
 from tests.verl.helpers import geometry_of, token_output
@@ -99,26 +98,107 @@ def test_a_request_without_a_sample_id_is_refused(tiny_model_dir, route_cache):
     assert server.calls == []  # refused before the engine ran
 
 
-def test_a_prompt_that_rewrites_the_history_is_refused_not_spliced(tiny_model_dir, route_cache):
-    """Fault 8: the length of the stored history is not enough. A prompt whose tokens differ
-    from the record's inside it (verl's GLM token builder drops a stop token at the
-    assistant/tool junction; two samples under one id) is refused naming the sample and the
-    position, and the record stays as it was."""
+@pytest.mark.parametrize("where", ["last token", "earlier"])
+def test_a_prompt_that_rewrites_the_history_rewrites_the_record(tiny_model_dir, route_cache, where):
+    """Fault 8 and issue 45: the length of the stored history is not enough, and a rewrite
+    must cost no batch. verl's GLM token builder replaces the record's last token at the
+    assistant/tool junction ("last token"): every recorded row is kept (a record of T tokens
+    holds T - 1 rows) and the token is replaced. An earlier difference starts a new segment
+    from the common prefix: the rows before it are kept, the rest come from this call. Either
+    way the trainer, fetching against the history as verl's agent loop kept it, replays every
+    row (none diverged); with the digest this process kept, and with the tokens read back."""
+    import torch
+
+    from tests.verl.helpers import nested
+    from trainer.data.source import CacheSource
+    from verl_integration.fetch import RouteFetcher
+
     geometry = geometry_of(tiny_model_dir)
     first = rollout_records(tiny_model_dir, [[9, 8, 7, 6]], group_size=1, new_tokens=3)[0]
     edited = first.token_ids.tolist()
-    edited[5] = (edited[5] + 1) % 500 + 2  # the same length, one token rewritten
+    at = first.num_tokens - 1 if where == "last token" else 5
+    edited[at] = (edited[at] + 1) % 500 + 2  # the same length, one token rewritten
     second = rollout_records(tiny_model_dir, [edited + [33]], group_size=1, new_tokens=2)[0]
     with RouteCacheClient(route_cache) as client:
         for remembered in (4096, 0):  # the digest this process kept, and the read-back
-            sample = f"verl-rewritten-{remembered}"
+            sample = f"verl-rewritten-{where.replace(' ', '-')}-{remembered}"
             writer = TurnWriter(client, geometry, remembered=remembered)
-            writer.write(sample, [9, 8, 7, 6], token_output(first, 4))
-            with pytest.raises(InvalidArgument, match=f"{sample}.*differs .* at token 5"):
-                writer.write(sample, edited + [33], token_output(second, len(edited) + 1))
+            writer.write(sample, [9, 8, 7, 6], token_output(first, 4, policy_version=1))
+            writer.write(sample, edited + [33], token_output(second, len(edited) + 1, 2))
             stored = client.read(sample)
-            assert np.array_equal(stored.token_ids, first.token_ids)
-            assert np.array_equal(stored.routes, first.routes)
+            assert np.array_equal(stored.token_ids, second.token_ids)
+            assert np.array_equal(stored.routes[:at], first.routes[:at])
+            assert np.array_equal(stored.routes[at:], second.routes[at:])
+            assert [
+                (t.token_start, t.token_end, t.generated_start, t.policy_version)
+                for t in stored.turns
+            ] == [(0, at, 4, 1), (at, second.num_tokens, len(edited) + 1, 2)]
+            tokens = torch.from_numpy(second.token_ids.astype(np.int64))
+            routes = RouteFetcher(CacheSource(route_cache), geometry).routes(
+                [sample], nested([tokens])
+            )
+            assert routes.diverged.tolist() == [0]
+            assert int(routes.routed.values().sum()) == stored.num_rows
+
+
+GLM_MARKERS = ["<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
+GLM_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'tool' %}<|observation|>{% else %}"
+    "<|{{ m['role'] }}|>{% endif %}\n{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_glms_user_junction_replaces_the_records_last_token(tiny_model_dir, route_cache, tmp_path):
+    """verl's GLM Continuous Token builder (``GLMContinuousTokenBuilder``), merging a tool's
+    answer after an assistant turn that stopped on ``<|user|>``, drops that token and appends
+    ``<|observation|>...``: the next call's prompt differs from the record at its last token.
+    The rollout seam replaces that token, keeps every recorded row (turn 1's policy) and appends
+    the call's rows (turn 2's policy); the trainer, fetching against the history verl's builder
+    made, replays every row. Before issue 45 this call raised and failed the batch."""
+    import torch
+    from verl.utils.tokenizer.continuous_token import GLMContinuousTokenBuilder
+
+    from routereplay.dev.tiny_model import build_tiny_model
+    from tests.verl.helpers import forced_record, nested
+    from tests.verl.test_agent_loop import chat_tokenizer
+    from trainer.data.source import CacheSource
+    from verl_integration.fetch import RouteFetcher
+
+    tokenizer = chat_tokenizer(GLM_MARKERS, GLM_TEMPLATE)
+    builder = GLMContinuousTokenBuilder(tokenizer)
+    user = tokenizer.convert_tokens_to_ids("<|user|>")
+    messages = [{"role": "user", "content": "add 1 and 2"}]
+    prompt = builder.build_initial_tokens(messages)
+    history = prompt + tokenizer.encode("calling add") + [user]  # stopped on <|user|>
+    answered = [*messages, {"role": "assistant", "content": "calling add"}]
+    merged = builder.merge_context_tokens(
+        answered, [*answered, {"role": "tool", "content": "3"}], history
+    )
+    assert merged.removed_prefix_token_count == 1
+    second = merged.token_ids
+    junction = len(history) - 1  # the record's last token
+    assert second[:junction] == history[:junction] and second[junction] != user
+
+    geometry = geometry_of(tiny_model_dir)
+    policy1 = build_tiny_model(tmp_path / "policy1", seed=1)
+    one = forced_record(tiny_model_dir, history, len(prompt), policy_version=0)
+    two = forced_record(policy1, second + tokenizer.encode("It is 3."), len(second), 1)
+    sample = "verl-glm-junction"
+    with RouteCacheClient(route_cache) as client:
+        writer = TurnWriter(client, geometry)
+        writer.write(sample, prompt, token_output(one, len(prompt), 0))
+        writer.write(sample, second, token_output(two, len(second), 1))
+        stored = client.read(sample)
+    assert np.array_equal(stored.token_ids, two.token_ids)
+    assert np.array_equal(stored.routes[:junction], one.routes)  # every recorded row kept
+    assert np.array_equal(stored.routes[junction:], two.routes[junction:])
+    assert not np.array_equal(stored.routes[:junction], two.routes[:junction])
+    assert [t.policy_version for t in stored.turns] == [0, 1]
+    tokens = torch.from_numpy(two.token_ids.astype(np.int64))
+    routes = RouteFetcher(CacheSource(route_cache), geometry).routes([sample], nested([tokens]))
+    assert routes.diverged.tolist() == [0]
+    assert int(routes.routed.values().sum()) == stored.num_rows == two.num_rows
 
 
 def test_plugin_loads_from_its_entry_point_in_a_fresh_process():

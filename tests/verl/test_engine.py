@@ -132,7 +132,7 @@ def test_ids_from_verls_v0_column_and_v1_extra_fields():
     v1_without = tu.list_of_dict_to_tensordict(
         [{"input_ids": torch.arange(3), "extra_fields": {"global_steps": 2}}]
     )
-    with pytest.raises(InvalidArgument, match=f"'extra_fields' has no '{ID_FIELD}' for row"):
+    with pytest.raises(InvalidArgument, match=f"has no '{ID_FIELD}' for row"):
         sample_ids(v1_without)
     with pytest.raises(InvalidArgument, match=f"neither a '{ID_FIELD}' column.*'extra_fields'"):
         sample_ids(tu.get_tensordict({"input_ids": torch.zeros(2, 3)}))
@@ -213,3 +213,137 @@ def test_verls_engine_replays_each_turns_policy_under_pp2(
     last_policy = calls[-1].routes[earlier]
     own = records[1].routes[earlier]
     assert (np.sort(last_policy, -1) != np.sort(own, -1)).any(-1).mean() > 0.3
+
+
+# --- disaggregated prefill/decode: routes through Ray (issue 45) ----------------------------
+
+
+def test_ray_routes_with_the_route_cache_on_are_refused_unless_told(
+    route_cache, tiny_model_dir, monkeypatch, caplog
+):
+    """verl builds disaggregated prefill/decode replicas without the registry the plugin
+    converts, so their R3 routes reach the trainer through Ray (``batch["routed_experts"]``). With
+    the route cache on, ``RouteCacheEngine.forward_backward_batch`` (the registry's class) refuses
+    such a batch naming the setting, before verl's runs; with ``ROUTER_REPLAY_RAY_ROUTES=use`` it
+    warns and hands verl's ``forward_backward_batch`` the batch with Ray's routes unchanged.
+    Stood in: verl's ``forward_backward_batch`` (a recorder: what is checked is the batch that
+    reaches it) and the constructor (``object.__new__``, as in ``engine_on_cpu``)."""
+    from verl.workers.config import McoreEngineConfig, RouterReplayConfig
+
+    from routereplay.errors import FailedPrecondition
+    from tests.verl.helpers import engine_batch, nested
+    from trainer.data.source import CacheSource
+    from verl_integration.engine import RouteCacheEngineMixin, register_engine
+    from verl_integration.fetch import RouteFetcher
+
+    monkeypatch.setenv("ROUTER_REPLAY_CACHE", route_cache)
+    cls = register_engine()
+    engine = object.__new__(cls)
+    engine.engine_config = McoreEngineConfig(
+        router_replay=RouterReplayConfig(mode="R3"), use_remove_padding=True, use_mbridge=True
+    )
+    engine.route_fetcher = RouteFetcher(
+        CacheSource(route_cache), served_geometry(str(tiny_model_dir))
+    )
+    tokens = [np.arange(2, 9), np.arange(3, 8)]
+    data = engine_batch(["pd-0", "pd-1"], tokens)
+    ray_routes = nested([torch.ones(len(t), 4, 2, dtype=torch.int16) for t in tokens])
+    data["routed_experts"] = ray_routes
+    with pytest.raises(FailedPrecondition, match="through Ray.*ROUTER_REPLAY_RAY_ROUTES=use"):
+        engine.forward_backward_batch(data, None, forward_only=True)
+
+    seen = []
+    verl_cls = cls.__mro__[cls.__mro__.index(RouteCacheEngineMixin) + 1]
+    monkeypatch.setattr(
+        verl_cls,
+        "forward_backward_batch",
+        lambda self, d, loss_function, forward_only=False: seen.append(d["routed_experts"]),
+    )
+    monkeypatch.setenv("ROUTER_REPLAY_RAY_ROUTES", "use")
+    with caplog.at_level("WARNING", logger="verl_integration.engine"):
+        engine.forward_backward_batch(data, None, forward_only=True)
+    assert seen == [ray_routes] and "through Ray" in caplog.text
+    assert engine.route_report is None  # nothing fetched
+
+
+def test_verls_pd_replica_is_said_loudly_up_to_where_a_gpu_is_needed(monkeypatch, caplog):
+    """``get_rollout_replica_class("vllm", disaggregation_enabled=True)``, verl's, as its
+    ``LLMServerManager`` calls it (``llm_server``'s own binding): with the route cache
+    configured, the plugin logs an error naming the setting; without it, nothing. verl then
+    imports ``vLLMPDReplica``, whose ``vllm_async_server`` imports ``verl.third_party.vllm``,
+    which raises without a vLLM build verl supports: where this CPU run stops (on a GPU
+    machine with vLLM the call returns ``vLLMPDReplica``)."""
+    import importlib.util
+
+    from verl.workers.rollout import llm_server, replica
+
+    assert llm_server.get_rollout_replica_class is replica.get_rollout_replica_class
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    for configured in (True, False):
+        if configured:
+            monkeypatch.setenv("ROUTER_REPLAY_CACHE", "route-cache:50051")
+        else:
+            monkeypatch.delenv("ROUTER_REPLAY_CACHE", raising=False)
+        caplog.clear()
+        with caplog.at_level("ERROR", logger="verl_integration.plugin"):
+            if has_vllm:
+                found = llm_server.get_rollout_replica_class("vllm", disaggregation_enabled=True)
+                assert found.__name__ == "vLLMPDReplica"
+            else:
+                with pytest.raises(ValueError, match="vllm version None not supported"):
+                    llm_server.get_rollout_replica_class("vllm", disaggregation_enabled=True)
+        said = "PD replica without the route cache" in caplog.text
+        assert said == configured, caplog.text
+
+
+# --- policy versions against the sample's (issue 45) ---------------------------------------
+
+
+def test_a_record_of_another_policy_version_is_refused_naming_the_sample(
+    tiny_model_dir, route_cache
+):
+    """Two samples with identical histories, generated by policy versions 0 and 1, swapped
+    under each other's id: the tokens match, so only the versions tell. verl's V1 batch
+    (``list_of_dict_to_tensordict``) reports each sample's versions in its ``extra_fields``
+    (``global_steps`` of the first call; ``min_global_steps`` / ``max_global_steps`` from
+    ``FullyAsyncLLMServerClient``); ``attach_routes`` refuses the swapped record."""
+    from verl.utils import tensordict_utils as tu
+
+    from tests.verl.helpers import nested
+    from trainer.data.source import CacheSource
+    from verl_integration.engine import attach_routes
+    from verl_integration.fetch import RouteFetcher
+
+    geometry = served_geometry(str(tiny_model_dir))
+    (record,) = rollout_records(tiny_model_dir, [[5, 6, 7, 8]], group_size=1, new_tokens=3)
+    with RouteCacheClient(route_cache) as client:
+        writer = TurnWriter(client, geometry)
+        for version in (0, 1):
+            output = token_output(record, 4, policy_version=version)
+            writer.write(f"swap-v{version}", record.token_ids[:4].tolist(), output)
+    tokens = torch.from_numpy(record.token_ids.astype(np.int64))
+
+    def batch(ids_and_versions):  # as engine_batch, with each sample's versions
+        from tensordict.tensorclass import NonTensorData, NonTensorStack
+
+        n = len(ids_and_versions)
+        extra = [NonTensorData({ID_FIELD: s, **v}) for s, v in ids_and_versions]
+        return tu.get_tensordict(
+            {
+                "input_ids": nested([tokens] * n),
+                "loss_mask": nested([torch.ones(3, dtype=torch.int64)] * n),
+                "extra_fields": NonTensorStack.from_list(extra),
+            }
+        )
+
+    fetcher = RouteFetcher(CacheSource(route_cache), geometry)
+    rows = [("swap-v0", {"global_steps": 0}), ("swap-v1", {"global_steps": 1})]
+    assert attach_routes(batch(rows), fetcher).replayed == 2
+    ranged = [("swap-v1", {"global_steps": 1, "min_global_steps": 1, "max_global_steps": 2})]
+    assert attach_routes(batch(ranged), fetcher).replayed == 1
+    swapped = [("swap-v1", {"global_steps": 0}), ("swap-v0", {"global_steps": 1})]
+    with pytest.raises(InvalidArgument, match="swap-v1.*versions \\[1\\].*version 0"):
+        attach_routes(batch(swapped), fetcher)
+    out_of_range = [("swap-v0", {"min_global_steps": 1, "max_global_steps": 2})]
+    with pytest.raises(InvalidArgument, match="swap-v0.*versions \\[0\\].*versions 1-2"):
+        attach_routes(batch(out_of_range), fetcher)
