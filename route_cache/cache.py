@@ -170,16 +170,16 @@ class _BacklogCollector:
         )
         try:
             groups = self.feed.backlog()
-            now_ms = time.time() * 1000
-            for group, first_ms in self.feed.oldest_unconsumed_ms().items():
-                oldest.add_metric([group], max(0.0, (now_ms - first_ms) / 1000))
         except Exception:  # noqa: BLE001 - a scrape must not fail while Redis is away
             log.warning("ready feed backlog unavailable", exc_info=True)
             groups = []
-        for group, unread, unacked in groups:
+        now_ms = time.time() * 1000
+        for group, unread, unacked, oldest_ms in groups:
             if unread is not None:
                 lag.add_metric([group], unread)
             pending.add_metric([group], unacked)
+            if oldest_ms is not None:
+                oldest.add_metric([group], max(0.0, (now_ms - oldest_ms) / 1000))
         freed = CounterMetricFamily(
             f"{NAMESPACE}_records_freed",
             "Records freed once every commit group acknowledged them (this process)",

@@ -41,6 +41,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import redis
 import redis.cluster
@@ -164,6 +165,18 @@ def _entry_fields(entry: ReadyEntry) -> dict[str, str | int]:
         "num_tokens": entry.num_tokens,
         "policy_versions": ",".join(str(v) for v in entry.policy_versions),
     }
+
+
+class Backlog(NamedTuple):
+    """A consumer group's backlog: entries not yet delivered to it (None where Redis cannot
+    tell: an entry was deleted or trimmed inside the group's unread range), entries delivered
+    and not acknowledged, and the stream time (ms since the epoch) of the oldest entry it has
+    pending or not yet delivered (None: neither)."""
+
+    group: str
+    unread: int | None
+    unacked: int
+    oldest_ms: int | None
 
 
 def check_entry_id(entry_id: str, name: str) -> None:
@@ -315,15 +328,25 @@ class ReadyFeed:
             entries, lost = self._parse(group, found)
         return ReadyPage(entries, "", claim_cursor, lost)
 
-    def backlog(self) -> list[tuple[str, int, int]]:
-        """(consumer group, entries not yet delivered to it, entries delivered and not
-        acknowledged) for each consumer group; the first count is None where Redis cannot
-        tell (an entry was deleted or trimmed inside the group's unread range)."""
+    def backlog(self) -> list[Backlog]:
+        """Each consumer group's ``Backlog``."""
         try:
             groups = self.client.xinfo_groups(self.stream)
         except redis.exceptions.ResponseError:  # no stream yet
             return []
-        return [(_text(g["name"]), g.get("lag"), int(g["pending"])) for g in groups]
+        found = []
+        for group in groups:
+            name, pending = _text(group["name"]), int(group["pending"])
+            if pending:
+                first = self.client.xpending(self.stream, name)["min"]
+            else:
+                after = self.client.xrange(
+                    self.stream, min=f"({_text(group['last-delivered-id'])}", count=1
+                )
+                first = after[0][0] if after else None
+            oldest = None if first is None else _id(_text(first))[0]
+            found.append(Backlog(name, group.get("lag"), pending, oldest))
+        return found
 
     def ack(
         self,
@@ -435,27 +458,6 @@ class ReadyFeed:
             )
         self.trimmed += trimmed
         return trimmed
-
-    def oldest_unconsumed_ms(self) -> dict[str, int]:
-        """Per consumer group, the stream time (ms since the epoch) of the oldest entry it
-        has pending or not yet delivered; groups with neither are left out."""
-        try:
-            groups = self.client.xinfo_groups(self.stream)
-        except redis.exceptions.ResponseError:  # no stream yet
-            return {}
-        oldest = {}
-        for group in groups:
-            name = _text(group["name"])
-            if int(group["pending"]):
-                first = self.client.xpending(self.stream, name)["min"]
-            else:
-                after = self.client.xrange(
-                    self.stream, min=f"({_text(group['last-delivered-id'])}", count=1
-                )
-                first = after[0][0] if after else None
-            if first is not None:
-                oldest[name] = _id(_text(first))[0]
-        return oldest
 
     def _samples(self, entry_ids: Sequence[str]) -> dict[str, str]:
         """The sample id of each entry still in the stream."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -72,6 +73,7 @@ def test_refusals_and_feed_backlog(served, rng, sid):
     with pytest.raises(AlreadyExists):
         client.write(other)
     client.read_ready("metrics-group", "c1", max_entries=1)  # creates the group, reads one
+    time.sleep(0.05)
     samples = scrape(url)
     assert (
         value(samples, "route_cache_records_refused_total", call="write", code="ALREADY_EXISTS")
@@ -79,6 +81,11 @@ def test_refusals_and_feed_backlog(served, rng, sid):
     )
     assert value(samples, "route_cache_ready_pending", consumer_group="metrics-group") == 1
     assert value(samples, "route_cache_ready_backlog", consumer_group="metrics-group") == 2
+    # its pending entry, announced before the sleep: older than that, younger than the test
+    age = value(
+        samples, "route_cache_ready_oldest_unconsumed_age_seconds", consumer_group="metrics-group"
+    )
+    assert 0.05 <= age < 60
 
 
 def test_the_endpoint_is_off_by_default_and_configurable():
