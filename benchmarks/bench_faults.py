@@ -69,6 +69,7 @@ from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.retry import Retry
 
+from benchmarks.common import wait_until
 from benchmarks.fault_history import (
     TRAINER,
     WRITES,
@@ -505,14 +506,6 @@ class Traffic:
 
 
 # --- faults -----------------------------------------------------------------------------------
-
-
-def wait_until(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not happen within {timeout_s:.0f} s")
-        time.sleep(0.05)
 
 
 def _role(node: RedisProcess) -> dict:

@@ -55,8 +55,17 @@ from pathlib import Path
 import numpy as np
 import redis
 
-from benchmarks.common import ROOT, Run, interleaved, machine, paired_ratio, write_section
+from benchmarks.common import (
+    ROOT,
+    Run,
+    interleaved,
+    machine,
+    paired_ratio,
+    wait_until,
+    write_section,
+)
 from benchmarks.fault_history import History, digest, load_history, trainer_steps
+from route_cache.feed import ReadyFeed
 from route_cache.server import SWEEP_INTERVAL_S
 from routereplay.dev.launch import free_port, start_service, stop_process
 from routereplay.dev.redis_nodes import RedisProcess
@@ -238,10 +247,11 @@ def writer(run: LongRun, name: str, pool: list, deadline: float) -> None:
 
 
 def sampler(run: LongRun, stop: threading.Event) -> None:
+    feed = ReadyFeed(run.r, "rr:ready")  # the route cache's default stream, read as it reads it
     while not stop.wait(run.config.sample_s):
         try:
             info = run.r.info("memory")
-            oldest = _oldest_unconsumed_s(run.r)
+            oldest = _oldest_unconsumed_s(feed)
         except redis.RedisError:
             continue
         run.history.log(
@@ -254,20 +264,10 @@ def sampler(run: LongRun, stop: threading.Event) -> None:
         )
 
 
-def _oldest_unconsumed_s(r: redis.Redis) -> float | None:
-    """Age of the oldest entry the trainer's group has pending or not delivered."""
-    try:
-        (group,) = [g for g in r.xinfo_groups("rr:ready") if g["name"] in (GROUP, GROUP.encode())]
-    except (redis.ResponseError, ValueError):
-        return None
-    if group["pending"]:
-        first = r.xpending("rr:ready", GROUP)["min"]
-    else:
-        after = r.xrange("rr:ready", min=f"({group['last-delivered-id'].decode()}", count=1)
-        first = after[0][0] if after else None
-    if first is None:
-        return 0.0
-    return max(0.0, time.time() - int(first.decode().split("-")[0]) / 1000)
+def _oldest_unconsumed_s(feed: ReadyFeed) -> float:
+    """Age of the oldest entry the trainer's group has pending or not delivered (0: none)."""
+    oldest = [b.oldest_ms for b in feed.backlog() if b.group == GROUP and b.oldest_ms]
+    return max(0.0, time.time() - oldest[0] / 1000) if oldest else 0.0
 
 
 def _trainer_log(run: LongRun) -> list[dict]:
@@ -284,25 +284,25 @@ def phase(run: LongRun, name: str, seconds: float) -> None:
     elif name == "trainer_killed":
         lives = sum(e["op"] == "resume" for e in _trainer_log(run))
         (run.pause_dir / "after_checkpoint").touch()  # it stops itself there: killed there
-        _wait(lambda: any(e["op"] == "paused" for e in _trainer_log(run)[-5:]), 120, "a pause")
+        wait_until(
+            lambda: any(e["op"] == "paused" for e in _trainer_log(run)[-5:]),
+            120,
+            "the trainer's pause",
+        )
         run.trainer.kill()
         run.trainer.wait()
         run.start_trainer()
-        _wait(lambda: sum(e["op"] == "resume" for e in _trainer_log(run)) > lives, 120, "resume")
+        wait_until(
+            lambda: sum(e["op"] == "resume" for e in _trainer_log(run)) > lives,
+            120,
+            "the trainer's resume",
+        )
     elif name == "cache_restart":
         time.sleep(seconds / 2)
         run.cache.kill()
         run.cache.wait()
         run.start_cache()
     time.sleep(max(0.0, end - time.monotonic()))
-
-
-def _wait(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def execute(config: LifecycleConfig, workdir: Path, pool: list) -> tuple[list[dict], LongRun]:
@@ -323,7 +323,7 @@ def execute(config: LifecycleConfig, workdir: Path, pool: list) -> tuple[list[di
             thread.join()
         run.history.log("phase", name="drain")
         stored = {e["sample"] for e in run.history.entries if e["op"] == "stored"}
-        _wait(lambda: stored <= _trained(_trainer_log(run)), 300, "the trainer to drain")
+        wait_until(lambda: stored <= _trained(_trainer_log(run)), 300, "the trainer's drain")
         run.stop_file.touch()
         run.trainer.wait(120)
         stop.set()

@@ -35,6 +35,15 @@ def median_time(fn, repeats: int, setup=None, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def wait_until(condition, timeout_s: float, what: str) -> None:
+    """Poll ``condition()`` until it holds; RuntimeError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not happen within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
 def cpu_seconds(pid: int | None) -> float | None:
     """User + system CPU seconds the process ``pid`` (all its threads) has used so far; None
     where it cannot be told (no pid, not Linux, the process gone)."""
