@@ -71,12 +71,15 @@ class MemoryBudget:
         reading: its writes fail on their own)."""
         nodes = dict(self.nodes)
         for name, node in self._masters():
+            with self._lock:
+                before = self._since.get(name, 0)
             try:
                 info = node.info("memory")
             except redis.exceptions.RedisError:
                 continue
-            with self._lock:
-                self._since[name] = 0  # the reading holds what was committed before it
+            with self._lock:  # the reading holds what was committed before it was asked for;
+                # what was committed while it was asked stays counted (twice, at worst)
+                self._since[name] = self._since.get(name, 0) - before
             nodes[name] = NodeMemory(name, int(info["used_memory"]), int(info["maxmemory"]))
         self.nodes = nodes
         return nodes
