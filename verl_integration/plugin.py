@@ -3,7 +3,7 @@ entry points (``pyproject.toml``), and ``import verl`` imports it in every proce
 (driver, TaskRunner, agent loop workers, rollout servers, trainer workers), on any Ray cluster,
 started by the driver or not. ``VERL_USE_EXTERNAL_PLUGINS`` (verl's own switch) can leave it out.
 
-It does five things, each keyed on verl's own extension points:
+It does six things, each keyed on verl's own extension points:
 
 - the ``vllm`` rollout replica is registered again (``RolloutReplicaRegistry``), with
   ``RouteCacheGenerate`` in front of ``vLLMHttpServer`` on the actor's replicas that have
@@ -17,7 +17,9 @@ It does five things, each keyed on verl's own extension points:
   disaggregated prefill/decode replica is asked for (verl builds it without the registry, so its
   routes go through Ray; ``warn_disaggregated``);
 - verl's agent-loop workers (V0 ``AgentLoopWorker``, V1 ``AgentLoopWorkerTQ``) mark their
-  validation batches, whose calls the servers then never store (``mark_validation``).
+  validation batches, whose calls the servers then never store (``mark_validation``);
+- V1's replay buffer frees the records of the groups it drops untrained: stale, DAPO-filtered
+  and surplus groups (``free_dropped_groups``).
 
 Each change is made right after verl imports the module it changes (``when_imported``), so
 ``import verl`` itself imports nothing more (measured: ``import verl`` took 9.2-9.6 s with the
@@ -28,6 +30,7 @@ a warning, naming what was not installed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.abc
 import logging
@@ -219,6 +222,61 @@ def mark_v1_validation(agent_loop_tq) -> None:
     mark_validation(agent_loop_tq.AgentLoopWorkerTQ)
 
 
+def free_dropped_groups(buffer_cls) -> None:
+    """V1's ``ReplayBuffer._clear_groups`` drops groups that will never train: stale (off-policy
+    beyond ``max_off_policy_threshold``), DAPO-filtered (no reward signal), failed, and the
+    surplus of a refill. Before verl clears them from TransferQueue, their samples' records are
+    deleted from the route cache, instead of living out its ``--ttl-s``. A failed group without
+    trajectories names no sample (the agent loop's id lives only in a trajectory's
+    ``extra_fields``): its records do live out the TTL. A route cache that cannot be reached
+    costs a warning, never the step (idempotent)."""
+    if "_frees_records" in vars(buffer_cls):
+        return
+    clear = buffer_cls._clear_groups
+
+    @functools.wraps(clear)
+    def _clear_groups(self, partition_id, uids):
+        target = route_cache_target()
+        if uids and partition_id != "val" and target is not None:
+            keys = [k for k in self.partitions[partition_id] if k.split("_")[0] in uids]
+            _free_records(target, keys, partition_id)
+        return clear(self, partition_id, uids)
+
+    buffer_cls._clear_groups = _clear_groups
+    buffer_cls._frees_records = True
+
+
+def _free_records(target: str, keys: list[str], partition_id: str) -> None:
+    """Delete the route cache records of TransferQueue's trajectories ``keys``."""
+    import transfer_queue as tq
+
+    from routereplay.errors import NotFound
+    from routereplay.rpc.client import RouteCacheClient
+    from verl_integration.engine import row_ids
+
+    try:
+        if not keys:
+            return
+        data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["extra_fields"])
+        samples = sorted({s for s in row_ids(data) if s is not None})
+        with RouteCacheClient(target) as client:
+            for sample in samples:
+                with contextlib.suppress(NotFound):  # an abort before its first token
+                    client.delete(sample)
+        logger.info("router-replay: freed the records of %d dropped samples", len(samples))
+    except Exception:
+        logger.warning(
+            "router-replay: the records of %d dropped trajectories were not freed (they live out "
+            "the route cache's --ttl-s)",
+            len(keys),
+            exc_info=True,
+        )
+
+
+def free_v1_dropped_groups(replay_buffer) -> None:
+    free_dropped_groups(replay_buffer.ReplayBuffer)
+
+
 def register_engine(transformer_impl) -> None:
     from verl_integration import engine
 
@@ -230,3 +288,4 @@ when_imported("verl.workers.rollout.llm_server", patch_clients)
 when_imported("verl.workers.engine.megatron.transformer_impl", register_engine)
 when_imported("verl.experimental.agent_loop.agent_loop", mark_v0_validation)
 when_imported("verl.trainer.ppo.v1.agent_loop_tq", mark_v1_validation)
+when_imported("verl.trainer.ppo.v1.replay_buffer", free_v1_dropped_groups)

@@ -180,16 +180,18 @@ def _run_v0(setup, client, validate=False):
     return asyncio.run(run())
 
 
-def _run_v1(setup, client, validate=False):
-    """verl's V1 agent-loop worker (TransferQueue): one prompt; returns what verl's V1 trainer
-    reads back from TransferQueue for the sample (a ``TensorDict``)."""
+def _run_v1(setup, client, validate=False, uid=None):
+    """verl's V1 agent-loop worker (TransferQueue): one prompt (``uid``, verl's prompt key);
+    returns what verl's V1 trainer reads back from TransferQueue for the sample (a
+    ``TensorDict``)."""
     import torch
     import transfer_queue as tq
     from tensordict import NonTensorData, NonTensorStack, TensorDict
     from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
 
     worker_cls = AgentLoopWorkerTQ.__ray_metadata__.modified_class  # the class under @ray.remote
-    uid, partition = ("prompt-val-0", "val") if validate else ("prompt-0", "train")
+    partition = "val" if validate else "train"
+    uid = uid or ("prompt-val-0" if validate else "prompt-0")
     fields = {
         "raw_prompt": NonTensorStack(MESSAGES),
         "index": torch.tensor([0]),
@@ -201,7 +203,10 @@ def _run_v1(setup, client, validate=False):
     batch = TensorDict(fields, batch_size=[1])
 
     async def run():
-        worker = worker_cls(setup.config, client)
+        worker = worker_cls(setup.config, client)  # initialises TransferQueue's client
+        # The prompt (its GRPO group) registered as verl's V1 trainer does before generating.
+        tags = [{"is_prompt": True, "status": "pending", "global_steps": 1}]
+        tq.kv_batch_put(keys=[uid], partition_id=partition, tags=tags)
         await worker.generate_sequences(batch)
         await asyncio.gather(*worker.background_tasks)
         listed = tq.kv_list(partition_id=partition)[partition]
@@ -493,6 +498,37 @@ def test_verls_padded_batch_replays_real_rows_under_pp2(agent_runs, setup, route
     assert [r["replayed"] for r in ranks] == [oracle.num_rows, 2 * oracle.num_rows]
     assert [r["natural"] for r in ranks] == [257, 2 * 257]
     assert "route_cache/untrained" in ranks[1]["metrics"]
+
+
+def test_groups_verl_drops_untrained_are_freed(ray_local, setup, route_cache, monkeypatch):
+    """verl's V1 replay buffer (``ReplayBufferAsync``, ``max_off_policy_strategy="drop"``)
+    evicts a finished group that grew stale: it never trains, and its samples' records are
+    deleted from the route cache as verl clears it from TransferQueue (``_clear_groups``).
+    With verl's own ``_clear_groups`` (the plugin's hook undone) the record stays: run once."""
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1 import replay_buffer
+
+    from verl_integration.engine import row_ids
+
+    monkeypatch.setenv("ROUTER_REPLAY_CACHE", route_cache)
+    server = _server(ray_local, setup, route_cache)
+    (sample,) = row_ids(_run_v1(setup, _client(ray_local, setup, server), uid="prompt-stale"))
+    with RouteCacheClient(route_cache) as client:
+        assert client.stat(sample).num_tokens > 0
+        refills = []
+        buffer = replay_buffer.ReplayBufferAsync(
+            trainer_mode="async",
+            trainer_config=OmegaConf.create({}),
+            max_off_policy_threshold=1,
+            max_off_policy_strategy="drop",
+            sampler_kwargs=OmegaConf.create({}),
+            refill_fn=refills.append,
+        )
+        # Generated at step 1, sampled at step 3: two versions behind, beyond the threshold.
+        buffer.wait_for_sampleable(global_steps=3, partition_id="train", target_count=0)
+        assert refills == [1]  # verl evicted the group and asked for a replacement
+        with pytest.raises(Exception, match=sample):
+            client.stat(sample)
 
 
 @pytest.mark.parametrize("path", ["V0", "V1"])
