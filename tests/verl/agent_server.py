@@ -20,16 +20,24 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from routereplay.dev.hf_rollout import _forward_with_routes
+from routereplay.dev.hf_rollout import _forward_with_routes, hf_routers
 
 
 class StandInServer:
-    def __init__(self, config, model_dirs, completions, tokenizer_dir):
+    def __init__(
+        self, config, model_dirs, completions, tokenizer_dir, assistant="<|im_start|>assistant"
+    ):
+        """``assistant``: the chat template's assistant header, counted in a prompt to tell
+        which assistant turn a call is (ChatML's by default)."""
         from types import SimpleNamespace
 
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from verl_integration.contract import served_geometry
+
         torch.set_num_threads(1)
+        self.assistant = assistant
+        self.moe_layers = list(served_geometry(model_dirs[0]).record.moe_layers)
         self.config = config
         self.model_config = SimpleNamespace(local_path=model_dirs[0])
         self.models = [AutoModelForCausalLM.from_pretrained(d).eval() for d in model_dirs]
@@ -49,7 +57,7 @@ class StandInServer:
         from verl.workers.rollout.replica import TokenOutput
 
         extra_fields = {"global_steps": self.global_steps}
-        turn = self.tokenizer.decode(prompt_ids).count("<|im_start|>assistant") - 1
+        turn = self.tokenizer.decode(prompt_ids).count(self.assistant) - 1
         completion = list(self.completions[min(turn, len(self.completions) - 1)])
         # A resumed partial rollout's prompt ends with what the aborted call produced.
         resumed = next(
@@ -72,13 +80,11 @@ class StandInServer:
         model = self.models[self.global_steps]
         sequence = torch.tensor([list(prompt_ids) + completion])
         with torch.no_grad():
-            out, chosen = _forward_with_routes(model, sequence)
+            out, chosen = _forward_with_experts(model, sequence)
         layers = model.config.num_hidden_layers
         k = chosen[0].shape[-1]
         routes = np.zeros((sequence.shape[1] - 1, layers, k), dtype=np.int32)
-        dense = set(getattr(model.config, "mlp_only_layers", None) or [])
-        moe = [n for n in range(layers) if n not in dense]
-        for layer, ids in zip(moe, chosen, strict=True):
+        for layer, ids in zip(self.moe_layers, chosen, strict=True):
             routes[:, layer] = ids[:-1].numpy()
         logp = torch.log_softmax(out.logits[0, :-1].float(), dim=-1)
         picked = logp.gather(-1, sequence[0, 1:, None]).squeeze(-1)[len(prompt_ids) - 1 :]
@@ -93,3 +99,30 @@ class StandInServer:
             stop_reason="aborted" if finish == "abort" else "completed",
             extra_fields=extra_fields,
         )
+
+
+def _forward_with_experts(model, sequence):
+    """``_forward_with_routes``, for the transformers verl pins too: there GLM-4.5's router
+    returns only its logits, and its MoE block chooses (``route_tokens_to_experts``), so the
+    choice is taken from that method where the block has one."""
+    blocks = {n: model.model.layers[n].mlp for n in hf_routers(model)}
+    if not all(hasattr(b, "route_tokens_to_experts") for b in blocks.values()):
+        return _forward_with_routes(model, sequence)
+    chosen = {}
+
+    def capture(n, choose):
+        def route_tokens_to_experts(logits):
+            indices, weights = choose(logits)
+            chosen[n] = indices.detach().clone()
+            return indices, weights
+
+        return route_tokens_to_experts
+
+    for n, block in blocks.items():
+        block.route_tokens_to_experts = capture(n, block.route_tokens_to_experts)
+    try:
+        out = model(sequence)
+    finally:
+        for block in blocks.values():
+            del block.route_tokens_to_experts
+    return out, [chosen[n] for n in sorted(chosen)]

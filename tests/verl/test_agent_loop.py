@@ -141,6 +141,7 @@ def setup(tiny_model_dir, tmp_path_factory):
         tokenizer_dir=str(root / "tokenizer"),
         config=config,
         completions=completions,
+        assistant="<|im_start|>assistant",
     )
 
 
@@ -149,7 +150,7 @@ def _server(ray, setup, route_cache, server_cls=Server):
         enable_rollout_routing_replay=True, custom={"route_cache": route_cache}
     )
     return ray.remote(server_cls).remote(
-        server_config, setup.policies, setup.completions, setup.tokenizer_dir
+        server_config, setup.policies, setup.completions, setup.tokenizer_dir, setup.assistant
     )
 
 
@@ -246,11 +247,17 @@ def _trained_routes(batch, route_cache, geometry) -> tuple[str, np.ndarray]:
 
 
 def _expected_rows(calls, geometry):
-    """Each row's routes as generated: row i from the first call that ran token i as input."""
+    """Each row's routes as generated: row i from the first call that ran token i as input,
+    since the last call whose prompt rewrote the history at or before token i (row i depends
+    on tokens 0..i only)."""
     moe = list(geometry.moe_layers)
-    rows = []
+    rows, history = [], []
     for _, prompt, completion, _, routes in calls:
+        common = min(len(history), len(prompt))
+        differ = [i for i in range(common) if history[i] != prompt[i]]
+        del rows[differ[0] if differ else common :]
         rows.extend(routes[len(rows) : len(prompt) + len(completion) - 1][:, moe])
+        history = [*prompt, *completion]
     return np.stack(rows)
 
 
@@ -552,3 +559,107 @@ def test_validation_rollouts_store_nothing(ray_local, setup, route_cache, path):
     with RouteCacheClient(route_cache) as rc:
         with pytest.raises(Exception, match=sample):
             rc.stat(sample)
+
+
+# --- histories rewritten mid-batch (verl's GLM token builder; an earlier edit) ---------------
+
+
+@pytest.fixture(scope="module")
+def glm_setup(setup, tmp_path_factory):
+    """GLM-4.5 policies (tiny, three seeds) and GLM's chat markers, so that verl's agent loop
+    picks its GLM Continuous Token builder (by the model's ``model_type``); each assistant turn
+    stops on ``<|user|>``, which the builder drops when it merges the tool's answer."""
+    from tests.verl.test_dropin import GLM_MARKERS, GLM_TEMPLATE
+
+    root = tmp_path_factory.mktemp("glm")
+    policies = [
+        str(build_tiny_model(root / f"policy{v}", seed=v, family="glm4_moe")) for v in range(3)
+    ]
+    tokenizer = chat_tokenizer(GLM_MARKERS, GLM_TEMPLATE)
+    tokenizer.save_pretrained(policies[0])
+    tokenizer.save_pretrained(root / "tokenizer")
+    config = setup.config.copy()
+    config.actor_rollout_ref.model.path = policies[0]
+    user = tokenizer.convert_tokens_to_ids("<|user|>")
+
+    def call(a, b):
+        text = json.dumps({"name": "add", "arguments": {"a": a, "b": b}})
+        return [*tokenizer.encode(f"<tool_call>{text}</tool_call>"), user]
+
+    return SimpleNamespace(
+        policies=policies,
+        tokenizer=tokenizer,
+        tokenizer_dir=str(root / "tokenizer"),
+        config=config,
+        completions=[call(1, 2), call(3, 4), [*tokenizer.encode("It is 7."), user]],
+        assistant="<|assistant|>",
+        user=user,
+    )
+
+
+def test_rewritten_histories_cost_no_sample_of_the_batch(ray_local, glm_setup, route_cache):
+    """verl's V0 ``AgentLoopWorker`` (what ``AgentLoopManager`` runs in each worker) on a batch
+    of three GLM samples: every turn's prompt rewrites the record's last token (the GLM
+    builder's ``<|user|>`` junction), and one sample's loop (``RewritingToolAgentLoop``) also
+    edits a token of its initial prompt after the first tool answer. Every sample trains: the
+    trainer fetches each one's record against the history verl kept and replays every row, each
+    from the call that last ran it; the edited sample's rows from the edit on come from the call
+    that ran the edited history. Before issue 45 the first junction raised in ``generate()``
+    and V0's gather failed the whole batch."""
+    import torch
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    from verl.protocol import DataProto
+
+    from tests.verl.agent_loops import REWRITING_AGENT, edited_position
+    from trainer.data.source import CacheSource
+    from verl_integration.engine import sample_ids
+    from verl_integration.fetch import RouteFetcher
+
+    setup = glm_setup
+    geometry = served_geometry(setup.policies[0])
+    server = _server(ray_local, setup, route_cache)
+    agents = ["tool_agent", REWRITING_AGENT, "tool_agent"]
+    batch = DataProto.from_dict(
+        non_tensors={
+            "raw_prompt": np.array([MESSAGES] * 3, dtype=object),
+            "index": np.arange(3),
+            "agent_name": np.array(agents, dtype=object),
+        },
+        meta_info={"validate": False},
+    )
+
+    async def run():
+        return await AgentLoopWorker(
+            setup.config, _client(ray_local, setup, server)
+        ).generate_sequences(batch)
+
+    out = asyncio.run(run())
+    calls = ray_local.get(server.calls.remote())
+    data = out.to_tensordict()
+    samples = sample_ids(data)
+    assert len(set(samples)) == 3 and len(calls) == 9
+
+    fetcher = RouteFetcher(CacheSource(route_cache), geometry)
+    for row, (sample, agent) in enumerate(zip(samples, agents, strict=True)):
+        own = [c for c in calls if sample_of(c[0]) == sample]
+        mask = out.batch["attention_mask"][row].bool()
+        history = out.batch["input_ids"][row][mask].tolist()
+        expected = _expected_rows(own, geometry.record)
+        # verl's builder dropped the <|user|> each assistant turn stopped on.
+        assert own[1][1][len(own[0][1]) + len(own[0][2]) - 1] != setup.user
+        if agent == REWRITING_AGENT:
+            at = edited_position(own[1][1], len(own[1][1]) - len(own[0][1]))
+            assert own[1][1][:at] == own[0][1][:at] and own[1][1][at] != own[0][1][at]
+            np.testing.assert_array_equal(
+                expected[:at], own[0][4][:at][:, list(geometry.record.moe_layers)]
+            )
+        with RouteCacheClient(route_cache) as client:
+            record = client.read(sample)
+        assert record.token_ids.tolist() == history[: record.num_tokens]
+        np.testing.assert_array_equal(record.routes, expected)
+        tokens = torch.tensor([history])
+        routes = fetcher.routes([sample], tokens, torch.ones_like(tokens))
+        rows = int(routes.routed[0].sum())
+        assert rows == record.num_rows and routes.diverged.tolist() == [0]
+        trained = routes.routed_experts[0, :rows][:, list(geometry.record.moe_layers)].numpy()
+        np.testing.assert_array_equal(trained, expected)
