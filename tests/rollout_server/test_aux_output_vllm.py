@@ -34,6 +34,7 @@ record's own tokens and turn versions with ``route_rows``.
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import numpy as np
 import pytest
@@ -273,12 +274,12 @@ def check_every_row(cache_reader, sample_ids, layout) -> int:
     return rows
 
 
-def run_scenario(version, scenario, tiny_model_dir, route_cache, loop, monkeypatch, **tweaks):
-    """Play one scenario on vLLM ``version``'s bookkeeping; returns (sample ids, player)."""
+def run_scenario(version, scenario, tiny_model_dir, route_cache, loop, monkeypatch):
+    """Play one scenario on vLLM ``version``'s bookkeeping; returns (sample ids, layout, player)."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
     play_fn, settings = SCENARIOS[scenario]
-    settings = {**settings, **tweaks}
+    settings = dict(settings)
     holder = {}
 
     async def main():
@@ -300,7 +301,7 @@ def run_scenario(version, scenario, tiny_model_dir, route_cache, loop, monkeypat
             writer.start()
             try:
                 rollout = Rollout(engine, cache, writer, RolloutLimits())
-                name = f"aux-{version}-{scenario}-{len(_loaded)}-{id(holder)}"
+                name = f"aux-{version}-{scenario}-{uuid.uuid4().hex[:8]}"
                 extra = (tiny_model_dir,) if play_fn is weight_update else ()
                 ids = await play_fn(rollout, holder["player"], name, vocab, *extra)
             finally:
@@ -323,7 +324,7 @@ def test_vllm_aux_output_rows_are_stored_as_captured(
     assert not player.busy
 
 
-def test_the_store_probe_refuses_0_32_and_takes_0_33_on_on_vllms_own_stores():
+def test_the_store_probe_on_vllms_own_stores():
     """``aux_output_store_grows`` asked of the real stores: 0.32.0's raises when full (refused),
     0.33.0's and 0.34.0's grow (the V2 path)."""
     assert not aux_output_store_grows(aux_output("0.32.0").store)
