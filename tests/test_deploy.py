@@ -521,6 +521,30 @@ def test_cpu_rollout_image_installs_the_libraries_vllm_links_against():
     assert missing_system_libraries(text.replace(" libnuma1", "")) == {"libnuma.so.1": "libnuma1"}
 
 
+def vllm_requirements(dockerfile_text: str) -> list[str]:
+    """The ``vllm`` requirements a Dockerfile's ``pip install`` lines name."""
+    text = dockerfile_text.replace("\\\n", " ")
+    return [
+        req
+        for line in text.splitlines()
+        if "pip install" in line
+        for req in re.findall(r"""['"]?(vllm(?:\[[^\]]*\])?[=<>!~][^'"\s]*)""", line)
+    ]
+
+
+def test_gpu_rollout_image_pins_the_vllm_the_tests_checked():
+    """The GPU image installs exactly one vLLM release, one whose routed-experts code the tests
+    ran (test_aux_output_vllm.py). An open range (``vllm>=0.11``) fails, naming it."""
+    from rollout_server.engine import CHECKED_V2_VLLM
+
+    text = (ROOT / "rollout_server" / "Dockerfile.gpu").read_text()
+    found = vllm_requirements(text)
+    assert len(found) == 1 and found[0] in CHECKED_V2_VLLM, found
+    unpinned = text.replace(found[0], "vllm>=0.11")
+    assert vllm_requirements(unpinned) == ["vllm>=0.11"]
+    assert vllm_requirements(unpinned)[0] not in CHECKED_V2_VLLM
+
+
 def seconds(duration: str) -> float:
     """A compose duration ("1m30s", "40s") in seconds."""
     units = {"h": 3600, "m": 60, "s": 1}

@@ -44,6 +44,24 @@ def test_validate_rejects_zero_block():
         validate_routes(np.zeros((5, 4, 2), np.uint8), GEOM, 5)
 
 
+def test_validate_rejects_zero_block_of_top1_model():
+    """Top-1 cannot repeat an id, so a block of zeros (a capture that recorded nothing) needs
+    its own rule; a block with one real id, or too small to tell, passes."""
+    geom = MoEGeometry(Geometry(moe_layers=(1, 2, 3, 4), topk=1, num_experts=16), 5)
+    zeros = np.zeros((8, 5, 1), np.uint8)  # 8 rows x 4 MoE layers = 32 ids
+    with pytest.raises(CaptureError, match="all expert 0"):
+        validate_routes(zeros, geom, 8)
+    one_real = zeros.copy()
+    one_real[5, 3, 0] = 9
+    assert validate_routes(one_real, geom, 8)[5, 2, 0] == 9
+    # Dense layer 0 is not a route: ids there do not make a zero block real.
+    dense_only = zeros.copy()
+    dense_only[:, 0, 0] = 7
+    with pytest.raises(CaptureError, match="all expert 0"):
+        validate_routes(dense_only, geom, 8)
+    assert not validate_routes(zeros[:7], geom, 7).any()  # 28 ids: too few to tell
+
+
 @pytest.mark.parametrize("rows,expected", [(5, 6), (6, 5)])
 def test_validate_rejects_row_count(rows, expected):
     with pytest.raises(CaptureError, match="shape"):
