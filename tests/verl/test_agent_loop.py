@@ -512,6 +512,7 @@ def test_groups_verl_drops_untrained_are_freed(ray_local, setup, route_cache, mo
     evicts a finished group that grew stale: it never trains, and its samples' records are
     deleted from the route cache as verl clears it from TransferQueue (``_clear_groups``).
     With verl's own ``_clear_groups`` (the plugin's hook undone) the record stays: run once."""
+    import transfer_queue as tq
     from omegaconf import OmegaConf
     from verl.trainer.ppo.v1 import replay_buffer
 
@@ -533,7 +534,10 @@ def test_groups_verl_drops_untrained_are_freed(ray_local, setup, route_cache, mo
         )
         # Generated at step 1, sampled at step 3: two versions behind, beyond the threshold.
         buffer.wait_for_sampleable(global_steps=3, partition_id="train", target_count=0)
-        assert refills == [1]  # verl evicted the group and asked for a replacement
+        # verl evicted the group (and any other of this module's, all made at step 1) and
+        # asked for replacements.
+        assert sum(refills) >= 1
+        assert "prompt-stale" not in tq.kv_list(partition_id="train")["train"]
         with pytest.raises(Exception, match=sample):
             client.stat(sample)
 
