@@ -25,8 +25,9 @@ import torch
 
 from benchmarks.common import machine, median_time, write_section
 from routereplay.dev.synthetic import DEEPSEEK_V3, QWEN3_30B_A3B, synthetic_routes
-from routereplay.domain.codec import Encoding, decode_routes, encode_routes
+from routereplay.domain.codec import Encoding, decode_routes
 from routereplay.domain.route_stats import expert_load
+from tests.support.records import encode_routes
 
 MIB = 2**20
 

@@ -59,9 +59,10 @@ from route_cache.record_format import record_key, routes_key
 from routereplay.allocator import keep_large_buffers
 from routereplay.dev.launch import start_service, stop_process
 from routereplay.dev.synthetic import DEEPSEEK_V3, QWEN3_30B_A3B, synthetic_record
-from routereplay.domain.codec import Encoding, encode_routes
+from routereplay.domain.codec import Encoding
+from routereplay.rpc.chunks import DEFAULT_CHUNK_BYTES
 from routereplay.rpc.client import RouteCacheClient
-from routereplay.rpc.wire import DEFAULT_CHUNK_BYTES
+from tests.support.records import encode_routes
 
 MIB = 2**20
 # Of the gRPC + Redis floor (the same bytes through a bare gRPC service keeping them in Redis):

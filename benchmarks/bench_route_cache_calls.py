@@ -38,8 +38,8 @@ from route_cache.record_format import record_key, routes_key
 from routereplay.allocator import keep_large_buffers
 from routereplay.dev.launch import start_service, stop_process
 from routereplay.dev.synthetic import QWEN3_30B_A3B, synthetic_record
+from routereplay.rpc.chunks import DEFAULT_CHUNK_BYTES
 from routereplay.rpc.client import RouteCacheClient
-from routereplay.rpc.wire import DEFAULT_CHUNK_BYTES
 
 SIZES = {"a few tokens": 16, "4K tokens": 4096}
 

@@ -59,6 +59,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tests.support.replay import recording
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -211,7 +213,7 @@ def natural_records(replay, batch, inputs: Inputs) -> list:
     from trainer.layout.align import routes_from_recorded
 
     recorded: list[list[torch.Tensor]] = []
-    with torch.no_grad(), replay.replay.step(), replay.replay.recording(recorded):
+    with torch.no_grad(), replay.replay.step(), recording(replay.replay, recorded):
         step_loss(replay.model, inputs)
     return records_of(
         batch, routes_from_recorded(batch, recorded[0], replay.geometry), replay.geometry

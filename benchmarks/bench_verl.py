@@ -33,7 +33,7 @@ import torch
 from benchmarks.common import machine, median_time, write_section
 from routereplay.dev.launch import free_port, start_service, stop_process
 from routereplay.dev.synthetic import QWEN3_30B_A3B, synthetic_record
-from routereplay.domain.model_geometry import MoEGeometry
+from routereplay.families.model_geometry import MoEGeometry
 
 GEOMETRY = MoEGeometry(QWEN3_30B_A3B, num_hidden_layers=48)
 STAGE_LAYERS = list(range(12))  # one PP4 stage's MoE layers

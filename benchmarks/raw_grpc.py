@@ -29,6 +29,7 @@ import grpc
 
 from route_cache.connection import connect
 from routereplay.allocator import keep_large_buffers
+from routereplay.rpc.chunks import DEFAULT_CHUNK_BYTES
 from routereplay.rpc.grpc_server import (
     ServerLimits,
     channel_options,
@@ -36,7 +37,6 @@ from routereplay.rpc.grpc_server import (
     set_serving,
     wait_for_termination,
 )
-from routereplay.rpc.wire import DEFAULT_CHUNK_BYTES
 
 SERVICE = "bench.RawBytes"
 WRITE = f"/{SERVICE}/Write"

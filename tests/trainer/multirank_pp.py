@@ -29,6 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from tests.support.replay import recording
 from tests.trainer.helpers import capture_routing, grads, random_batch, random_routes
 from tests.trainer.multirank_worker import (
     LAYOUTS,
@@ -103,7 +104,7 @@ class _Schedule:
             batch = self.micro_batches[mb][1]
             labels = torch.roll(batch.token_ids, -1, dims=1)
             if record_into is not None:
-                ctx = control.recording(record_into[v])
+                ctx = recording(control, record_into[v])
             elif indices is None:
                 ctx = contextlib.nullcontext()
             elif mode == "trap":

@@ -29,20 +29,6 @@ class DynamicBatches:
         """int64 ``[n]``: original sample index at each position of the execution order."""
         return np.fromiter((i for g in self.groups for i in g), dtype=np.int64)
 
-    @property
-    def inverse(self) -> np.ndarray:
-        """int64 ``[n]``: execution position of each original sample (``order``'s inverse)."""
-        order = self.order
-        inv = np.empty_like(order)
-        inv[order] = np.arange(order.size)
-        return inv
-
-    def restore(self, results: Sequence) -> list:
-        """Per-sample results given in execution order -> the original sample order."""
-        if len(results) != self.order.size:
-            raise ValueError(f"{len(results)} results for {self.order.size} samples")
-        return [results[p] for p in self.inverse]
-
 
 def dynamic_microbatches(
     lengths: Sequence[int],
