@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
 
     from routereplay.dev.tiny_model import BENCH_SIZE, build_tiny_model
-    from trainer.parallel import single_process
+    from trainer.distributed import single_process
 
     size = None if args.quick else BENCH_SIZE  # None: the family's tiny test size
     rollout_args = argparse.Namespace(

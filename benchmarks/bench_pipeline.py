@@ -48,8 +48,8 @@ from routereplay.families.base import TINY_SIZE
 from routereplay.rpc.rollout_client import AsyncRolloutClient
 from trainer.config import TrainConfig
 from trainer.data.source import CacheSource, Sample
+from trainer.distributed.dp import DataParallel
 from trainer.layout import RankShare, plan_step
-from trainer.parallel.dp import DataParallel
 
 MIB = 2**20
 STAGE_NAMES = {

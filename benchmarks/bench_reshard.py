@@ -29,8 +29,8 @@ from benchmarks.common import write_section
 from routereplay.domain.record import Geometry, Record, Turn
 from trainer.config import TrainConfig
 from trainer.data.source import Sample
+from trainer.distributed.dp import DataParallel, ModelParallel
 from trainer.layout import RankShare, plan_step
-from trainer.parallel.dp import DataParallel, ModelParallel
 from trainer.sharding import (
     Parallelism,
     ParallelismError,

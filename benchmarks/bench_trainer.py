@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
 
     from routereplay.dev.tiny_model import MoESize, build_tiny_model
-    from trainer.parallel import single_process
+    from trainer.distributed import single_process
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(f"{tmp}/model", seed=0, size=MoESize(**SIZE_KW))

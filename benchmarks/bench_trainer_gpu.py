@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> dict:
         device = torch.device("cuda", torch.cuda.current_device())
     clock = Clock(device)
 
-    from trainer.parallel import single_process
+    from trainer.distributed import single_process
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

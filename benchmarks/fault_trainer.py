@@ -45,7 +45,7 @@ from routereplay.rpc.client import RetryPolicy, RouteCacheClient  # noqa: E402
 from trainer import checkpoint  # noqa: E402
 from trainer.config import MissingRecord  # noqa: E402
 from trainer.data.source import CacheSource, FeedPlans, resolve  # noqa: E402
-from trainer.parallel.dp import SINGLE  # noqa: E402
+from trainer.distributed.dp import SINGLE  # noqa: E402
 
 
 def pause(args, history: History, point: str, step: int) -> None:

@@ -7,7 +7,7 @@ TensorBoard, checkpoint, feed acknowledgement, records file, JSON report, in tha
 returns the per-step reports. With ``train.resume`` and a checkpoint in ``checkpoint_dir``, the
 loop restores it and skips the steps it had done.
 
-Data parallel (``dp``, a ``trainer.parallel.dp.DataParallel``): every rank gets the same plans,
+Data parallel (``dp``, a ``trainer.distributed.dp.DataParallel``): every rank gets the same plans,
 fetches and trains its own share of each batch, and returns the whole batch's reports; the lead (DP
 rank 0, TP rank 0, the first stage) logs them and writes the record file, the report JSON,
 TensorBoard, exports and checkpoints. Under tensor, expert or pipeline parallelism every rank
@@ -37,10 +37,10 @@ from trainer import checkpoint
 from trainer.config import Dtype, TrainerConfig
 from trainer.data.source import BatchPlan, CacheSource, FeedPlans, Prefetcher, open_source
 from trainer.data.stage_reads import stage_reads
+from trainer.distributed.dp import SINGLE, DataParallel
+from trainer.distributed.world import model_overrides
 from trainer.model.build import TrainerModel, build_model
 from trainer.optim import AdamW
-from trainer.parallel.dp import SINGLE, DataParallel
-from trainer.parallel.world import model_overrides
 from trainer.report.outputs import Run, StepDone, outputs_for
 from trainer.report.step_report import StepReport
 from trainer.rl.step import RLStep

@@ -262,8 +262,8 @@ def test_bad_capture_is_never_stored(rollout, cache_reader, loop, monkeypatch):
 
     real = engine_module.validate_routes
 
-    def zeroed(routes, layout, rows):
-        return real(None if routes is None else np.zeros_like(routes), layout, rows)
+    def zeroed(routes, moe_geometry, rows):
+        return real(None if routes is None else np.zeros_like(routes), moe_geometry, rows)
 
     server, client = rollout
     monkeypatch.setattr(engine_module, "validate_routes", zeroed)

@@ -42,11 +42,11 @@ from tests.trainer.multirank_worker import (
     _gather_tp,
     _records,
 )
+from trainer.distributed.world import init_world, model_overrides
 from trainer.layout.align import align_routes, routes_from_recorded
 from trainer.layout.batch import PaddedBatch
 from trainer.model.build import TrainerModel, build_model
 from trainer.model.replay import RouterReplayAction
-from trainer.parallel.world import init_world, model_overrides
 from trainer.rl.schedule import replay_backward
 from trainer.sharding import padded_length, shard_padded
 

@@ -34,10 +34,10 @@ import torch.distributed as dist
 from routereplay.domain.record import Geometry
 from tests.support.replay import recording
 from tests.trainer.helpers import capture_routing, grads, make_record, random_batch, random_routes
+from trainer.distributed.world import World, init_world, model_overrides
 from trainer.layout.align import align_routes, routes_from_recorded
 from trainer.layout.batch import PaddedBatch
 from trainer.model.build import build_model
-from trainer.parallel.world import World, init_world, model_overrides
 from trainer.sharding import (
     Parallelism,
     PipelineSplit,

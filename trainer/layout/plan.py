@@ -13,10 +13,10 @@ import torch
 from routereplay.domain.record import Geometry, Record
 from trainer.config import TrainConfig
 from trainer.data.source import Sample
+from trainer.distributed.dp import DataParallel
 from trainer.layout.align import align_routes
 from trainer.layout.microbatch import MicroBatch, step_micro_batches
 from trainer.layout.share import RankShare
-from trainer.parallel.dp import DataParallel
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from routereplay.domain.record import MASKED, Geometry, Record
 from trainer.config import ReplayMode
 from trainer.data.source import FetchedBatch
+from trainer.distributed.dp import DataParallel
 from trainer.layout.batch import PaddedBatch
-from trainer.parallel.dp import DataParallel
 from trainer.report.step_report import (
     Agreement,
     Gap,
@@ -205,7 +205,7 @@ def recorded_routes(
     row whose experts differ from the record's.
 
     Args:
-        batch: One micro-batch's layout.
+        batch: One micro-batch's tokens as the model reads them.
         records: One per sample of ``batch`` (None: no record); a layer-selected read holds
             ``layers``.
         layers: Global layer numbers of this rank's routers.

@@ -5,7 +5,7 @@ gradients, ``report.compare``) with the other routing, so every step reports the
 rollout with replay and without; then ``ppo_epochs`` passes over the mini-batches, each
 mini-batch a forward and backward of its micro-batches and one optimizer step. Every pass is
 one call of megatron's schedule (``trainer.rl.schedule``): no pipelining, 1F1B or interleaved
-1F1B, the same code on one rank and on any layout.
+1F1B, the same code on one rank and under any parallel sizes.
 
 Which routing each pass uses (``trainer.rl.stages.PASSES``):
 
@@ -37,9 +37,10 @@ so an alignment or resharding fault lowers it.
 Counts are taken where the routers run, on each rank's rows and layers, and summed over every
 rank: each (row, layer) lives on exactly one rank of a data-parallel rank's model group.
 
-Layouts (``dp``, a ``trainer.parallel.dp.DataParallel``, and its ``model``): each DP rank trains its
-share of every mini-batch; advantages come from every rank's rewards; gradients are summed over
-the ranks with the loss normalised by the mini-batch's generated-token count over all of them.
+Parallelism (``dp``, a ``trainer.distributed.dp.DataParallel``, and its ``model``): each DP rank
+trains its share of every mini-batch; advantages come from every rank's rewards; gradients
+are summed over the ranks with the loss normalised by the mini-batch's generated-token count
+over all of them.
 Tensor parallel: micro-batches are padded (or packed sequences each padded) to a multiple of
 the TP size and each router replays its sequence shard. Pipeline parallel: each stage's
 routers replay their own layers; log-probs come from the last stage and reach every stage.
@@ -56,9 +57,9 @@ import torch
 from routereplay.domain.record import MASKED
 from trainer.config import ReplayMode, TrainerConfig
 from trainer.data.source import FetchedBatch
+from trainer.distributed.dp import SINGLE, DataParallel
 from trainer.layout import MicroBatch, RankShare, plan_step
 from trainer.model.build import TrainerModel
-from trainer.parallel.dp import SINGLE, DataParallel
 from trainer.rl import measure, objective
 from trainer.rl.routes_used import routes_used
 from trainer.rl.schedule import Schedule

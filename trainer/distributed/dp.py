@@ -240,7 +240,7 @@ def from_world(world) -> DataParallel:
     if parallelism.tp > 1 or parallelism.ep > 1 or parallelism.pp > 1:
         ep_rank = parallel_state.get_expert_model_parallel_rank()
         coords = world.coords
-        # Names without a pipeline stage keep the files of layouts without one readable.
+        # Names without a pipeline stage keep the files of runs without one readable.
         stage = f"pp{coords.pp_rank}-" if parallelism.pp > 1 else ""
         model = ModelParallel(
             parallelism,

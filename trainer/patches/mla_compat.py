@@ -34,7 +34,7 @@ Under tensor parallelism one more, a megatron bug that is not about TransformerE
    instead, and MLA's branch for a full-width output gathers the rotary key from the sequence
    shards, whose backward sums the ranks' gradients. ``fix_tensor_parallel(model)`` makes the local
    projection take that branch: a forward hook gathers its output columns and scatters the sequence
-   back to this rank's shard (requires sequence parallelism, which the trainer's TP layouts turn
+   back to this rank's shard (requires sequence parallelism, which the trainer's TP sizes turn
    on).
 
 DeepSeek's ``q_a_layernorm`` / ``kv_a_layernorm`` are the spec's ``q_layernorm`` /

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from trainer.model.patches import cpu_compat
+from trainer.patches import cpu_compat
 from trainer.sharding import Parallelism, ParallelismError, RankCoords
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from trainer.model.patches import cpu_compat
+from trainer.patches import cpu_compat
 
 
 def init_single_process(init_method: str, seed: int = 0):
