@@ -377,4 +377,5 @@ def step_report(
         replay_followed=followed,
         aux_loss=float(np.mean(aux_layers)) if aux_layers else None,
         aux_loss_layers=aux_layers,
+        grad_norm=updates.grad_norm,
     )

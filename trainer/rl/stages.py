@@ -95,7 +95,9 @@ class Comparison:
 class Updates:
     """The update epochs: this rank's loss and clip fraction per mini-batch step, the update
     agreement per epoch (every rank's), megatron's aux loss per MoE layer, the rows replayed
-    and, when they replayed the rollout's routes, ``replay_followed``'s counts."""
+    and, when they replayed the rollout's routes, ``replay_followed``'s counts; the L2 norm of
+    the gradient each optimizer step applied, where one rank's norm is the whole gradient's
+    (no model parallelism; None otherwise)."""
 
     losses: list[float]
     clips: list[float]
@@ -103,6 +105,7 @@ class Updates:
     aux_layers: list[float] | None
     replayed: int
     followed: np.ndarray
+    grad_norm: list[float] | None
 
 
 @dataclass(frozen=True)

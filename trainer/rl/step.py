@@ -214,7 +214,11 @@ class RLStep:
                 followed += used
             drift.append(measure.same_fraction(measure.world_sum(counts)))
         aux_layers = aux.read(epochs * len(laid.micro_batches), self.mp)
-        return Updates(losses, clips, drift, aux_layers, self._replayed(laid), followed)
+        norms = self.optimizer.take_grad_norms()
+        # Only when every rank holds the whole model is this rank's norm the whole gradient's.
+        grad_norm = norms if self.mp is None else None
+        replayed = self._replayed(laid)
+        return Updates(losses, clips, drift, aux_layers, replayed, followed, grad_norm)
 
     def _mini_step(self, laid: Laid, mini: list[MicroBatch], lo: int, old_logp, ids):
         """One mini-batch's forward, backward and optimizer step: its loss and clip fraction,
