@@ -14,7 +14,8 @@ back in the same chunks on read, the next key's fetch overlapping this one's sen
 route cache's batch reads do (the transport and Redis: what any route cache built on these two
 pays).
 
-``python -m benchmarks.raw_grpc --host H --port P [--redis-url URL]`` serves until SIGTERM;
+``python -m benchmarks.performance.raw_grpc --host H --port P [--redis-url URL]`` serves until
+SIGTERM;
 ``RawClient`` is its client.
 """
 

@@ -12,7 +12,8 @@ with a random selection-only expert bias, 8 groups of which 4 are kept, scaling 
 
 ``--quick`` runs the family's tiny test model with few repeats, a smoke test.
 
-Usage: ``python -m benchmarks.bench_families [--family glm4_moe] [--quick] [--no-write]``
+Usage: ``python -m benchmarks.performance.bench_families [--family glm4_moe] [--quick]
+[--no-write]``
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import time
 
 import torch
 
-from benchmarks.bench_rollout import compare
-from benchmarks.bench_trainer import LENGTHS, time_replay
 from benchmarks.common import machine, write_section
+from benchmarks.performance.bench_rollout import compare
+from benchmarks.performance.bench_trainer import LENGTHS, time_replay
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     markdown = f"""## Families: capture and replay overhead for `{args.family}`
 
-`python -m benchmarks.bench_families --family {args.family}` ({results["machine"]}; torch
+`python -m benchmarks.performance.bench_families --family {args.family}` ({results["machine"]}; torch
 {torch.__version__}, CPU). Model: `{args.family}` at {model}{router}. One run: the rollout
 part, then the trainer part.
 

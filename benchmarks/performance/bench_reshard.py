@@ -10,7 +10,7 @@ the device), then cut to this rank's CP chunks and SP share. The baseline is a
 plain copy of the same route bytes (the rank's records' routes, one ``np.copyto`` per record)
 in the same run.
 
-Run: ``python -m benchmarks.bench_reshard`` (writes the ``reshard`` section of
+Run: ``python -m benchmarks.performance.bench_reshard`` (writes the ``reshard`` section of
 docs/benchmarks.md and results/reshard.json; ``--dry-run`` only prints).
 """
 
@@ -20,12 +20,11 @@ import argparse
 import os
 import platform
 import statistics
-import time
 
 import numpy as np
 import torch
 
-from benchmarks.common import write_section
+from benchmarks.common import wall_times, write_section
 from routereplay.domain.record import Geometry, Record, Turn
 from trainer.config import TrainConfig
 from trainer.data.source import Sample
@@ -51,15 +50,6 @@ LAYOUTS = {
     "PP4": (Parallelism(pp=4), RankCoords(pp_rank=2)),
     "PP4 x VP2": (Parallelism(pp=4, vp=2), RankCoords(pp_rank=2, vp_stage=1)),
 }
-
-
-def _times(fn, repeats: int) -> list[float]:
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def _batch(lengths: list[int], seed: int = 0) -> tuple[list[Record], list[Sample]]:
@@ -107,7 +97,7 @@ def main() -> None:
         packing=True,
     )
     advantages = np.zeros(args.samples, np.float32)
-    copy_times = _times(plain_copy, args.repeats)
+    copy_times = wall_times(plain_copy, args.repeats)
     results: dict = {
         "geometry": {"layers": LAYERS, "topk": TOPK, "experts": EXPERTS},
         "tokens_per_sample": args.tokens,
@@ -140,7 +130,7 @@ def main() -> None:
             )
 
         try:
-            times = _times(plan, args.repeats)
+            times = wall_times(plan, args.repeats)
         except ParallelismError as exc:  # e.g. virtual stages need a multiple of pp micro-batches
             results["layouts"][name] = {"refused": str(exc)}
             print(name, "refused:", exc, flush=True)
@@ -164,7 +154,7 @@ def main() -> None:
     ]
     markdown = "\n".join(
         [
-            "## One rank's layout of a batch (`benchmarks/bench_reshard.py`)",
+            "## One rank's layout of a batch (`benchmarks/performance/bench_reshard.py`)",
             "",
             f"Qwen3-30B-A3B geometry ({LAYERS} MoE layers, top-{TOPK} of {EXPERTS}), "
             f"{args.samples} samples of about {args.tokens} tokens per rank "

@@ -35,7 +35,7 @@ sample's age. From the writers' and the trainer's logs afterwards: the route byt
 ``--no-free`` runs the route cache without ``--commit-groups``: Redis fills, writes are refused
 past ``hold_s``, and the run must FAIL (shown in docs/benchmarks.md).
 
-Usage: python -m benchmarks.bench_lifecycle [--quick] [--no-free]
+Usage: python -m benchmarks.faults.bench_lifecycle [--quick] [--no-free]
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from benchmarks.common import (
     wait_until,
     write_section,
 )
-from benchmarks.fault_history import History, digest, load_history, trainer_steps
+from benchmarks.faults.fault_history import History, digest, load_history, trainer_steps
 from route_cache.feed import ReadyFeed
 from route_cache.server import SWEEP_INTERVAL_S
 from routereplay.dev.launch import free_port, start_service, stop_process
@@ -191,7 +191,7 @@ class LongRun:
         c = self.config
         self.trainer = subprocess.Popen(
             [
-                sys.executable, "-m", "benchmarks.fault_trainer", "--target", self.target,
+                sys.executable, "-m", "benchmarks.faults.fault_trainer", "--target", self.target,
                 "--group", GROUP, "--history", str(self.workdir / "trainer.jsonl"),
                 "--checkpoint-dir", str(self.workdir / "checkpoints"),
                 "--pause-dir", str(self.pause_dir), "--stop-file", str(self.stop_file),
@@ -502,7 +502,7 @@ def report(result: dict) -> str:
 def cost_section(found: dict) -> str:
     return (
         "## The lifecycle's cost to writes\n\n"
-        "`python -m benchmarks.bench_lifecycle --cost`: batches of "
+        "`python -m benchmarks.faults.bench_lifecycle --cost`: batches of "
         f"{found['records_per_batch']} Qwen3-30B-A3B records of {found['tokens']} tokens "
         "written through a route cache that frees (`--commit-groups trainer`, the memory "
         "budget read every 0.25 s and checked on each write) and through one that does not, "
@@ -522,7 +522,7 @@ def section(result: dict, text: str, png: str) -> str:
     if c["free"]:
         head = (
             "## The long run: memory bounded by the work in flight\n\n"
-            "`python -m benchmarks.bench_lifecycle` (`make bench`; a small run in the test "
+            "`python -m benchmarks.faults.bench_lifecycle` (`make bench`; a small run in the test "
             "suite, `tests/route_cache/test_lifecycle_run.py`). "
         )
     else:

@@ -13,7 +13,7 @@ from a real route cache (``RouteCacheServer`` over an embedded valkey): per batc
 (one ``read_batch``), the alignment, the time the loop waited for the batch, and the step's
 time, with prefetch on and off.
 
-Usage: ``python -m benchmarks.bench_trainer [--repeats N] [--no-write]``
+Usage: ``python -m benchmarks.performance.bench_trainer [--repeats N] [--no-write]``
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     markdown = f"""## Trainer: replay overhead
 
-`python -m benchmarks.bench_trainer` ({results["machine"]}; torch {torch.__version__}, CPU, 1
+`python -m benchmarks.performance.bench_trainer` ({results["machine"]}; torch {torch.__version__},
+CPU, 1
 thread). Model: {results["model"]}; megatron-core, float32; one micro-batch of 4 samples,
 {results["tokens"]} tokens; forward + backward; medians of {args.repeats} alternating repeats.
 R3 replays the model's own natural routes (identical expert work), alignment included;

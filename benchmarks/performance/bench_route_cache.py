@@ -7,7 +7,8 @@ distribution (uniform, Zipf-like per layer), in the same run against the same Re
   all);
 - raw gRPC: the same bytes streamed in the same 1 MiB chunks, with the same concurrency and
   channel options, to a trivial bytes-in/bytes-out gRPC service that keeps them in memory and
-  streams them back in one batch call (``benchmarks/raw_grpc.py``): the transport's floor;
+  streams them back in one batch call (``benchmarks/performance/raw_grpc.py``): the transport's
+  floor;
 - gRPC + Redis: the same trivial service keeping the bytes in Redis (one SET per record, one
   GET per record on read, the next GET overlapping the send): the floor of any route cache
   made of these two parts, with no checks, checksums or layout;
@@ -28,7 +29,8 @@ service/gRPC + Redis ratio (what the route cache's own work costs), and bytes pe
 the routes as int32, int16, raw uint8 and this project's stored forms (target: at most raw
 uint8).
 
-Usage: python -m benchmarks.bench_route_cache [--quick] [--redis-url URL] [--pin-service CPU]
+Usage: python -m benchmarks.performance.bench_route_cache [--quick] [--redis-url URL] [--pin-service
+CPU]
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from benchmarks.common import (
     paired_ratio,
     write_section,
 )
-from benchmarks.raw_grpc import RawClient
+from benchmarks.performance.raw_grpc import RawClient
 from route_cache.embedded import start_embedded_redis
 from route_cache.record_format import record_key, routes_key
 from routereplay.allocator import keep_large_buffers
@@ -361,9 +363,9 @@ def main() -> int:
         server, target = start_service(
             "route_cache", "--redis-url", url, "--ttl-s", "600", quiet=True
         )
-        raw_server, raw_target = start_service("benchmarks.raw_grpc", quiet=True)
+        raw_server, raw_target = start_service("benchmarks.performance.raw_grpc", quiet=True)
         floor_server, floor_target = start_service(
-            "benchmarks.raw_grpc", "--redis-url", url, quiet=True
+            "benchmarks.performance.raw_grpc", "--redis-url", url, quiet=True
         )
         if args.pin_service is not None:
             pin(
@@ -433,7 +435,8 @@ def main() -> int:
     markdown = (
         f"## Route cache against raw redis-py and raw gRPC"
         f"{' (service pinned to its own core)' if args.pin_service is not None else ''}\n\n"
-        f"`make bench` (`python -m benchmarks.bench_route_cache{' --quick' if args.quick else ''}"
+        f"`make bench` (`python -m "
+        f"benchmarks.performance.bench_route_cache{' --quick' if args.quick else ''}"
         f"`), {args.repeats} rounds, the route cache (RAW) and its baselines timed in turns, one "
         "call of each per round; MiB/s are medians, ratios the medians of the rounds' own ratios "
         f"(ZSTD timed on its own). Machine: {machine()}; Redis-compatible server "
@@ -444,7 +447,8 @@ def main() -> int:
         "against one redis-py pipeline of SETs of the same bytes, and against the same bytes "
         f"in the same chunks as {args.writers} concurrent streams to a trivial bytes-in/bytes-out "
         "gRPC service on the same server plumbing and channel options, which keeps them in "
-        "memory (`benchmarks/raw_grpc.py`), and to the same service keeping them in Redis "
+        "memory (`benchmarks/performance/raw_grpc.py`), and to the same service keeping them in "
+        "Redis "
         "(gRPC + Redis: one SET per record; the floor of any route cache made of these two "
         "parts). Read: one ReadBatch stream (checksums verified, decoded to numpy) against one "
         "pipeline of GETs, one raw gRPC stream of the stored chunks, and the gRPC + Redis "

@@ -27,7 +27,7 @@ seeds), drawn, and written into docs/benchmarks.md with the records beside the f
 
 ``--from-records FILE`` runs nothing: it checks FILE and writes the table and figures from it.
 
-Usage: ``python -m benchmarks.bench_stability [--quick] [--steps 60] [--seeds 2]
+Usage: ``python -m benchmarks.stability.bench_stability [--quick] [--steps 60] [--seeds 2]
 [--families qwen3_moe glm4_moe] [--lr 3e-4] [--probe-lrs ...] [--resume]
 [--from-records FILE]``
 """
@@ -44,9 +44,9 @@ import time
 from pathlib import Path
 
 from benchmarks import common
-from benchmarks import stability_records as sr
+from benchmarks.stability import stability_records as sr
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # Beside docs/benchmarks.md (results/quick/ for --quick).
 FIGURE = "benchmarks-stability.png"
@@ -336,7 +336,9 @@ def markdown(data: dict, table: list, problems: list[str]) -> str:
         f"{sr.TARGET_R3_RATIO:g}x: {sr.verdict(r['R3/disabled'])}), R2's {sr._x(r['R2/disabled'])}x"
         for family, r in sr.ratios(table).items()
     )
-    command = "python -m benchmarks.bench_stability" + (" --quick" if plan["quick"] else "")
+    command = "python -m benchmarks.stability.bench_stability" + (
+        " --quick" if plan["quick"] else ""
+    )
     fp32 = plan.get("fp32_seeds", len(plan["seeds"]))
     motion = []
     for family in plan["families"]:
@@ -349,7 +351,7 @@ def markdown(data: dict, table: list, problems: list[str]) -> str:
             )
     return f"""## Stability: the training-inference mismatch over an RL run, without replay, R2, R3
 
-`{command}` (from `make bench`); `python -m benchmarks.bench_stability --from-records
+`{command}` (from `make bench`); `python -m benchmarks.stability.bench_stability --from-records
 docs/benchmarks-stability.json` recomputes this section and both figures from the per-step
 records, and fails if a run's records miss a step. Machine: {data.get("machine", "-")}.
 {partial}

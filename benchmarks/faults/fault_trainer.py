@@ -22,7 +22,7 @@ logs ``paused`` and stops itself (SIGSTOP) there, and the run SIGKILLs it. Point
 ``--mutate early-ack``: acknowledge every batch once trained, whether or not a checkpoint
 covers it (the gap issue 29 found): a kill after the acknowledgement loses samples.
 
-Usage: python -m benchmarks.fault_trainer --target T --history H --checkpoint-dir D ...
+Usage: python -m benchmarks.faults.fault_trainer --target T --history H --checkpoint-dir D ...
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ sys.modules.setdefault("megatron", None)  # the stand-in has no megatron: 10-20 
 
 import torch  # noqa: E402  (after the line above)
 
-from benchmarks.fault_history import History, digest  # noqa: E402
+from benchmarks.faults.fault_history import History, digest  # noqa: E402
 from routereplay.errors import RouteReplayError  # noqa: E402
 from routereplay.rpc.client import RetryPolicy, RouteCacheClient  # noqa: E402
 from trainer import checkpoint  # noqa: E402

@@ -9,7 +9,7 @@ compared whole: a record missing or different counts as lost (it must be zero).
 Reports records written and read, errors by status code, p50/p99 latency per operation and
 records lost. ``tests/route_cache/test_load.py`` runs the same driver small in CI.
 
-Usage: python -m benchmarks.bench_load [--writers 8] [--readers 4] [--duration 60]
+Usage: python -m benchmarks.performance.bench_load [--writers 8] [--readers 4] [--duration 60]
        [--tokens 4096] [--batch 8] [--max-writes 100] [--redis-url URL] [--quick]
 """
 
@@ -259,7 +259,8 @@ memory); write MiB/s is over that time, read MiB/s over the whole run.
 | ReadBatch ({c["batch"]} records) | {r["count"]} | {r["p50_ms"]} | {r["p99_ms"]} | \
 {r.get("max_ms")} |
 
-Machine: {machine_line}. Reproduce: `python -m benchmarks.bench_load --writers {c["writers"]} \
+Machine: {machine_line}. Reproduce: `python -m benchmarks.performance.bench_load --writers
+{c["writers"]} \
 --readers {c["readers"]} --duration {c["duration_s"]:g} --tokens {c["tokens"]} \
 --max-writes {c["max_writes"]}`.
 """

@@ -16,7 +16,8 @@ Qwen3-30B-A3B samples (48 MoE layers, top-8 of 128 experts), in one run:
 
 Runs in the verl environment (``make verl``; ``run_all.py`` uses ``$VERL_PYTHON``).
 
-Usage: python -m benchmarks.bench_verl [--samples 4] [--tokens 32768] [--repeats 5] [--quick]
+Usage: python -m benchmarks.performance.bench_verl [--samples 4] [--tokens 32768] [--repeats 5]
+[--quick]
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ history alone, as ``fault_check.py`` does from the file; the figures: write avai
 the longest write gap per shard, p50/p99 latency outside and during each fault, recovery
 time per fault, and a PNG timeline.
 
-Usage: python -m benchmarks.bench_faults [--short | --soak] [--wait-replicas N] [--drop-ack]
+Usage: python -m benchmarks.faults.bench_faults [--short | --soak] [--wait-replicas N] [--drop-ack]
                     [--mutate early-ack|commit-before-settle|no-aof|trainer-early-ack]
 """
 
@@ -70,7 +70,7 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from benchmarks.common import wait_until
-from benchmarks.fault_history import (
+from benchmarks.faults.fault_history import (
     TRAINER,
     WRITES,
     History,
@@ -94,7 +94,7 @@ from routereplay.domain.record import Record
 from routereplay.errors import RouteReplayError
 from routereplay.rpc.client import RetryPolicy, RouteCacheClient
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # The writers' retry budget: the client's defaults (9.4-18.7 s of backoff, pauses of at most
 # 0.5 s), what a caller that names none gets.
@@ -270,7 +270,7 @@ class Environment:
         seed = self.proxies[self.masters[1].port].port
         module = ["-m", "route_cache"]
         if self.config.mutate == "early-ack":
-            module = ["-m", "benchmarks.fault_mutants", "early-ack"]
+            module = ["-m", "benchmarks.faults.fault_mutants", "early-ack"]
         args = [
             sys.executable,
             *module,
@@ -306,7 +306,7 @@ class Environment:
             args = [
                 sys.executable,
                 "-m",
-                "benchmarks.fault_consumer",
+                "benchmarks.faults.fault_consumer",
                 "--target",
                 self.target,
                 "--name",
@@ -334,7 +334,7 @@ class Environment:
         args = [
             sys.executable,
             "-m",
-            "benchmarks.fault_trainer",
+            "benchmarks.faults.fault_trainer",
             "--target",
             self.target,
             "--history",
@@ -1377,11 +1377,11 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     print(
         f"history: {RESULTS / name / 'faults-history.jsonl'} (check it again: "
-        f"python -m benchmarks.fault_check {RESULTS / name / 'faults-history.jsonl'})"
+        f"python -m benchmarks.faults.fault_check {RESULTS / name / 'faults-history.jsonl'})"
     )
     results["machine"] = machine()
     command = (
-        "python -m benchmarks.bench_faults"
+        "python -m benchmarks.faults.bench_faults"
         + " --short" * short
         + " --soak" * args.soak
         + (f" --seed {args.seed}" if args.seed else "")

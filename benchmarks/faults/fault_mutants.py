@@ -6,7 +6,7 @@ deferred 1 s to a background thread and the write is acknowledged at once, befor
 confirms it. A route cache killed in that second, or a Redis master failing, loses writes it
 acknowledged.
 
-Usage: python -m benchmarks.fault_mutants early-ack [route cache flags...]
+Usage: python -m benchmarks.faults.fault_mutants early-ack [route cache flags...]
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ flight; this one tells what each call costs, and on which side. For a record of 
 in the same run:
 
 - floor: the bytes through the bare gRPC service that keeps them in Redis
-  (``benchmarks/raw_grpc.py``: one SET per record on write, one GET on read, the same 1 MiB
+  (``benchmarks/performance/raw_grpc.py``: one SET per record on write, one GET on read, the same 1
+  MiB
   chunks, the same server plumbing and channel options);
 - route cache: ``RouteCacheClient.write`` of a new record (validated, checksummed, committed
   and announced), and ``read_batch`` of that one record (checksums verified, decoded).
@@ -15,7 +16,7 @@ Each is timed as ``--calls`` calls in a row, one after the other; the table give
 wall time per call and each process's CPU per call (client, server, Redis), in ms. The ratio
 column is the route cache's wall time over the floor's: what the route cache adds per call.
 
-Usage: python -m benchmarks.bench_route_cache_calls [--quick] [--section NAME]
+Usage: python -m benchmarks.performance.bench_route_cache_calls [--quick] [--section NAME]
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from dataclasses import replace
 import numpy as np
 import redis
 
-from benchmarks.bench_route_cache import ROLES, embedded_pid
 from benchmarks.common import machine, timed_with_cpu, write_section
-from benchmarks.raw_grpc import RawClient
+from benchmarks.performance.bench_route_cache import ROLES, embedded_pid
+from benchmarks.performance.raw_grpc import RawClient
 from route_cache.embedded import start_embedded_redis
 from route_cache.record_format import record_key, routes_key
 from routereplay.allocator import keep_large_buffers
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         service, target = start_service("route_cache", "--redis-url", url, quiet=True)
         floor_service, floor_target = start_service(
-            "benchmarks.raw_grpc", "--redis-url", url, quiet=True
+            "benchmarks.performance.raw_grpc", "--redis-url", url, quiet=True
         )
         pids = {
             "client": os.getpid(),
@@ -157,12 +158,14 @@ def main(argv: list[str] | None = None) -> int:
         embedded.stop()
     markdown = (
         "## The route cache per call, against the gRPC + Redis floor\n\n"
-        f"`python -m benchmarks.bench_route_cache_calls{' --quick' if args.quick else ''}`: "
+        f"`python -m "
+        f"benchmarks.performance.bench_route_cache_calls{' --quick' if args.quick else ''}`: "
         f"{args.calls} calls in a row, one at a time, {args.repeats} timed runs, medians (after "
         f"one untimed run). Machine: {machine()}. Qwen3-30B-A3B routes. Milliseconds per call: "
         "wall time, and each process's CPU (user + system; counted in the kernel's 10 ms "
         "ticks over all the timed runs). Floor: the same bytes in the same 1 MiB chunks "
-        "through the bare gRPC service keeping them in Redis (`benchmarks/raw_grpc.py`). "
+        "through the bare gRPC service keeping them in Redis "
+        "(`benchmarks/performance/raw_grpc.py`). "
         "Route cache: a new record written (validated, checksummed, committed and announced) "
         "and read back alone in a batch read (checksums verified, decoded).\n\n" + table(results)
     )

@@ -16,7 +16,8 @@ TP group) and with whole records read by every rank; the route bytes the route c
 by its own counter (``route_cache_route_bytes_served_total``), per step against the stored
 route bytes of the step's batch. Target: at most 1.05x in every layout.
 
-Usage: ``python -m benchmarks.bench_layouts [--steps N] [--repeats N] [--quick] [--no-write]
+Usage: ``python -m benchmarks.performance.bench_layouts [--steps N] [--repeats N] [--quick]
+[--no-write]
 [--reads-only]``
 """
 
@@ -31,11 +32,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.bench_trainer import SIZE_KW
 from benchmarks.common import machine, write_section
+from benchmarks.performance.bench_trainer import SIZE_KW
 from trainer.report.step_report import StepReport, reports_from_json
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TP2SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
 LAYOUTS = {  # name: (processes, overrides)
     "1 rank, padded": (1, []),
@@ -165,7 +166,8 @@ def reads_section(model_dir, recs, tmp: Path, quick: bool) -> tuple[str, dict]:
     )
     markdown = f"""## Trainer layouts: route bytes read per step against the bytes stored
 
-`python -m benchmarks.bench_layouts --reads-only` ({results["machine"]}). The layouts' R3 steps
+`python -m benchmarks.performance.bench_layouts --reads-only` ({results["machine"]}). The layouts'
+R3 steps
 from a real route cache (in-process server, embedded Redis): 8 records per step, the same
 model and records as above, {stored / 2**10:.1f} KiB of stored routes per step (RAW: the
 routes' own bytes), 2 steps per run. Counted by the route cache itself
@@ -179,7 +181,7 @@ every rank reads whole records (`data.stage_reads=false`). Target: at most 1.05x
 {rows}
 
 Whole reads cost TP x PP x CP times the stored bytes (the read fan-out of
-`benchmarks/scaling_model.py`); stage reads 1x in every layout.
+`benchmarks/performance/scaling_model.py`); stage reads 1x in every layout.
 """
     return markdown, results
 
@@ -247,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     markdown = f"""## Trainer layouts: the RL step against one rank, replay's cost in each
 
-`python -m benchmarks.bench_layouts` ({results["machine"]}; every process 1 thread, so a
+`python -m benchmarks.performance.bench_layouts` ({results["machine"]}; every process 1 thread, so a
 2-process layout has a core per rank). Model: {results["model"]}, float32; 8 samples
 ({tokens} tokens: 2 prompts of 48 and 96 tokens, 4 samples each of 64 generated tokens) per
 step as 2 micro-batches of 4, one optimizer step, one PPO epoch, no comparison pass; a step is

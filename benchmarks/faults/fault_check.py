@@ -5,7 +5,7 @@ held and digest per sample) and the ready feed's final state, so nothing else is
 cluster, no route cache. Prints the same verdict as the run, with the traffic floor per
 fault, and the trail of each sample found wrong; exit code 0 only when it passes.
 
-Usage: python -m benchmarks.fault_check results/faults/faults-history.jsonl
+Usage: python -m benchmarks.faults.fault_check results/faults/faults-history.jsonl
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from benchmarks.fault_history import check_file, flagged, load_history, trail
+from benchmarks.faults.fault_history import check_file, flagged, load_history, trail
 
 
 def main(argv: list[str] | None = None) -> int:

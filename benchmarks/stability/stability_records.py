@@ -2,7 +2,7 @@
 summarised into the table and figure of docs/benchmarks.md (``bench_stability.py``).
 
 Torch-free and service-free, so the checks and the summaries run anywhere on the JSON alone
-(``python -m benchmarks.bench_stability --from-records FILE``).
+(``python -m benchmarks.stability.bench_stability --from-records FILE``).
 
 **The records file** (JSON): ``plan`` (what was asked: families, seeds, steps per run, the
 learning rate, the collapse probe's rates), ``runs`` (one per family, variant, seed and

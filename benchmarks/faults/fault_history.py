@@ -25,7 +25,7 @@ Ops (``op``), with their fields besides ``t`` (seconds since the run's start), `
         after the run
     feed_state: ``groups`` (per consumer group: ``name``, ``pending``, ``lag``, ...), after it
 
-``python -m benchmarks.fault_check HISTORY`` prints the verdict from the file alone.
+``python -m benchmarks.faults.fault_check HISTORY`` prints the verdict from the file alone.
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ their bf16 gradients and the activations of one micro-batch of 4 x 1024 tokens t
 35 GB, within one 80 GB GPU. ``--tiny``: the test model's sizes (hidden 128, 8 experts top-2).
 
 Usage:
-    python -m benchmarks.bench_trainer_gpu --device cuda            # on the GPU machine
-    python -m benchmarks.bench_trainer_gpu --device cpu --tiny      # anywhere (CI)
+    python -m benchmarks.performance.bench_trainer_gpu --device cuda            # on the GPU machine
+    python -m benchmarks.performance.bench_trainer_gpu --device cpu --tiny      # anywhere (CI)
 
 It prints a table and writes the results as JSON (``--json``; default ``$OUT/trainer_gpu.json``
 where ``OUT`` is set, else ``results/trainer_gpu.json``); ``--write`` also replaces the
@@ -61,7 +61,7 @@ import torch
 
 from tests.support.replay import recording
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,7 +423,7 @@ def markdown(r: dict) -> str:
     env = r["environment"]
     on, off = fetch["on"], fetch["off"]
     base = med["disabled"]
-    command = f"python -m benchmarks.bench_trainer_gpu --device {r['device']}"
+    command = f"python -m benchmarks.performance.bench_trainer_gpu --device {r['device']}"
     command += " --tiny" if r["size"] == "tiny" else ""
     copy = f"replay ids' host-to-device copy alone ({r['ids_bytes']} bytes, {r['routers']} routers)"
     sides = [

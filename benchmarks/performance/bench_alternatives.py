@@ -9,7 +9,7 @@ uint8 bytes as the floor. Bytes per token are set beside the information limit
 entropy of the measured routes (k x each layer's entropy of expert frequencies, which bounds
 the entropy of the sets from above).
 
-Usage: python -m benchmarks.bench_alternatives [--quick]
+Usage: python -m benchmarks.performance.bench_alternatives [--quick]
 """
 
 from __future__ import annotations
@@ -140,7 +140,8 @@ def main() -> int:
         results += bench(geometry, args.samples, args.tokens, args.repeats, rng)
     markdown = (
         "## Against the alternatives: a batch's routes in and out of bytes\n\n"
-        f"`python -m benchmarks.bench_alternatives` ({machine()}; torch {torch.__version__}, "
+        f"`python -m benchmarks.performance.bench_alternatives` ({machine()}; torch "
+        f"{torch.__version__}, "
         f"one thread): {args.samples} samples x {args.tokens} tokens of Zipf-like routes, "
         f"{args.repeats} repeats, medians. Round trip = serialize + deserialize (the codec "
         "also computes and verifies its checksum). x memcpy: against a plain copy of the "

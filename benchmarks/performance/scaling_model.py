@@ -26,7 +26,7 @@ figure is arithmetic on those, nothing is measured here:
   as int16 (the trainer's replay ids on the host, ``replay_dtype``) and megatron's per-router
   int64 tensors (on the device).
 
-Usage: python -m benchmarks.scaling_model [--tokens-per-s N] [--rollout-gpus 64] [...]
+Usage: python -m benchmarks.performance.scaling_model [--tokens-per-s N] [--rollout-gpus 64] [...]
 """
 
 from __future__ import annotations
@@ -204,7 +204,8 @@ def markdown(rows: list[dict], fleet: Fleet, measured: Measured, models) -> str:
     lines = [
         "## Scaling model: from these figures to a fleet",
         "",
-        "`python -m benchmarks.scaling_model` (arithmetic, nothing measured): the measured "
+        "`python -m benchmarks.performance.scaling_model` (arithmetic, nothing measured): the "
+        "measured "
         f"throughput of one process ({m.source}): route cache write {m.cache_write:.0f}, "
         f"batch read {m.cache_read:.0f} and layer-selected batch read {m.stage_read:.0f} "
         f"MiB/s, raw redis-py SET {m.redis_write:.0f} and GET "

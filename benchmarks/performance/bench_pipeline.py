@@ -20,7 +20,8 @@ the machine's drift); and, a second engine loaded afterwards (skipped by ``--qui
 loads one engine), the engine alone with capture off (vLLM's
 ``enable_return_routed_experts=False``): capture and moving together, but not interleaved.
 
-Usage: python -m benchmarks.bench_pipeline [--quick] [--size bench|tiny] [--prompts 8 --n 4]
+Usage: python -m benchmarks.performance.bench_pipeline [--quick] [--size bench|tiny] [--prompts 8
+--n 4]
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench_rollout import prompts, start_engine
 from benchmarks.common import machine, write_section
+from benchmarks.performance.bench_rollout import prompts, start_engine
 from rollout_server.config import Config
 from rollout_server.engine import VLLMEngine
 from rollout_server.server import RolloutServer
@@ -231,7 +232,7 @@ def markdown(results: dict, args) -> str:
     )
     return f"""## End to end: rollout -> route cache -> trainer fetch + reshard
 
-`python -m benchmarks.bench_pipeline{" --quick" if args.quick else ""}`: {args.prompts} prompts x {args.n} samples of {args.max_tokens} tokens per batch ({s["tokens_per_batch"]} generated tokens; {s["route_bytes_per_batch"] / 1024:.0f} KiB of routes for {s["record_tokens_per_batch"]} record tokens); medians over {args.repeats} batches after a warm-up.
+`python -m benchmarks.performance.bench_pipeline{" --quick" if args.quick else ""}`: {args.prompts} prompts x {args.n} samples of {args.max_tokens} tokens per batch ({s["tokens_per_batch"]} generated tokens; {s["route_bytes_per_batch"] / 1024:.0f} KiB of routes for {s["record_tokens_per_batch"]} record tokens); medians over {args.repeats} batches after a warm-up.
 Model: generated Qwen3-MoE, {size["num_hidden_layers"]} layers (layer 0 dense), hidden {size["hidden_size"]}, top-{size["num_experts_per_tok"]} of {size["num_experts"]} experts, float32. The rollout server (vLLM CPU build) and the trainer's fetch + reshard run in one process, the route cache in its own over a Redis-compatible server.
 Machine: {results["machine"]}.
 

@@ -12,7 +12,8 @@ record, i.e. when the record is readable.
 
 Usage::
 
-    python -m benchmarks.bench_rollout [--size bench|tiny] [--prompts 8 --n 4 --max-tokens 64]
+    python -m benchmarks.performance.bench_rollout [--size bench|tiny] [--prompts 8 --n 4
+    --max-tokens 64]
 """
 
 from __future__ import annotations

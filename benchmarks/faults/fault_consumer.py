@@ -14,7 +14,7 @@ consumer claimed and trained meanwhile.
 ``--drop-ack-step N``, the deliberate failure: step N commits without acknowledging, so its
 samples stay pending, another consumer claims them once idle, and trains them again.
 
-Usage: python -m benchmarks.fault_consumer --target T --name c0 --history H --stop-file F
+Usage: python -m benchmarks.faults.fault_consumer --target T --name c0 --history H --stop-file F
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.fault_history import History, digest
+from benchmarks.faults.fault_history import History, digest
 from routereplay.domain.record import Record
 from routereplay.errors import RouteReplayError
 from routereplay.rpc.client import RetryPolicy, RouteCacheClient

@@ -14,7 +14,8 @@ For each geometry (Qwen3-30B-A3B, DeepSeek-V3) and sample length (4K, 32K tokens
   user can read a stage without storing it apart).
 
 Mooncake runs as its master (with its HTTP metadata server), a holder process that mounts the
-segment the objects live in, and the measuring client (``benchmarks/mooncake_peer.py``), all
+segment the objects live in, and the measuring client (``benchmarks/performance/mooncake_peer.py``),
+all
 over its TCP transport on this machine, in its own environment (``make mooncake``; needs the
 system's libibverbs.so.1 even for TCP: ``apt-get install libibverbs1``). The route cache runs
 with its embedded Redis-compatible server, as ``bench_route_cache.py`` does.
@@ -26,7 +27,8 @@ rounds' own ratios); Mooncake's calls are timed by its client around the call it
 Target: the route cache reads a pipeline stage at least as fast as Mooncake serves the same
 bytes.
 
-Usage: python -m benchmarks.bench_mooncake [--quick] [--repeats N] [--mooncake-python PATH]
+Usage: python -m benchmarks.performance.bench_mooncake [--quick] [--repeats N] [--mooncake-python
+PATH]
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from routereplay.rpc.client import RouteCacheClient
 HERE = Path(__file__).resolve().parent
 
 MIB = 2**20
-DEFAULT_PYTHON = HERE.parent / ".venv-mooncake" / "bin" / "python"
+DEFAULT_PYTHON = HERE.parents[1] / ".venv-mooncake" / "bin" / "python"
 
 
 class Mooncake:
@@ -305,7 +307,7 @@ def main() -> int:
     version = next((v.split()[-1] for v in version.splitlines() if v.startswith("Version")), "?")
     markdown = (
         "## Against Mooncake's store: the same records\n\n"
-        f"`python -m benchmarks.bench_mooncake{' --quick' if args.quick else ''}`, "
+        f"`python -m benchmarks.performance.bench_mooncake{' --quick' if args.quick else ''}`, "
         f"{args.repeats} rounds, the two systems taking turns call by call after an untimed "
         "warm-up round; MiB/s the median call, ratios the median of the rounds' own ratios "
         "(Mooncake's calls timed by its client around the call itself). "
