@@ -7,7 +7,8 @@ Arranged by concern, in the order a step uses them:
 - ``layout``: one step's batch -> this rank's micro-batches and replay ids (``plan_step`` in
   ``plan``): micro-batches (``microbatch``), the batch the model reads (``batch``), per-router
   replay ids and the record checks they apply (``align``, with
-  ``routereplay.domain.record_checks``), this rank's rows (``share``); built on ``sharding``.
+  ``routereplay.domain.record_checks``), this rank's rows (``share``), each micro-batch's
+  replay reference (``reference``); built on ``sharding``.
 - ``sharding``: each rank's share of a batch as pure functions under ``layout`` (no megatron,
   nothing else of the trainer): the parallel sizes and a rank's coordinates
   (``parallel.Parallelism``), the pipeline layer split (``layers``), token-budget grouping
@@ -20,8 +21,9 @@ Arranged by concern, in the order a step uses them:
   ``shard_weights``).
 - ``rl``: one RL step (``step``: ``RLStep.run``, a short list of stages), what its stages hand
   each other (``stages``: ``PASSES`` and each stage's frozen result), the objective
-  (``objective``), the passes on megatron's schedules (``schedule``), what a step measures and
-  its report (``measure``), the routes its update passes used (``routes_used``).
+  (``objective``), the passes on megatron's schedules (``schedule``), the routing counts
+  (``counts``), the step's report (``measure``), the routes its update passes used
+  (``routes_used``).
 - ``report``: the typed ``StepReport`` (``step_report``) and everything done after a step, one
   output each in a table whose order is the rule (``outputs``), Prometheus (``metrics``) and
   TensorBoard (``tensorboard``).
