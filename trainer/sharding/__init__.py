@@ -10,8 +10,8 @@ tokens go through, in this order:
 2. **Layers of this pipeline stage** (``stage_layers`` / ``stage_moe_layers``): megatron's
    layer split, re-derived here and checked against megatron's own functions in the tests;
    each stage's routers replay only their layers' record columns.
-3. **Micro-batches** (``dynamic_microbatches`` by token budget, with the permutation that puts
-   results back in the original order; a padded batch is cut along its samples).
+3. **Micro-batches** (``dynamic_microbatches`` by token budget; a padded batch is cut along its
+   samples).
    A packed micro-batch is packed on its own, so micro-batch assignment comes before packing.
 4. **Packing** (``PackPlan``): a micro-batch's sequences back to back in one row, each padded
    to the multiple the parallel sizes need (``pad_multiple``: TP x CP x 2 with CP, TP with SP); a
