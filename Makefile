@@ -22,7 +22,7 @@ CHECKOV_STAMP := $(CHECKOV_VENV)/.req-$(shell cat tools/checkov-requirements.txt
 # requirements or the project's dependencies change; tests/verl runs there.
 VERL_VENV ?= $(VENV)-verl
 VERL_STAMP := $(VERL_VENV)/.req-$(shell cat tools/verl-requirements.txt pyproject.toml | sha256sum | cut -c1-16)
-# Mooncake's store, the peer of the route cache benchmark (benchmarks/bench_mooncake.py), in an
+# Mooncake's store, the peer of the route cache benchmark (benchmarks/performance/bench_mooncake.py), in an
 # environment of its own: nothing of this project is installed there. Its wheel links the RDMA
 # library even for TCP (libibverbs.so.1: apt-get install libibverbs1).
 MOONCAKE_VENV ?= $(VENV)-mooncake

@@ -19,11 +19,9 @@ DOCS = ROOT / "docs" / "benchmarks.md"
 RESULTS = ROOT / "results"
 
 
-def median_time(fn, repeats: int, setup=None, warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` runs (these machines are noisy), after
-    ``warmup`` untimed runs (connections, numba's kernels, Redis's first touch of its memory:
-    with ``--quick``'s 2 repeats, a cold first write put the first case at 0.18-0.22 of its
-    floor in 5 of 5 runs, the others at 0.48-0.64); ``setup()``, untimed, before each."""
+def wall_times(fn, repeats: int, setup=None, warmup: int = 0) -> list[float]:
+    """Wall time of each of ``repeats`` runs of ``fn()``, after ``warmup`` untimed runs;
+    ``setup()``, untimed, before each."""
     times = []
     for i in range(warmup + repeats):
         if setup is not None:
@@ -32,7 +30,15 @@ def median_time(fn, repeats: int, setup=None, warmup: int = 1) -> float:
         fn()
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def median_time(fn, repeats: int, setup=None, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs (these machines are noisy), after
+    ``warmup`` untimed runs (connections, numba's kernels, Redis's first touch of its memory:
+    with ``--quick``'s 2 repeats, a cold first write put the first case at 0.18-0.22 of its
+    floor in 5 of 5 runs, the others at 0.48-0.64); ``setup()``, untimed, before each."""
+    return statistics.median(wall_times(fn, repeats, setup, warmup))
 
 
 def wait_until(condition, timeout_s: float, what: str) -> None:

@@ -84,77 +84,77 @@ class Benchmark:
 BENCHMARKS = (
     Benchmark(
         "route_cache",
-        "bench_route_cache.py",
+        "performance/bench_route_cache.py",
         ("--quick",),
         "route cache write / batch read vs raw redis-py; bytes per token",
     ),
     Benchmark(
         "route_cache_calls",
-        "bench_route_cache_calls.py",
+        "performance/bench_route_cache_calls.py",
         ("--quick",),
         "the route cache per call, one at a time, vs the gRPC + Redis floor: wall and each "
         "process's CPU",
     ),
     Benchmark(
         "mooncake",
-        "bench_mooncake.py",
+        "performance/bench_mooncake.py",
         ("--quick",),
         "route cache vs Mooncake's store (its own venv, make mooncake): write, batch read, "
         "stage read of the same records",
     ),
     Benchmark(
         "rollout",
-        "bench_rollout.py",
+        "performance/bench_rollout.py",
         ("--size", "tiny", "--prompts", "2", "--n", "2", "--max-tokens", "16", "--repeats", "2"),
         "rollout tokens/s with capture + record writes vs capture off",
     ),
     Benchmark(
         "trainer",
-        "bench_trainer.py",
+        "performance/bench_trainer.py",
         ("--repeats", "3", "--batches", "2"),
         "training step with R3 replay vs disabled; fetch + align vs step",
     ),
     Benchmark(
         "families_glm4_moe",
-        "bench_families.py",
+        "performance/bench_families.py",
         ("--quick",),
         "GLM-4.5 (DeepSeek-V3 router): capture on vs off, R3 vs disabled step",
     ),
     Benchmark(
         "layouts",
-        "bench_layouts.py",
+        "performance/bench_layouts.py",
         ("--quick",),
         "the RL step per trainer layout (PP, TP, DP, packing) vs one rank; replay overhead in "
         "each; route bytes read per step vs stored",
     ),
     Benchmark(
         "reshard",
-        "bench_reshard.py",
+        "performance/bench_reshard.py",
         ("--tokens", "4096", "--samples", "4", "--repeats", "2"),
         "one rank's micro-batches and replay ids per layout (plan_step) vs a plain copy",
     ),
     Benchmark(
         "alternatives",
-        "bench_alternatives.py",
+        "performance/bench_alternatives.py",
         ("--quick",),
         "int32/int16 tensors via pickle and torch.save vs the codec vs memcpy; bytes vs limit",
     ),
     Benchmark(
         "load",
-        "bench_load.py",
+        "performance/bench_load.py",
         ("--quick",),
         "concurrent writers and batch readers: latencies, errors, records lost",
     ),
     Benchmark(
         "faults",
-        "bench_faults.py",
+        "faults/bench_faults.py",
         ("--quick",),
         "load under faults (replica, master, node, consumer, network): checker verdict, "
         "availability, latency, recovery",
     ),
     Benchmark(
         "lifecycle",
-        "bench_lifecycle.py",
+        "faults/bench_lifecycle.py",
         ("--quick",),
         "a long run through a Redis holding a small fraction of its route bytes: memory vs "
         "bytes in flight, backpressure, exactly once through a trainer kill and a route cache "
@@ -162,20 +162,20 @@ BENCHMARKS = (
     ),
     Benchmark(
         "pipeline",
-        "bench_pipeline.py",
+        "performance/bench_pipeline.py",
         ("--quick",),
         "rollout -> route cache -> trainer fetch + reshard per batch vs storing nothing",
     ),
     Benchmark(
         "stability",
-        "bench_stability.py",
+        "stability/bench_stability.py",
         ("--quick",),
         "an RL run per replay mode through the real pipeline: training-inference KL, routing "
         "agreement, clip fraction, gradient norm per step; collapse probe",
     ),
     Benchmark(
         "verl",
-        "bench_verl.py",
+        "performance/bench_verl.py",
         ("--quick",),
         "verl integration: Ray bytes per batch; a worker's routes via Ray put/get vs route "
         "cache stage reads",
@@ -183,7 +183,7 @@ BENCHMARKS = (
     ),
     Benchmark(
         "scaling",
-        "scaling_model.py",
+        "performance/scaling_model.py",
         (),
         "arithmetic: route bytes/s, replicas, shards, trainer memory for a fleet (runs last)",
     ),
@@ -207,7 +207,7 @@ def rollout_section(path: Path, machine: str) -> tuple[str, dict]:
     work = data["workload"]
     markdown = f"""## Rollout: capture overhead
 
-`python benchmarks/bench_rollout.py` (from `make bench`): {work["prompts"]} prompts x
+`python benchmarks/performance/bench_rollout.py` (from `make bench`): {work["prompts"]} prompts x
 {work["n"]} samples of {work["max_tokens"]} tokens, {work["repeats"]} repeats, medians; model
 {work["size"]}. Machine: {machine}. The same server code, model and prompts with capture on (routes captured, validated and written
 to a real route cache over Redis) against capture off (vLLM's
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.list:
         for b in BENCHMARKS:
-            print(f"{b.name:12} {b.script:22} {b.measures}")
+            print(f"{b.name:12} {b.script:36} {b.measures}")
         return 0
     results = ROOT / "results" / ("quick" if args.quick else "")
     docs = results / "benchmarks.md" if args.quick else ROOT / "docs" / "benchmarks.md"
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             "_one",
             str(docs),
             str(results),
-            "benchmarks." + Path(bench.script).stem,
+            "benchmarks." + Path(bench.script).with_suffix("").as_posix().replace("/", "."),
             *extra,
         ]
         start = time.perf_counter()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -26,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -312,7 +313,7 @@ def preflight(args) -> None:
             ) from None
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__)
     parser.add_argument("--n", type=int, default=4, help="samples per prompt (GRPO group size)")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per sample")
@@ -334,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         "--layout",
         default="dp2",
         choices=sorted(TRAINER_LAYOUTS),
-        help="the trainer's parallel layout (2 processes; 1 for 'single')",
+        help="the trainer's parallel sizes (2 processes; 1 for 'single')",
     )
     parser.add_argument("--steps", type=int, default=3, help="RL steps per mode")
     parser.add_argument("--groups", type=int, default=2, help="GRPO groups (prompts) per step")
@@ -343,90 +344,128 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cache-port", type=int, default=0, help="route cache port (0: free)")
     parser.add_argument("--rollout-port", type=int, default=0, help="rollout port (0: free)")
-    args = parser.parse_args(argv)
-    preflight(args)
-    args.out.mkdir(parents=True, exist_ok=True)
+    return parser.parse_args(argv)
 
-    procs: list[subprocess.Popen] = []
-    stages: dict[str, float] = {}
-    try:
-        t0 = time.perf_counter()
-        redis_args = ["--redis-url", args.redis_url] if args.redis_url else []
-        where = "Redis at --redis-url" if args.redis_url else "embedded Redis"
-        cache = start(
-            "route_cache", redis_args, f"the route cache ({where})", procs, args.cache_port
-        )
-        tiny = Path(tempfile.gettempdir()) / "router-replay-tiny-moe"
-        if not args.model and (args.model_family != DEFAULT_FAMILY or args.realistic_margins):
-            margins = "-realistic" if args.realistic_margins else ""
-            tiny = tiny.with_name(f"{tiny.name}-{args.model_family}{margins}")
-            if not (tiny / "config.json").is_file():
-                spread = REALISTIC_ROUTER_SPREAD if args.realistic_margins else None
-                build_tiny_model(tiny, family=args.model_family, router_spread=spread)
-        model = ["--model", args.model] if args.model else ["--tiny-model-dir", str(tiny)]
-        rollout_target = start(
-            "rollout_server",
-            ["--route-cache", cache, *model],
-            "the rollout server (vLLM on the CPU)",
-            procs,
-            args.rollout_port,
-        )
-        stages["start services"] = time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        log(f"generating {len(PROMPTS)} prompts x {args.n} samples, streaming tokens")
-        done, streamed = asyncio.run(rollout(rollout_target, args.n, args.max_tokens))
-        stages["generate + store"] = time.perf_counter() - t0
+@contextlib.contextmanager
+def timed(stages: dict[str, float], name: str) -> Iterator[None]:
+    """Adds the block's wall time to ``stages`` under ``name`` (when it succeeds)."""
+    t0 = time.perf_counter()
+    yield
+    stages[name] = time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        with RouteCacheClient(cache) as client:
-            records = list(client.read_batch([d.sample_id for d in done]))
-            stored_bytes = sum(client.stat(r.sample_id).stored_bytes for r in records)
-        stages["batch read"] = time.perf_counter() - t0
-        for record in records:
-            check_routes(record.routes, record.geometry, record.num_tokens - 1)
-        geometry = records[0].geometry
-        tokens = sum(r.num_tokens for r in records)
-        generated = sum(int(t.num_generated) for r in records for t in r.turns)
-        multi = max(records, key=lambda r: len(r.turns))
-        log(
-            f"model {geometry.model_id}: MoE layers {list(geometry.moe_layers)} (dense layers "
-            f"dropped), top-{geometry.topk} of {geometry.num_experts} experts"
-        )
-        log(
-            f"{len(records)} records read back in one batch, every route valid; {tokens} "
-            f"tokens ({generated} generated, {streamed} streamed as deltas)"
-        )
-        log(
-            f"{multi.sample_id} has {len(multi.turns)} turns, rows match tokens one for one: "
-            f"{multi.num_rows} rows for {multi.num_tokens} tokens"
-        )
-        route_bytes = sum(r.routes.nbytes for r in records)
-        log(
-            f"route bytes per token {route_bytes / tokens:.1f} (uint8); stored bytes per token "
-            f"{stored_bytes / tokens:.1f} (routes, tokens, log-probs, metadata)"
-        )
 
-        model_dir = args.model or str(tiny)
-        rollouts = [rollout_target]  # one replica here; the driver spreads over any number
-        reports = {}
-        for i, mode in enumerate(MODES):
-            t0 = time.perf_counter()
+def model_folder(args: argparse.Namespace) -> str:
+    """The checkpoint the services and the trainer load: ``--model``, or the embedded tiny
+    model of ``--model-family`` (built once into the temporary folder)."""
+    if args.model:
+        return args.model
+    tiny = Path(tempfile.gettempdir()) / "router-replay-tiny-moe"
+    if args.model_family != DEFAULT_FAMILY or args.realistic_margins:
+        margins = "-realistic" if args.realistic_margins else ""
+        tiny = tiny.with_name(f"{tiny.name}-{args.model_family}{margins}")
+        if not (tiny / "config.json").is_file():
+            spread = REALISTIC_ROUTER_SPREAD if args.realistic_margins else None
+            build_tiny_model(tiny, family=args.model_family, router_spread=spread)
+    return str(tiny)
+
+
+def start_services(args: argparse.Namespace, model_dir: str, procs: list) -> tuple[str, str]:
+    """The route cache, then the rollout server writing to it; returns their addresses."""
+    redis_args = ["--redis-url", args.redis_url] if args.redis_url else []
+    where = "Redis at --redis-url" if args.redis_url else "embedded Redis"
+    cache = start("route_cache", redis_args, f"the route cache ({where})", procs, args.cache_port)
+    model = ["--model", args.model] if args.model else ["--tiny-model-dir", model_dir]
+    rollout_target = start(
+        "rollout_server",
+        ["--route-cache", cache, *model],
+        "the rollout server (vLLM on the CPU)",
+        procs,
+        args.rollout_port,
+    )
+    return cache, rollout_target
+
+
+def read_back(cache: str, done: list, streamed: int, stages: dict[str, float]) -> None:
+    """The generated records read back in one batch, every route checked, and described."""
+    with timed(stages, "batch read"), RouteCacheClient(cache) as client:
+        records = list(client.read_batch([d.sample_id for d in done]))
+        stored_bytes = sum(client.stat(r.sample_id).stored_bytes for r in records)
+    for record in records:
+        check_routes(record.routes, record.geometry, record.num_tokens - 1)
+    geometry = records[0].geometry
+    tokens = sum(r.num_tokens for r in records)
+    generated = sum(int(t.num_generated) for r in records for t in r.turns)
+    multi = max(records, key=lambda r: len(r.turns))
+    log(
+        f"model {geometry.model_id}: MoE layers {list(geometry.moe_layers)} (dense layers "
+        f"dropped), top-{geometry.topk} of {geometry.num_experts} experts"
+    )
+    log(
+        f"{len(records)} records read back in one batch, every route valid; {tokens} "
+        f"tokens ({generated} generated, {streamed} streamed as deltas)"
+    )
+    log(
+        f"{multi.sample_id} has {len(multi.turns)} turns, rows match tokens one for one: "
+        f"{multi.num_rows} rows for {multi.num_tokens} tokens"
+    )
+    route_bytes = sum(r.routes.nbytes for r in records)
+    log(
+        f"route bytes per token {route_bytes / tokens:.1f} (uint8); stored bytes per token "
+        f"{stored_bytes / tokens:.1f} (routes, tokens, log-probs, metadata)"
+    )
+
+
+def rl_loops(
+    args: argparse.Namespace,
+    cache: str,
+    rollouts: list[str],
+    model_dir: str,
+    procs: list,
+    stages: dict[str, float],
+) -> dict[str, list]:
+    """The RL loop in every mode, each from the initial weights; its reports per mode."""
+    reports = {}
+    for i, mode in enumerate(MODES):
+        with timed(stages, f"RL loop {mode}"):
             version = asyncio.run(reset_weights(rollouts, model_dir)) if i else 0
             log(
                 f"RL loop in mode {mode} ({args.trainer_dtype}, {args.layout}, "
                 f"{args.steps} steps) from the initial weights, policy {version}"
             )
             reports[mode] = run_mode(mode, cache, rollouts, model_dir, args, procs)
-            stages[f"RL loop {mode}"] = time.perf_counter() - t0
-        log("training against the rollout (natural routing vs replayed, same step):")
-        for mode in MODES:
-            for line in mode_lines(mode, reports[mode]):
-                print(line, flush=True)
-        as_json = {mode: [r.as_dict() for r in steps] for mode, steps in reports.items()}
-        (args.out / "report.json").write_text(json.dumps(as_json, indent=2))
-        log(f"figure: {figure(reports, args.out / 'report.png')}; data: {args.out / 'report.json'}")
-        log("time per stage: " + ", ".join(f"{k} {v:.1f} s" for k, v in stages.items()))
+    return reports
+
+
+def write_report(args: argparse.Namespace, reports: dict[str, list], stages: dict[str, float]):
+    """The modes side by side on the console, in ``report.json`` and its figure."""
+    log("training against the rollout (natural routing vs replayed, same step):")
+    for mode in MODES:
+        for line in mode_lines(mode, reports[mode]):
+            print(line, flush=True)
+    as_json = {mode: [r.as_dict() for r in steps] for mode, steps in reports.items()}
+    (args.out / "report.json").write_text(json.dumps(as_json, indent=2))
+    log(f"figure: {figure(reports, args.out / 'report.png')}; data: {args.out / 'report.json'}")
+    log("time per stage: " + ", ".join(f"{k} {v:.1f} s" for k, v in stages.items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    preflight(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    procs: list[subprocess.Popen] = []
+    stages: dict[str, float] = {}
+    try:
+        with timed(stages, "start services"):
+            model_dir = model_folder(args)
+            cache, rollout_target = start_services(args, model_dir, procs)
+        with timed(stages, "generate + store"):
+            log(f"generating {len(PROMPTS)} prompts x {args.n} samples, streaming tokens")
+            done, streamed = asyncio.run(rollout(rollout_target, args.n, args.max_tokens))
+        read_back(cache, done, streamed, stages)
+        # One replica here; the driver spreads over any number.
+        reports = rl_loops(args, cache, [rollout_target], model_dir, procs, stages)
+        write_report(args, reports, stages)
     finally:
         for proc in reversed(procs):
             stop_process(proc)

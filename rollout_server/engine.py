@@ -29,10 +29,10 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from rollout_server.worker_extension import MoEReloadExtension
-from routereplay.domain.model_geometry import MoEGeometry, load_geometry
 from routereplay.domain.record import Geometry, check_routes
 from routereplay.domain.rollout import SamplingOptions, TokenDelta
 from routereplay.errors import CaptureError, InvalidArgument, Unavailable
+from routereplay.families.model_geometry import MoEGeometry, load_geometry
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class Engine(Protocol):
         ...
 
     @property
-    def layout(self) -> MoEGeometry:
+    def moe_geometry(self) -> MoEGeometry:
         """The geometry plus the decoder layer count (the raw capture's width)."""
         ...
 
@@ -158,7 +158,7 @@ class Engine(Protocol):
 
 def validate_routes(
     routes: np.ndarray | None,
-    layout: MoEGeometry,
+    moe_geometry: MoEGeometry,
     expected_rows: int,
 ) -> np.ndarray:
     """Check an engine's raw routes and keep the MoE layers.
@@ -166,7 +166,7 @@ def validate_routes(
     Args:
         routes: Raw capture ``[rows, num_hidden_layers, topk]`` (any integer
             dtype), or None when the engine returned nothing.
-        layout: The served model's geometry and decoder layer count.
+        moe_geometry: The served model's geometry and decoder layer count.
         expected_rows: Rows the request must have.
 
     Returns:
@@ -177,8 +177,8 @@ def validate_routes(
         CaptureError: Missing capture, wrong shape or row count, an id out of
             range, or a repeated id within one token's top-k on a MoE layer.
     """
-    geometry = layout.record
-    want = (expected_rows, layout.num_hidden_layers, geometry.topk)
+    geometry = moe_geometry.record
+    want = (expected_rows, moe_geometry.num_hidden_layers, geometry.topk)
     if routes is None:
         if expected_rows == 0:
             return np.zeros((0, geometry.num_moe_layers, geometry.topk), geometry.dtype)
@@ -392,7 +392,7 @@ class VLLMEngine:
             # few tensor operations eagerly. Set before the engine's processes start: they
             # read it when they import torch. TORCH_COMPILE_DISABLE=0 turns it back on.
             os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
-        self._layout = load_geometry(model, model_id or Path(model).name)
+        self._moe_geometry = load_geometry(model, model_id or Path(model).name)
         self._model_config = json.loads((Path(model) / "config.json").read_text())
         self._capture = capture_routes
         eager = engine_args.pop("enforce_eager", False) or on_cpu
@@ -425,12 +425,12 @@ class VLLMEngine:
 
     @property
     def geometry(self) -> Geometry:
-        return self._layout.record
+        return self._moe_geometry.record
 
     @property
-    def layout(self) -> MoEGeometry:
+    def moe_geometry(self) -> MoEGeometry:
         """The geometry plus the decoder layer count (the raw capture's width)."""
-        return self._layout
+        return self._moe_geometry
 
     @property
     def model_config(self) -> Mapping[str, Any]:
@@ -503,9 +503,9 @@ class VLLMEngine:
                     prompt_len = len(prompt_token_ids)
                     rows = prompt_len + len(token_ids) - 1 - routes_start if token_ids else 0
                     routes = (
-                        validate_routes(seq.routed_experts, self._layout, rows)
+                        validate_routes(seq.routed_experts, self._moe_geometry, rows)
                         if self._capture
-                        else validate_routes(None, self._layout, 0)
+                        else validate_routes(None, self._moe_geometry, 0)
                     )
                     yield Completion(
                         token_ids=np.asarray(token_ids, np.int32),

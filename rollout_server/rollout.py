@@ -225,7 +225,7 @@ class Rollout:
         Returns:
             The new version, seconds waiting for running turns, seconds loading.
         """
-        check_checkpoint(path, self.engine.layout, self.engine.model_config)
+        check_checkpoint(path, self.engine.moe_geometry, self.engine.model_config)
         current = self.gate.version
         new = version or current + 1
         if new <= current:

@@ -14,8 +14,8 @@ import json
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
-from routereplay.domain.model_geometry import MoEGeometry, load_geometry
 from routereplay.errors import FailedPrecondition, InvalidArgument, NotFound
+from routereplay.families.model_geometry import MoEGeometry, load_geometry
 
 
 class PolicyGate:

@@ -20,23 +20,25 @@ from route_cache.store import RouteStore
 from routereplay.domain.codec import LayerParts, join_layers
 from routereplay.domain.record import Missing
 from routereplay.errors import InvalidArgument
-from routereplay.rpc.grpc_server import make_server, set_serving, wait_for_termination
-from routereplay.rpc.metrics import ServiceMetrics
-from routereplay.rpc.security import add_port
-from routereplay.rpc.wire import (
+from routereplay.rpc.chunks import (
     DEFAULT_CHUNK_BYTES,
     ChunkCollector,
     ChunkFirst,
     Headed,
-    block_header_from_pb,
-    block_to_pb,
     chunk_messages,
     chunk_of,
     first_chunk_of,
+    message_part,
+)
+from routereplay.rpc.grpc_server import make_server, set_serving, wait_for_termination
+from routereplay.rpc.metrics import ServiceMetrics
+from routereplay.rpc.security import add_port
+from routereplay.rpc.wire import (
+    block_header_from_pb,
+    block_to_pb,
     geometry_from_pb,
     geometry_to_pb,
     layer_selection_to_pb,
-    message_part,
     ready_page_to_pb,
     ready_read_from_pb,
     tokens_from_pb,

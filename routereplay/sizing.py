@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from routereplay.domain.model_geometry import geometry_from_config
 from routereplay.domain.record import Geometry, route_dtype
+from routereplay.families.model_geometry import geometry_from_config
 
 # Redis's own bytes per record beyond the allocations of its routes, token bytes, geometry
 # JSON and descriptor (those are counted and rounded apart): 3 keys (hash, routes, settled)

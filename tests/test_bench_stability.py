@@ -7,8 +7,9 @@ import math
 
 import pytest
 
-from benchmarks import bench_stability, common
-from benchmarks import stability_records as sr
+from benchmarks import common
+from benchmarks.stability import bench_stability
+from benchmarks.stability import stability_records as sr
 
 PLAN = {
     "families": ["qwen3_moe", "glm4_moe"],

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.bench_pipeline import summarize
-from benchmarks.bench_route_cache import _cpu_cell
 from benchmarks.common import Run, Timings, interleaved, paired_ratio, timed_with_cpu
-from benchmarks.raw_grpc import RawClient
+from benchmarks.performance.bench_pipeline import summarize
+from benchmarks.performance.bench_route_cache import _cpu_cell
+from benchmarks.performance.raw_grpc import RawClient
 from routereplay.dev.launch import start_service, stop_process
 
 
@@ -30,7 +30,7 @@ def raw_target(request):
         if request.param == "memory"
         else ("--redis-url", request.getfixturevalue("redis_node").url)
     )
-    proc, target = start_service("benchmarks.raw_grpc", *args, env=env, quiet=True)
+    proc, target = start_service("benchmarks.performance.raw_grpc", *args, env=env, quiet=True)
     yield target
     stop_process(proc)
 

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks.scaling_model import (
+from benchmarks.performance.scaling_model import (
     DEFAULT_MEASURED,
     MIB,
     MODELS,

@@ -11,7 +11,7 @@
 # It installs the carried wheels (megatron-core and what the route cache needs; the GPU image
 # has torch, transformers, numpy, PyYAML and xxhash, and no megatron-core, redis-py or valkey)
 # into a folder of their own, unless every package is importable already, then runs
-# benchmarks/bench_trainer_gpu.py with the given arguments within GPU_BENCH_TIMEOUT_S (480 s),
+# benchmarks/performance/bench_trainer_gpu.py with the given arguments within GPU_BENCH_TIMEOUT_S (480 s),
 # printing its table and writing $OUT/trainer_gpu.json and $OUT/gpu_bench.log ($OUT defaults
 # to results/). Python: $PYTHON, else python3.
 set -euo pipefail
@@ -83,5 +83,5 @@ fi
 if [ $# -eq 0 ]; then
   set -- --device cuda
 fi
-timeout "${GPU_BENCH_TIMEOUT_S:-480}" "$PY" -m benchmarks.bench_trainer_gpu \
+timeout "${GPU_BENCH_TIMEOUT_S:-480}" "$PY" -m benchmarks.performance.bench_trainer_gpu \
   --json "$OUT/trainer_gpu.json" "$@" 2>&1 | tee "$OUT/gpu_bench.log"

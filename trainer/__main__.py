@@ -2,7 +2,7 @@
 
 Runs N RL steps in one process (world size 1, gloo) and prints the consistency report of each
 step. Under ``torchrun`` (``WORLD_SIZE`` set) every process is one rank of the ``parallel.*``
-layout: data, tensor, expert or pipeline parallel (``torchrun --nproc-per-node 2 -m trainer
+sizes: data, tensor, expert or pipeline parallel (``torchrun --nproc-per-node 2 -m trainer
 ... parallel.dp=2``, or ``parallel.tp=2 parallel.sequence_parallel=true``, ``parallel.ep=2``,
 ``parallel.pp=2``); each DP rank trains its share of every batch and one rank prints and writes
 the reports.
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     from trainer.config import DataSource, load_config
     from trainer.data.source import plan_batches
-    from trainer.parallel import single_process
+    from trainer.distributed import single_process
     from trainer.train import train
 
     overrides = list(args.overrides)
@@ -97,15 +97,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main_torchrun(config, plans) -> int:
-    """One rank of a torchrun world: the layout's groups, the DP share, rank 0 reports."""
-    from trainer.parallel import dp as data_parallel
-    from trainer.parallel.world import init_world
+    """One rank of a torchrun world: megatron's groups for the parallel sizes, the DP share,
+    rank 0 reports."""
+    from trainer.distributed import dp as data_parallel
+    from trainer.distributed.world import init_world
     from trainer.sharding import ParallelismError
     from trainer.train import train
 
-    layout = config.parallel.sizes()
+    sizes = config.parallel.sizes()
     world_size = int(os.environ["WORLD_SIZE"])
-    dp_size = layout.dp(world_size)  # every rank refuses a bad world alike, before any collective
+    dp_size = sizes.dp(world_size)  # every rank refuses a bad world alike, before any collective
     if config.parallel.dp is not None and config.parallel.dp != dp_size:
         raise ParallelismError(
             f"parallel.dp={config.parallel.dp} but world size {world_size} leaves {dp_size} "
@@ -113,11 +114,11 @@ def _main_torchrun(config, plans) -> int:
         )
     if int(os.environ.get("RANK", "0")) != 0:
         logging.getLogger().setLevel(logging.WARNING)
-    world = init_world(layout, seed=config.train.seed)
+    world = init_world(sizes, seed=config.train.seed)
     try:
         train(config, plans, pg_collection=world.pg_collection, dp=data_parallel.from_world(world))
     finally:
-        from trainer.parallel import single_process
+        from trainer.distributed import single_process
 
         single_process.shutdown()
     return 0

@@ -24,7 +24,7 @@ optimizer state and its own RNG streams, so every rank writes its own file,
 ``step_NNNNNN.<shard>.pt`` (``shard`` names its pipeline stage, when there are several, and its
 TP, EP and DP ranks), and loads its own; the
 step is named in ``latest`` only once every rank's file is written (the caller's barrier), so a
-resume never mixes steps. A resume in another layout finds no file of its name and says so.
+resume never mixes steps. A resume under other parallel sizes finds no file of its name and says so.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def latest(checkpoint_dir: str | Path | None, shard: str = "") -> Path | None:
 
     Raises:
         FileNotFoundError: ``latest`` names a step without this shard's file (written under
-            another layout).
+            other parallel sizes).
     """
     if not checkpoint_dir:
         return None
@@ -139,7 +139,7 @@ def latest(checkpoint_dir: str | Path | None, shard: str = "") -> Path | None:
         if shard:
             raise FileNotFoundError(
                 f"checkpoint {marker.read_text().strip()} in {root} has no file {path.name} "
-                f"for this rank (written under another parallel layout?)"
+                f"for this rank (written under other parallel sizes?)"
             )
     if shard:  # only ``latest`` says that every rank's file of a step was written
         return None

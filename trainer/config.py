@@ -156,15 +156,15 @@ class TrainConfig:
             mini-batch's micro-batches, accumulating gradients, then steps. None: one
             micro-batch per optimizer step.
         max_tokens_per_micro_batch: Dynamic batching: each mini-batch's micro-batches are
-            filled up to this many tokens (padded to the layout's multiple) instead of
+            filled up to this many tokens (padded to the parallel sizes' multiple) instead of
             ``micro_batch_size`` samples, balanced, the same count on every DP rank.
         packing: Remove padding: each micro-batch's sequences packed back to back in one row
-            (THD), each padded to the layout's multiple, attention block-diagonal.
+            (THD), each padded to the parallel sizes' multiple, attention block-diagonal.
         ppo_epochs: Update passes over each batch.
         clip_eps: PPO clip range.
         dtype: ``float32`` or ``bfloat16`` (parameters and activations; AdamW keeps float32
             master weights).
-        export_dir: Export the weights in the Hugging Face layout the rollout server loads to
+        export_dir: Export the weights in the Hugging Face format the rollout server loads to
             ``export_dir/step_NNNNNN`` every ``export_every`` steps (and after the last step);
             ``export_dir/latest`` names the newest. None exports nothing.
         checkpoint_dir: Save model, optimizer, step and RNG states to
@@ -256,14 +256,16 @@ class ReportConfig:
 
 @dataclass
 class ParallelConfig:
-    """``parallel.*``: the layout of a ``torchrun`` world (``trainer.sharding.Layout``'s fields).
+    """``parallel.*``: the parallel sizes of a ``torchrun`` world
+    (``trainer.sharding.Parallelism``'s fields).
 
     The data-parallel size is what the world leaves: world size / (tp x cp x pp). ``dp``, when
     set, must equal it (a check against launching the wrong number of processes).
-    Every layout runs the RL step but context parallel, which needs TransformerEngine's
-    attention (refused without it, naming it). ``first_stage_layers`` / ``last_stage_layers``
-    give the first and last pipeline stages that many decoder layers (megatron's uneven split,
-    ``num_layers_in_first_pipeline_stage`` / ``..._last_...``); the rest divide evenly.
+    Every combination of sizes runs the RL step but context parallel, which needs
+    TransformerEngine's attention (refused without it, naming it). ``first_stage_layers`` /
+    ``last_stage_layers`` give the first and last pipeline stages that many decoder layers
+    (megatron's uneven split, ``num_layers_in_first_pipeline_stage`` / ``..._last_...``);
+    the rest divide evenly.
     """
 
     dp: int | None = None

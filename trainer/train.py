@@ -7,7 +7,7 @@ TensorBoard, checkpoint, feed acknowledgement, records file, JSON report, in tha
 returns the per-step reports. With ``train.resume`` and a checkpoint in ``checkpoint_dir``, the
 loop restores it and skips the steps it had done.
 
-Data parallel (``dp``, a ``trainer.parallel.dp.DataParallel``): every rank gets the same plans,
+Data parallel (``dp``, a ``trainer.distributed.dp.DataParallel``): every rank gets the same plans,
 fetches and trains its own share of each batch, and returns the whole batch's reports; the lead (DP
 rank 0, TP rank 0, the first stage) logs them and writes the record file, the report JSON,
 TensorBoard, exports and checkpoints. Under tensor, expert or pipeline parallelism every rank
@@ -35,13 +35,20 @@ import torch
 
 from trainer import checkpoint
 from trainer.config import Dtype, TrainerConfig
-from trainer.data.source import BatchPlan, CacheSource, FeedPlans, Prefetcher, open_source
+from trainer.data.source import (
+    BatchPlan,
+    CacheSource,
+    FeedPlans,
+    FetchedBatch,
+    Prefetcher,
+    open_source,
+)
 from trainer.data.stage_reads import stage_reads
+from trainer.distributed.dp import SINGLE, DataParallel
+from trainer.distributed.world import model_overrides
 from trainer.model.build import TrainerModel, build_model
 from trainer.optim import AdamW
-from trainer.parallel.dp import SINGLE, DataParallel
-from trainer.parallel.world import model_overrides
-from trainer.report.outputs import Run, StepDone, outputs_for
+from trainer.report.outputs import Output, Run, StepDone, outputs_for
 from trainer.report.step_report import StepReport
 from trainer.rl.step import RLStep
 
@@ -104,10 +111,7 @@ def train(
     own_source = source is None
     source = source or open_source(config)
     model, optimizer = built or build(config, pg_collection)
-    if isinstance(source, CacheSource) and config.data.stage_reads:
-        source = stage_reads(
-            source, dp, model.geometry.moe_layers, [r.layer for r in model.routers]
-        )
+    source = _by_stage(config, source, dp, model)
     dp.broadcast_parameters(model.model)
     start = resume(config, model, optimizer, dp)
     stepper = RLStep(model, optimizer, config, dp)
@@ -130,19 +134,7 @@ def train(
             config.data.prefetch and feed is None,  # a feed batch is read when wanted
         )
         for last, fetched in enumerate(fetcher, start):
-            started = time.perf_counter()
-            result = stepper.run(fetched, last)
-            report = result.report
-            norms = optimizer.take_grad_norms()
-            if dp.model is None:  # every rank holds the whole model: the whole gradient's norm
-                report = replace(report, grad_norm=norms)
-            seconds = time.perf_counter() - started + fetched.wait_s
-            done = StepDone(last, report, seconds, result.routes_used)
-            for output in outputs:
-                learned = output.after_step(done)
-                if learned:  # for the outputs after it, and the run's reports
-                    done = replace(done, report=replace(done.report, **learned))
-            reports.append(done.report)
+            reports.append(_step(stepper, outputs, fetched, last))
         for output in outputs:
             output.finish(last, reports)
     finally:
@@ -151,6 +143,28 @@ def train(
         if own_source:
             source.close()
     return reports
+
+
+def _by_stage(config: TrainerConfig, source, dp: DataParallel, model: TrainerModel):
+    """With ``data.stage_reads``, route cache reads of each pipeline stage's layers only, once
+    per model-parallel group (``trainer.data.stage_reads``); ``source`` otherwise."""
+    if isinstance(source, CacheSource) and config.data.stage_reads:
+        return stage_reads(source, dp, model.geometry.moe_layers, [r.layer for r in model.routers])
+    return source
+
+
+def _step(stepper: RLStep, outputs: list[Output], fetched: FetchedBatch, step: int) -> StepReport:
+    """One RL step, then every output in the table's order; returns the report as the outputs
+    left it (what an output learns goes to the outputs after it)."""
+    started = time.perf_counter()
+    result = stepper.run(fetched, step)
+    seconds = time.perf_counter() - started + fetched.wait_s
+    done = StepDone(step, result.report, seconds, result.routes_used)
+    for output in outputs:
+        learned = output.after_step(done)
+        if learned:
+            done = replace(done, report=replace(done.report, **learned))
+    return done.report
 
 
 def resume(config: TrainerConfig, model: TrainerModel, optimizer: AdamW, dp: DataParallel) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from routereplay.domain.model_geometry import MoEGeometry, load_geometry
+from routereplay.families.model_geometry import MoEGeometry, load_geometry
 
 ID_FIELD = "route_cache_id"
 """``TokenOutput.extra_fields`` key under which the rollout returns the sample's route cache id;

@@ -20,7 +20,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from routereplay.domain.model_geometry import MoEGeometry
 from routereplay.domain.record import Record
 from routereplay.domain.record_checks import (
     MissingRecord,
@@ -29,6 +28,7 @@ from routereplay.domain.record_checks import (
     first_turn_difference,
 )
 from routereplay.errors import InvalidArgument, NotFound
+from routereplay.families.model_geometry import MoEGeometry
 
 logger = logging.getLogger(__name__)
 

@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.domain.model_geometry import MoEGeometry
 from routereplay.domain.record import Record, Turn, TurnAppend
 from routereplay.errors import FailedPrecondition, InvalidArgument, NotFound
+from routereplay.families.model_geometry import MoEGeometry
 from verl_integration.contract import ID_FIELD, route_cache_target, served_geometry
 
 logger = logging.getLogger(__name__)

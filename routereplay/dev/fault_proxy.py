@@ -5,7 +5,7 @@ no Toxiproxy server.
 Every byte goes through a userspace relay, so the proxy can delay data (a slow or congested
 link), drop connections (an abrupt reset of every open connection, then refusing new ones
 for a while: a link that is down), and black-hole them (nothing passes, no RST, no FIN: only
-the ends' own time-outs notice). Used by the fault run (``benchmarks/bench_faults.py``); not
+the ends' own time-outs notice). Used by the fault run (``benchmarks/faults/bench_faults.py``); not
 for production.
 """
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from routereplay.domain.model_geometry import load_geometry
 from routereplay.domain.record import Record, Turn
+from routereplay.families.model_geometry import load_geometry
 
 
 def rollout_records(

@@ -65,24 +65,6 @@ def checksum(data: bytes | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-def encode_routes(
-    routes: np.ndarray, encoding: Encoding = Encoding.RAW, level: int = 1
-) -> EncodedRoutes:
-    """Encode ``routes`` ``[rows, L, k]``; with ZSTD, falls back to RAW when not smaller."""
-    raw = np.ascontiguousarray(routes).tobytes()
-    data, used = raw, Encoding.RAW
-    if encoding is Encoding.ZSTD and raw:
-        compressor = zstandard.ZstdCompressor(level=level)
-        frames = [
-            compressor.compress(np.ascontiguousarray(routes[:, j])) for j in range(routes.shape[1])
-        ]
-        sizes = np.array([len(f) for f in frames], "<u4")
-        compressed = sizes.tobytes() + b"".join(frames)
-        if len(compressed) < len(raw):
-            data, used = compressed, Encoding.ZSTD
-    return EncodedRoutes(used, data, checksum(data), int(routes.shape[0]))
-
-
 def decode_routes(encoded: EncodedRoutes, geometry: Geometry) -> np.ndarray:
     """Verify the checksum and decode into ``[num_rows, L, k]`` of ``geometry.dtype``.
 

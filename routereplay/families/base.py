@@ -5,7 +5,7 @@ everything the project knows about it:
 
 - which decoder layers are MoE layers and how many routed experts they have (``moe_layers``:
   the geometry rule, which the torch-free rollout server applies too through
-  ``routereplay.domain.model_geometry``);
+  ``routereplay.families.model_geometry``);
 - the ``config.json`` keys the megatron mapping understands (any other key is refused, naming
   it, since an unknown key may change the maths) and the settings it refuses;
 - the megatron-core ``TransformerConfig`` fields particular to the family;

@@ -30,21 +30,17 @@ from routereplay.domain.record import (
     TurnAppend,
     check_layer_selection,
 )
+from routereplay.rpc.chunks import DEFAULT_CHUNK_BYTES, ChunkFirst
 from routereplay.rpc.grpc_server import channel_options
 from routereplay.rpc.security import PLAINTEXT, ClientSecurity, secure_aio_channel, secure_channel
+from routereplay.rpc.streams import BlockMessages, RecordAssembler, append_header, write_header
 from routereplay.rpc.transport import AsyncIO, Blocking, RetryPolicy, Stream, Unary
 from routereplay.rpc.wire import (
-    DEFAULT_CHUNK_BYTES,
-    BlockMessages,
-    ChunkFirst,
-    RecordAssembler,
-    append_header,
     geometry_from_pb,
     layer_selection_to_pb,
     ready_page_from_pb,
     ready_read_to_pb,
     turn_from_pb,
-    write_header,
 )
 from routereplay.v1 import route_cache_pb2, route_cache_pb2_grpc
 

@@ -4,7 +4,15 @@ SIGTERM/SIGINT.
 
 Two flavours with the same behaviour: thread-pool servers (``make_server``) and asyncio
 servers (``make_aio_server``), for services whose work is bound to one event loop (the
-rollout server's engine)."""
+rollout server's engine).
+
+Why the error interceptor comes twice (``ErrorInterceptor``, ``AioErrorInterceptor``) and not
+from one wrapper: grpcio calls a thread-pool handler as a plain function or generator and an
+asyncio handler as a coroutine function or async generator, and an abort is a call in one and
+an ``await`` in the other. One body cannot be both ``def`` and ``async def``; bridging them
+would put a sync/async adapter in every call and hide where a call can block. So everything
+but those bodies is shared (``_Meter``, ``_request_parser``, ``_domain_answer``, ``_wrap``),
+and each flavour keeps only its two wrappers and its abort."""
 
 from __future__ import annotations
 
@@ -130,24 +138,18 @@ class _Meter:
             self.metrics.observe(self.method, self.code, self.started)
 
 
-def _domain_status(exc: Exception) -> tuple[grpc.StatusCode, str] | None:
-    """The status and message a domain error is answered with; None for anything else."""
-    if isinstance(exc, RouteReplayError):
-        return grpc.StatusCode[exc.status], str(exc)
-    return None
-
-
-def _retry_trailer(exc: Exception) -> tuple[tuple[str, str], ...] | None:
-    """The ``retry-after-ms`` trailer of a domain error that says when to try again."""
-    after = getattr(exc, "retry_after_s", None)
-    return None if after is None else ((RETRY_AFTER_TRAILER, str(round(after * 1000))),)
+def _domain_answer(context, exc: Exception) -> tuple[grpc.StatusCode, str] | None:
+    """The status and message a domain error is answered with, its ``retry-after-ms``
+    trailer set when it says when to try again; None for anything else."""
+    if not isinstance(exc, RouteReplayError):
+        return None
+    if (after := getattr(exc, "retry_after_s", None)) is not None:
+        context.set_trailing_metadata(((RETRY_AFTER_TRAILER, str(round(after * 1000))),))
+    return grpc.StatusCode[exc.status], str(exc)
 
 
 def _abort(context: grpc.ServicerContext, exc: Exception, method: str):
-    status = _domain_status(exc)
-    if status is not None:
-        if trailer := _retry_trailer(exc):
-            context.set_trailing_metadata(trailer)
+    if (status := _domain_answer(context, exc)) is not None:
         context.abort(*status)
     if not context.is_active():  # the client went away: nothing to answer
         raise exc
@@ -158,10 +160,7 @@ def _abort(context: grpc.ServicerContext, exc: Exception, method: str):
 async def _abort_aio(context: grpc.aio.ServicerContext, exc: Exception, method: str):
     if isinstance(exc, grpc.aio.AbortError):  # the handler aborted with its own status
         raise exc
-    status = _domain_status(exc)
-    if status is not None:
-        if trailer := _retry_trailer(exc):
-            context.set_trailing_metadata(trailer)
+    if (status := _domain_answer(context, exc)) is not None:
         await context.abort(*status)
     if context.done():  # the client went away: nothing to answer
         raise exc
@@ -248,13 +247,10 @@ class ErrorInterceptor(grpc.ServerInterceptor):
 
             return wrapped
 
-        def parse_one(raw, meter):
-            return meter.parsed(parse)(raw)
-
         def parse_stream(request_iterator, meter):
             return map(meter.parsed(parse), request_iterator)
 
-        return _wrap(handler, unary, streaming, parse_one, parse_stream)
+        return _wrap(handler, unary, streaming, parse, parse_stream)
 
 
 class AioErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -274,9 +270,6 @@ class AioErrorInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         parse = _request_parser(handler.request_deserializer)
         metrics = self.metrics
-
-        def parse_one(raw, meter):
-            return meter.parsed(parse)(raw)
 
         async def parse_stream(request_iterator, meter):
             counted = meter.parsed(parse)
@@ -319,16 +312,21 @@ class AioErrorInterceptor(grpc.aio.ServerInterceptor):
 
             return wrapped
 
-        return _wrap(handler, unary, streaming, parse_one, parse_stream)
+        return _wrap(handler, unary, streaming, parse, parse_stream)
 
 
 def _wrap(handler, unary, streaming, parse, parse_stream):
     """``handler`` taking bytes, its behavior wrapped for its kind; its responses may be
-    messages or messages already serialized (bytes, sent as they are)."""
+    messages or messages already serialized (bytes, sent as they are). ``parse``: a request's
+    bytes to its message; ``parse_stream``: the same over a request stream."""
+
+    def parse_one(raw, meter):
+        return meter.parsed(parse)(raw)
+
     kinds = {
-        "unary_unary": (unary, parse),
+        "unary_unary": (unary, parse_one),
         "stream_unary": (unary, parse_stream),
-        "unary_stream": (streaming, parse),
+        "unary_stream": (streaming, parse_one),
         "stream_stream": (streaming, parse_stream),
     }
     for kind, (wrap, convert) in kinds.items():

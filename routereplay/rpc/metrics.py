@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import functools
 import time
-import urllib.request
 from dataclasses import dataclass
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.parser import text_string_to_metric_families
 
 from routereplay.rpc.service_config import flag
 
@@ -153,20 +151,3 @@ def children(metric):
 def _short(method: str) -> str:
     """``/routereplay.v1.RouteCache/ReadBatch`` -> ``ReadBatch``."""
     return method.rsplit("/", 1)[-1]
-
-
-def scrape(
-    url: str, timeout_s: float = 10.0
-) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Fetch a ``/metrics`` page: ``{(sample name, sorted label pairs): value}``.
-
-    For tests and tools: e.g. the route bytes a route cache served,
-    ``scrape(url)[("route_cache_route_bytes_served_total", ())]``.
-    """
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:
-        text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from rollout_server.engine import Completion, validate_routes
-from routereplay.domain.model_geometry import MoEGeometry
 from routereplay.domain.record import Geometry
 from routereplay.domain.rollout import SamplingOptions, TokenDelta
 from routereplay.errors import CaptureError
+from routereplay.families.model_geometry import MoEGeometry
 from tests.rollout_server.oracle import oracle
 
 GEOM = MoEGeometry(Geometry(moe_layers=(1, 2, 3), topk=2, num_experts=8, model_id="tiny"), 4)

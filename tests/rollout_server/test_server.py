@@ -262,8 +262,8 @@ def test_bad_capture_is_never_stored(rollout, cache_reader, loop, monkeypatch):
 
     real = engine_module.validate_routes
 
-    def zeroed(routes, layout, rows):
-        return real(None if routes is None else np.zeros_like(routes), layout, rows)
+    def zeroed(routes, moe_geometry, rows):
+        return real(None if routes is None else np.zeros_like(routes), moe_geometry, rows)
 
     server, client = rollout
     monkeypatch.setattr(engine_module, "validate_routes", zeroed)
@@ -488,7 +488,8 @@ def test_metrics_endpoint(vllm_engine, route_cache, loop):
     """A real HTTP scrape of a rollout server with metrics on: the calls, the tokens generated
     and the stored samples move with a generation; the policy version is exported."""
     from rollout_server.server import RolloutServer
-    from routereplay.rpc.metrics import MetricsConfig, scrape
+    from routereplay.rpc.metrics import MetricsConfig
+    from tests.support.metrics import scrape
 
     metrics = MetricsConfig(True, "127.0.0.1", 0)  # a free port
     config = rollout_config(route_cache.target, metrics=metrics, policy_version=7)

@@ -10,10 +10,11 @@ from prometheus_client import CollectorRegistry
 from route_cache.cache import BlockWrite, RouteCache
 from route_cache.config import Config
 from routereplay.dev.synthetic import synthetic_routes
-from routereplay.domain.codec import BlockHeader, decode_layer_parts, encode_routes
+from routereplay.domain.codec import BlockHeader, decode_layer_parts
 from routereplay.domain.record import Missing, Turn
 from routereplay.errors import InvalidArgument, NotFound, ResourceExhausted
 from tests.route_cache.conftest import SMALL
+from tests.support.records import encode_routes
 
 
 def _write(sample_id, routes, tokens, append=False, row_offset=0, encoded=None, turns=None):

@@ -1,4 +1,4 @@
-"""The fault run (benchmarks/bench_faults.py), and its checker.
+"""The fault run (benchmarks/faults/bench_faults.py), and its checker.
 
 The checker is tested on histories with one violation each, against records built from what
 the writers send: it must name each, including a fault that did not happen or met no traffic,
@@ -26,8 +26,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from benchmarks.bench_faults import ROOT, FaultConfig, inject, report, run
-from benchmarks.fault_history import (
+from benchmarks.faults.bench_faults import ROOT, FaultConfig, inject, report, run
+from benchmarks.faults.fault_history import (
     History,
     check,
     check_file,
@@ -292,7 +292,7 @@ def test_the_checker_command_reads_the_verdict_from_the_file_alone(tmp_path):
     found, _ = check_file(path)
     assert found.lost == ["b"] and found.never_trained == ["b"]
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.fault_check", str(path)],
+        [sys.executable, "-m", "benchmarks.faults.fault_check", str(path)],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -474,7 +474,7 @@ def test_the_checker_catches_a_dropped_acknowledgement(redis_node, tmp_path, dro
                 args = [
                     sys.executable,
                     "-m",
-                    "benchmarks.fault_consumer",
+                    "benchmarks.faults.fault_consumer",
                     "--target",
                     target,
                     "--name",

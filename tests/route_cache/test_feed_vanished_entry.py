@@ -1,7 +1,7 @@
 """A consumer whose delivered entry vanished (a failover of the stream's master lost it) must
 train the sample's next announcement, not acknowledge it as a stale repeat.
 
-Found by the fault run's WAIT-only fault (``benchmarks/bench_faults.py``, issue 29): consumer
+Found by the fault run's WAIT-only fault (``benchmarks/faults/bench_faults.py``, issue 29): consumer
 c0 read an announcement from the stream's master while its replica was cut off; the master
 died and the promoted replica never had the entry. c0's ``settle`` then found nothing pending
 (taken), and ``ReadyConsumer`` remembered the sample as settled; the retried final append

@@ -27,13 +27,13 @@ from route_cache.record_format import record_key
 from route_cache.server import RouteCacheServer
 from route_cache.store import RouteStore
 from routereplay.dev.synthetic import synthetic_record, synthetic_routes
-from routereplay.domain.codec import EncodedRoutes, Encoding, checksum, decode_routes, encode_routes
+from routereplay.domain.codec import EncodedRoutes, Encoding, checksum, decode_routes
 from routereplay.domain.record import Geometry, Turn, TurnAppend
 from routereplay.errors import DataLoss, InvalidArgument
 from routereplay.rpc.client import RouteCacheClient
-from routereplay.rpc.wire import append_requests, write_requests
 from routereplay.v1 import record_pb2, route_cache_pb2, route_cache_pb2_grpc
 from tests.route_cache.conftest import SMALL, WIDE, as_messages
+from tests.support.records import append_requests, encode_routes, write_requests
 
 FUZZ = settings(
     max_examples=60,

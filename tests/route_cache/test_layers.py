@@ -14,13 +14,14 @@ import xxhash
 
 from route_cache.record_format import record_key, routes_key
 from routereplay.dev.synthetic import synthetic_record
-from routereplay.domain.codec import Encoding, encode_layer_parts, encode_routes, split_layers
+from routereplay.domain.codec import Encoding, encode_layer_parts, split_layers
 from routereplay.domain.record import Record, Turn, TurnAppend
 from routereplay.errors import DataLoss, FailedPrecondition, InvalidArgument
 from routereplay.rpc.client import AsyncRouteCacheClient
-from routereplay.rpc.wire import RecordAssembler, write_requests
+from routereplay.rpc.streams import RecordAssembler
 from routereplay.v1 import record_pb2, route_cache_pb2, route_cache_pb2_grpc
 from tests.route_cache.conftest import SMALL, WIDE, as_messages
+from tests.support.records import encode_routes, write_requests
 
 SELECTIONS = [range(0, 1), range(1, 3), [0, 2], [4], range(5)]
 

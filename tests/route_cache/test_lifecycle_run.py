@@ -1,4 +1,4 @@
-"""The long-run benchmark (benchmarks/bench_lifecycle.py) at its small size: a route cache
+"""The long-run benchmark (benchmarks/faults/bench_lifecycle.py) at its small size: a route cache
 whose Redis holds 1/32 of the run's route bytes, writers faster than the trainer's own feed
 path, the trainer stopped, back, killed and resumed, the route cache restarted. With freeing
 it must pass every check; without (the route cache frees nothing, the old behaviour) Redis
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from benchmarks.bench_lifecycle import QUICK, report, run
+from benchmarks.faults.bench_lifecycle import QUICK, report, run
 
 
 def test_the_long_run_holds_memory_to_the_work_in_flight():

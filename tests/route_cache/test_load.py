@@ -1,10 +1,10 @@
 """The load test, small: concurrent writers and batch readers against a route cache process for
 a few seconds; no errors, no corrupt read, no acknowledged record lost. The driver is
-benchmarks/bench_load.py, which runs it at full size."""
+benchmarks/performance/bench_load.py, which runs it at full size."""
 
 from __future__ import annotations
 
-from benchmarks.bench_load import LoadConfig, run_load, start_cache
+from benchmarks.performance.bench_load import LoadConfig, run_load, start_cache
 from routereplay.dev.launch import stop_process
 from routereplay.dev.synthetic import QWEN3_30B_A3B
 

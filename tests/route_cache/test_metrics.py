@@ -12,8 +12,9 @@ from route_cache.server import RouteCacheServer
 from routereplay.dev.synthetic import synthetic_record
 from routereplay.errors import AlreadyExists, NotFound
 from routereplay.rpc.client import RouteCacheClient
-from routereplay.rpc.metrics import MetricsConfig, scrape
+from routereplay.rpc.metrics import MetricsConfig
 from tests.route_cache.conftest import SMALL
+from tests.support.metrics import scrape
 
 
 @pytest.fixture

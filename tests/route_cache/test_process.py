@@ -19,13 +19,12 @@ from route_cache.store import STAGING_TTL_MS
 from routereplay.dev.launch import free_port, start_service, stop_process
 from routereplay.dev.redis_nodes import RedisProcess
 from routereplay.dev.synthetic import synthetic_record
-from routereplay.domain.codec import encode_routes
 from routereplay.errors import Unavailable
 from routereplay.rpc.client import RetryPolicy, RouteCacheClient
 from routereplay.rpc.grpc_server import LIVENESS
-from routereplay.rpc.wire import write_requests
 from routereplay.v1 import route_cache_pb2_grpc
 from tests.route_cache.conftest import SMALL, as_messages, raw_keys
+from tests.support.records import encode_routes, write_requests
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

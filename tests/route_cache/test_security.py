@@ -26,7 +26,7 @@ from routereplay.dev.devcerts import generate
 from routereplay.dev.launch import free_port, start_service, stop_process
 from routereplay.dev.redis_nodes import RedisProcess, start_cluster
 from routereplay.dev.synthetic import synthetic_record
-from routereplay.domain.codec import Encoding, encode_routes
+from routereplay.domain.codec import Encoding
 from routereplay.errors import InvalidArgument, NotFound, ResourceExhausted, RouteReplayError
 from routereplay.rpc.client import AsyncRouteCacheClient, RetryPolicy, RouteCacheClient
 from routereplay.rpc.grpc_server import MIB, ServerLimits
@@ -38,9 +38,9 @@ from routereplay.rpc.security import (
     ServerSecurity,
     secure_channel,
 )
-from routereplay.rpc.wire import write_requests
 from routereplay.v1 import route_cache_pb2, route_cache_pb2_grpc
 from tests.route_cache.conftest import SMALL, as_messages
+from tests.support.records import encode_routes, write_requests
 
 TOKEN = "s3cret-token-value"
 NO_RETRY = RetryPolicy(attempts=1)

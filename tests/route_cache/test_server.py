@@ -11,13 +11,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from routereplay.dev.synthetic import synthetic_record, synthetic_routes
-from routereplay.domain.codec import Encoding, encode_routes, split_layers
+from routereplay.domain.codec import Encoding, split_layers
 from routereplay.domain.record import Missing, Turn, TurnAppend
 from routereplay.errors import AlreadyExists, FailedPrecondition, NotFound
 from routereplay.rpc.client import AsyncRouteCacheClient, RouteCacheClient
-from routereplay.rpc.wire import write_requests
 from routereplay.v1 import record_pb2, route_cache_pb2, route_cache_pb2_grpc
 from tests.route_cache.conftest import SMALL, WIDE, as_messages, raw_keys
+from tests.support.records import encode_routes, write_requests
 
 
 def assert_same(got, want):

@@ -12,7 +12,7 @@ from route_cache.connection import connect
 from route_cache.record_format import StoredBlock, record_key, routes_key
 from route_cache.store import RouteStore
 from routereplay.dev.synthetic import synthetic_routes
-from routereplay.domain.codec import encode_routes, join_layers
+from routereplay.domain.codec import join_layers
 from routereplay.domain.record import Turn
 from routereplay.errors import (
     AlreadyExists,
@@ -22,6 +22,7 @@ from routereplay.errors import (
     NotFound,
 )
 from tests.route_cache.conftest import SMALL, raw_keys
+from tests.support.records import encode_routes
 
 
 def block(rng, row_start, num_tokens, version=0):

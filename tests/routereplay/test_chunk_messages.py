@@ -1,5 +1,6 @@
 """Chunk messages (and headers with their first chunk) encoded and parsed by hand
-(``routereplay.rpc.wire``), against protobuf's own serializer and parser as the oracle."""
+(``routereplay.rpc.chunks``, ``routereplay.rpc.streams``), against protobuf's own serializer and
+parser as the oracle."""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from routereplay.domain.codec import EncodedRoutes, Encoding
-from routereplay.rpc.wire import (
-    BlockMessages,
+from routereplay.rpc.chunks import (
     ChunkFirst,
     ChunkView,
     Headed,
@@ -20,6 +20,7 @@ from routereplay.rpc.wire import (
     message_part,
     parse_chunk_message,
 )
+from routereplay.rpc.streams import BlockMessages
 from routereplay.v1 import record_pb2, route_cache_pb2
 
 PARENTS = [

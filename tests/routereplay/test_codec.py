@@ -18,12 +18,12 @@ from routereplay.domain.codec import (
     checksum,
     decode_layer_parts,
     decode_routes,
-    encode_routes,
     join_layers,
     split_layers,
 )
 from routereplay.domain.record import Geometry, check_routes
 from routereplay.errors import DataLoss, InvalidArgument
+from tests.support.records import encode_routes
 
 
 @st.composite

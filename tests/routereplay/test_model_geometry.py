@@ -11,13 +11,13 @@ import json
 import numpy as np
 import pytest
 
-from routereplay.domain.model_geometry import (
+from routereplay.domain.record import Geometry
+from routereplay.families import SUPPORTED_MODEL_TYPES
+from routereplay.families.model_geometry import (
     MoEGeometry,
     geometry_from_config,
     load_geometry,
 )
-from routereplay.domain.record import Geometry
-from routereplay.families import SUPPORTED_MODEL_TYPES
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")

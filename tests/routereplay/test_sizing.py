@@ -25,10 +25,10 @@ from routereplay import sizing
 from routereplay.dev import redis_nodes
 from routereplay.dev.redis_nodes import RedisProcess
 from routereplay.dev.synthetic import synthetic_record
-from routereplay.domain.codec import encode_routes
 from routereplay.domain.record import Geometry
 from routereplay.routes_cli import main
 from routereplay.rpc.client import RouteCacheClient
+from tests.support.records import encode_routes
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = Path(__file__).parent / "sizing_configs"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.parallel import single_process
+from trainer.distributed import single_process
 
 # 2 threads on 2 shared cores contend badly (steps 40x slower measured).
 torch.set_num_threads(1)

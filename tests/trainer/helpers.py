@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from routereplay.domain.record import Geometry, Record, Turn
+from tests.support.replay import recording
 from trainer.layout.align import routes_from_recorded
 from trainer.layout.batch import PaddedBatch
 from trainer.report.step_report import StepReport
@@ -110,7 +111,7 @@ def record_natural_routes(
     outputs, records = [], []
     for batch in micro_batches:
         recorded: list[list[torch.Tensor]] = []
-        with torch.no_grad(), built.replay.step(), built.replay.recording(recorded):
+        with torch.no_grad(), built.replay.step(), recording(built.replay, recorded):
             outputs.append(forward(built.model, batch))
         routes = routes_from_recorded(batch, recorded[0], built.geometry)
         for b, sample_routes in enumerate(routes):

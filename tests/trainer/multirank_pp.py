@@ -29,6 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from tests.support.replay import recording
 from tests.trainer.helpers import capture_routing, grads, random_batch, random_routes
 from tests.trainer.multirank_worker import (
     LAYOUTS,
@@ -41,11 +42,11 @@ from tests.trainer.multirank_worker import (
     _gather_tp,
     _records,
 )
+from trainer.distributed.world import init_world, model_overrides
 from trainer.layout.align import align_routes, routes_from_recorded
 from trainer.layout.batch import PaddedBatch
 from trainer.model.build import TrainerModel, build_model
 from trainer.model.replay import RouterReplayAction
-from trainer.parallel.world import init_world, model_overrides
 from trainer.rl.schedule import replay_backward
 from trainer.sharding import padded_length, shard_padded
 
@@ -103,7 +104,7 @@ class _Schedule:
             batch = self.micro_batches[mb][1]
             labels = torch.roll(batch.token_ids, -1, dims=1)
             if record_into is not None:
-                ctx = control.recording(record_into[v])
+                ctx = recording(control, record_into[v])
             elif indices is None:
                 ctx = contextlib.nullcontext()
             elif mode == "trap":

@@ -32,11 +32,12 @@ import torch
 import torch.distributed as dist
 
 from routereplay.domain.record import Geometry
+from tests.support.replay import recording
 from tests.trainer.helpers import capture_routing, grads, make_record, random_batch, random_routes
+from trainer.distributed.world import World, init_world, model_overrides
 from trainer.layout.align import align_routes, routes_from_recorded
 from trainer.layout.batch import PaddedBatch
 from trainer.model.build import build_model
-from trainer.parallel.world import World, init_world, model_overrides
 from trainer.sharding import (
     Parallelism,
     PipelineSplit,
@@ -197,7 +198,7 @@ def run(layout_name: str, model_dir: str, out: str) -> None:
     # 1. natural routes: record on this layout -> layout-free records -> reshard -> replay.
     loss_off, grads_off = _pass(built, batch)
     recorded: list[list[torch.Tensor]] = []
-    with torch.no_grad(), built.replay.step(), built.replay.recording(recorded):
+    with torch.no_grad(), built.replay.step(), recording(built.replay, recorded):
         _loss(built.model, batch)
     full = [_gather_tp(r, tp_group) for r in recorded[0]]
     routes = routes_from_recorded(batch, full, geometry)

@@ -29,11 +29,11 @@ from tests.trainer.helpers import capture_routing, one_hot
 from tests.trainer.model.test_model_parity import _hf_reference
 from tests.trainer.multirank_pp import MICRO_BATCH, _micro_batches
 from tests.trainer.multirank_worker import LENGTHS, SEED, _gather_tp
+from trainer.distributed.world import World, init_world, model_overrides
 from trainer.model.build import build_model
 from trainer.model.hf_config import read_checkpoint_config
 from trainer.model.hf_weights import hf_to_megatron, load_hf_state_dict
 from trainer.model.shard_weights import full_weights
-from trainer.parallel.world import World, init_world, model_overrides
 from trainer.sharding import Parallelism, padded_length
 
 LAYOUTS = {

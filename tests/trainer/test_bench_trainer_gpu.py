@@ -1,4 +1,5 @@
-"""The GPU benchmark's path (``benchmarks/bench_trainer_gpu.py``, issue 32) at its tiny size on
+"""The GPU benchmark's path (``benchmarks/performance/bench_trainer_gpu.py``, issue 32) at its tiny
+size on
 the CPU, through the GPU machine's prepared command (``tools/gpu_bench.sh``): the same code the
 GPU runs, in bf16, with the replay check, the route cache fetch and the JSON it writes.
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from routereplay.dev.launch import free_port
-from routereplay.rpc.metrics import scrape
+from tests.support.metrics import scrape
 
 pytest.importorskip("megatron.core")
 

@@ -22,7 +22,7 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def pg_collection(tmp_path_factory):
     """megatron's process groups over a gloo world of one rank."""
-    from trainer.parallel import single_process
+    from trainer.distributed import single_process
 
     rendezvous = tmp_path_factory.mktemp("rendezvous") / "pg"
     groups = single_process.init_single_process(f"file://{rendezvous}", seed=1234)

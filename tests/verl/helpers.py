@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from routereplay.domain.model_geometry import MoEGeometry
 from routereplay.domain.record import Record
+from routereplay.families.model_geometry import MoEGeometry
 from tests.trainer.helpers import capture_routing, one_hot
 from trainer.layout.batch import PaddedBatch
 from trainer.model.build import build_model
@@ -17,7 +17,7 @@ from trainer.model.hf_config import read_hf_config
 
 
 def geometry_of(model_dir) -> MoEGeometry:
-    from routereplay.domain.model_geometry import geometry_from_config
+    from routereplay.families.model_geometry import geometry_from_config
 
     return geometry_from_config(read_hf_config(model_dir), "tiny")
 

@@ -59,8 +59,8 @@ def run(args) -> dict:
 
     from routereplay.domain.record_file import load_records
     from tests.verl.helpers import check_rows, geometry_of, nested, replay_r3, verl_model
+    from trainer.distributed.world import init_world, model_overrides
     from trainer.layout.batch import PaddedBatch
-    from trainer.parallel.world import init_world, model_overrides
     from trainer.sharding import Parallelism
     from verl_integration.fetch import RouteFetcher, worker_source
 
@@ -152,8 +152,8 @@ def run_engine(args) -> dict:
     from routereplay.domain.record_file import load_records
     from tests.trainer.helpers import capture_routing
     from tests.verl.helpers import check_rows, engine_batch, engine_on_cpu, geometry_of
+    from trainer.distributed.world import init_world, model_overrides
     from trainer.layout.batch import PaddedBatch
-    from trainer.parallel.world import init_world, model_overrides
     from trainer.sharding import Parallelism
 
     layout = Parallelism(**LAYOUTS[args.layout])

@@ -7,7 +7,7 @@ a layer-selected ``ReadBatch`` of the columns its routers replay (every virtual 
 pipeline rank) and broadcasts the batch to the others as a small header (ids, geometry,
 turns, array shapes) and one flat byte buffer (every record's token ids, routes and log-probs
 back to back); they rebuild the same records from it. The stages' layers partition the
-record, so the route cache serves each stored route byte once per step whatever the layout
+record, so the route cache serves each stored route byte once per step whatever the parallel sizes
 (a whole-record read by every rank costs TP x PP x CP times that).
 
 The broadcast runs on a gloo group of its own: the fetch runs in the prefetch thread while the

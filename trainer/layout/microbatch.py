@@ -14,8 +14,8 @@ import torch.distributed as dist
 from routereplay.domain.record import Record
 from trainer.config import TrainConfig
 from trainer.data.source import Sample
+from trainer.distributed.dp import DataParallel
 from trainer.layout.batch import PACKED, PaddedBatch
-from trainer.parallel.dp import DataParallel
 from trainer.sharding import Parallelism, ParallelismError, dynamic_microbatches, padded_length
 
 

@@ -13,10 +13,11 @@ import torch
 from routereplay.domain.record import Geometry, Record
 from trainer.config import TrainConfig
 from trainer.data.source import Sample
+from trainer.distributed.dp import DataParallel
 from trainer.layout.align import align_routes
 from trainer.layout.microbatch import MicroBatch, step_micro_batches
+from trainer.layout.reference import replay_reference
 from trainer.layout.share import RankShare
-from trainer.parallel.dp import DataParallel
 
 
 @dataclass(frozen=True)
@@ -33,12 +34,17 @@ class StepLayout:
             layer).
         replayable: Per micro-batch, bool ``[local tokens]``: this rank's rows that have a
             route (a real token followed by one of the same sample), recorded or not.
+        reference: Per micro-batch, when asked (``plan_step``'s ``with_reference``; empty
+            otherwise), its replay reference: per router layer, int64 ``[local tokens, k]``,
+            the record's route of each row, found from the model's inputs and not from
+            ``replay_ids`` (``trainer.layout.reference``), ``MASKED`` where there is none.
     """
 
     minis: list[list[MicroBatch]]
     replay_ids: list[list[torch.Tensor]]
     replayed: list[int]
     replayable: list[torch.Tensor]
+    reference: list[dict[int, torch.Tensor]]
 
     @property
     def micro_batches(self) -> list[MicroBatch]:
@@ -57,6 +63,7 @@ def plan_step(
     geometry: Geometry,
     router_layers: Sequence[int],
     model_id: str | None = None,
+    with_reference: bool = False,
 ) -> StepLayout:
     """Lay one step's batch out for this rank: mini- and micro-batches (padded or packed, to
     the layout's multiple), then each micro-batch's records aligned to its token layout, only
@@ -69,13 +76,14 @@ def plan_step(
         geometry: The model's routing geometry (records must match it).
         router_layers: Global layer numbers of this rank's routers, ascending.
         model_id: When given, records must carry this model id.
+        with_reference: Also find each micro-batch's replay reference (``reference``).
 
     Raises:
         ParallelismError: On every rank, when any rank cannot lay its samples out.
         InvalidArgument: A record that does not match its sample or the model.
     """
     minis = step_micro_batches(samples, records, advantages, train, dp, share.parallelism)
-    ids, replayed, replayable = [], [], []
+    ids, replayed, replayable, reference = [], [], [], []
     for mb in itertools.chain.from_iterable(minis):
         aligned = align_routes(
             mb.batch,
@@ -89,4 +97,7 @@ def plan_step(
         ids.append(aligned.indices)
         replayed.append(int(aligned.replayed.sum()))
         replayable.append(share.replayable(mb.batch))
-    return StepLayout(minis, ids, replayed, replayable)
+        if with_reference:
+            local = share.megatron_share
+            reference.append(replay_reference(mb.batch, mb.records, router_layers, local))
+    return StepLayout(minis, ids, replayed, replayable, reference)

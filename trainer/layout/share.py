@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from trainer.distributed.dp import ModelParallel
 from trainer.layout.batch import PaddedBatch
-from trainer.parallel.dp import ModelParallel
 from trainer.sharding import Parallelism, cp_index, rank_positions, shard_padded
 
 

@@ -18,8 +18,8 @@ from trainer.model.hf_config import (
     transformer_config,
 )
 from trainer.model.hf_weights import hf_to_megatron, load_hf_state_dict
-from trainer.model.patches import cpu_compat, megatron_fixes, mla_compat
 from trainer.model.shard_weights import local_weights
+from trainer.patches import cpu_compat, megatron_fixes, mla_compat
 from trainer.sharding import PipelineSplit, check_stage_routers, stage_moe_layers
 
 
@@ -104,7 +104,7 @@ def check_replay_config(config) -> None:
 
 
 def load_checkpoint(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
-    """Load this rank's share of the checkpoint into ``model`` (any TP / EP / PP / VP layout).
+    """Load this rank's share of the checkpoint into ``model`` (any TP / EP / PP / VP sizes).
 
     Args:
         model: This rank's ``GPTModel`` (a pipeline stage or virtual-stage chunk).
@@ -148,7 +148,7 @@ def megatron_config(
     if load_weights:
         settings["perform_initialization"] = False  # every parameter is loaded afterwards
     settings.update(overrides)
-    # Megatron asserts on a split it cannot build; this names the split in the layout's terms.
+    # Megatron asserts on a split it cannot build; this names the split in the sizes' terms.
     PipelineSplit(
         num_layers=int(checkpoint.raw["num_hidden_layers"]),
         pp=settings.get("pipeline_model_parallel_size", 1),
@@ -206,15 +206,15 @@ def build_model(
             replay on every router (R2 and R3); refuses settings that bypass replay.
         pg_collection: megatron ``ProcessGroupCollection`` (``single_process.init_single_process``
             returns one); megatron's global groups when None.
-        load_weights: Load the checkpoint's weights, this rank's share of them in a parallel
-            layout (else initialised from the seed, the same on every rank).
+        load_weights: Load the checkpoint's weights, this rank's share of them under the
+            parallel sizes (else initialised from the seed, the same on every rank).
         model_id: Identifier stored in ``geometry`` (default: the folder's name).
         drop_mtp_layers: Leave the checkpoint's multi-token-prediction layers
             (``num_nextn_predict_layers``) out of the model: they are never decoder layers,
             own no router of the model and take no routes; exports carry them over unchanged.
             False refuses such a checkpoint.
         **config_overrides: Extra ``TransformerConfig`` fields
-            (``world.model_overrides`` gives a layout's, virtual stages among them).
+            (``world.model_overrides`` gives the parallel sizes', virtual stages among them).
 
     Returns:
         The ``TrainerModel``.

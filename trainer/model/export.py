@@ -1,4 +1,4 @@
-"""Trained weights back to the Hugging Face layout the rollout server loads.
+"""Trained weights back to the Hugging Face format the rollout server loads.
 
 ``export_hf(built, source_dir, out_dir)`` writes a checkpoint folder that the rollout server's
 ``UpdateWeights(path)`` (and ``transformers.AutoModelForCausalLM.from_pretrained``) loads:
@@ -27,16 +27,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from trainer.config import TrainerConfig
+from trainer.distributed.dp import DataParallel
 from trainer.model.hf_weights import megatron_to_hf, read_mtp_tensors
 from trainer.model.shard_weights import full_weights
-
-if TYPE_CHECKING:  # the model does not import the parallel layout
-    from trainer.parallel.dp import DataParallel
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""MoE weights between the Hugging Face layout and megatron-core's local layer spec, per family.
+"""MoE weights between the Hugging Face format and megatron-core's local layer spec, per family.
 
 A small explicit mapping read both ways; each family's MoE tensor names come from its module
 in ``routereplay.families``. (mbridge, the maintained converter, cannot run on the CPU: it

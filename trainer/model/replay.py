@@ -27,8 +27,8 @@ directly; the model builder resets the registry and installs fresh instances.
 **Actions.** ``REPLAY_FORWARD`` for forward passes; ``REPLAY_BACKWARD`` around backward when
 activations are recomputed (nothing inside megatron sets it; leaving ``REPLAY_FORWARD`` on then
 gives silently wrong gradients with 2 micro-batches in flight): it pops the ids of the micro-batch
-being recomputed, in forward order. ``RECORD`` keeps only the last forward, so ``recording()``
-collects one list per forward. Indices are cleared at the end of every step (``step()``).
+being recomputed, in forward order. ``RECORD`` (the tests' reference
+routes) keeps only the last forward. Indices are cleared at the end of every step (``step()``).
 """
 
 from __future__ import annotations
@@ -164,17 +164,6 @@ class RouterReplayControl:
             yield
         finally:
             self._set_action(None)
-
-    @contextlib.contextmanager
-    def recording(self, into: list[list[torch.Tensor]]) -> Iterator[None]:
-        """Run one forward pass with natural routing and append what each router chose:
-        ``into`` gets one list (per router, int64 ``[tokens, topk]``) per call."""
-        self._set_action(RouterReplayAction.RECORD)
-        try:
-            yield
-        finally:
-            self._set_action(None)
-        into.append([r.replay.get_recorded_indices() for r in self.routers])
 
     @contextlib.contextmanager
     def observe(self, into: dict[int, dict[str, torch.Tensor]]) -> Iterator[None]:

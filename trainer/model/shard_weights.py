@@ -1,4 +1,4 @@
-"""The full checkpoint's weights cut to what one rank of a parallel layout holds.
+"""The full checkpoint's weights cut to what one rank holds under the parallel sizes.
 
 ``hf_weights.hf_to_megatron`` gives the whole model under megatron's names with global layer
 numbers and global expert numbers, unsharded. A rank's ``GPTModel`` holds less: its pipeline
@@ -22,11 +22,11 @@ Biases follow their layer: a column-parallel layer's is split like its rows, a r
 layer's is whole on every rank (added after the reduction). gpt-oss's sinks
 (``core_attention.softmax_offset``, one per query head) are split like the heads.
 
-Two layouts need care. ``linear_qkv``'s rows are grouped per query group (its query heads, its
-key head, its value head), so a contiguous slice is whole query groups, which is what each TP
-rank computes. ``linear_fc1`` of a gated MLP is ``[gate; up]``, and each rank holds
-``[gate slice; up slice]``: both halves are split, not the concatenation (a plain split would
-give rank 0 all of gate and rank 1 all of up).
+Two weights need care in how their rows are ordered. ``linear_qkv``'s rows are grouped per
+query group (its query heads, its key head, its value head), so a contiguous slice is whole
+query groups, which is what each TP rank computes. ``linear_fc1`` of a gated MLP is
+``[gate; up]``, and each rank holds ``[gate slice; up slice]``: both halves are split, not the
+concatenation (a plain split would give rank 0 all of gate and rank 1 all of up).
 
 ``full_weights`` is the inverse, a collective: every rank's share gathered back into the full,
 globally named tensors (for exporting the weights of a model-parallel trainer).

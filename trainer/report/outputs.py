@@ -24,10 +24,10 @@ from routereplay.domain.record_file import save_records
 from trainer import checkpoint
 from trainer.config import TrainerConfig
 from trainer.data.source import FeedPlans
+from trainer.distributed.dp import DataParallel
 from trainer.model.build import TrainerModel
 from trainer.model.export import export_after_step
 from trainer.optim import AdamW
-from trainer.parallel.dp import DataParallel
 from trainer.report.step_report import FeedBatch, StepReport
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class Metrics(Output):
 
 class ExportAndPush(Output):
     """Every ``train.export_every`` steps and after the last, the weights in the Hugging Face
-    layout (``train.export_dir``); with ``push.targets``, loaded by those rollout servers."""
+    format (``train.export_dir``); with ``push.targets``, loaded by those rollout servers."""
 
     def __init__(self, run: Run):
         self.run = run

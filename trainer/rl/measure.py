@@ -1,10 +1,7 @@
-"""What a step measures, with its totals named, and the step's report built from its stages.
+"""The step's report built from its stages, with its totals named.
 
-- Routing counts per layer (``count_same``): taken where the routers run, on each rank's rows
-  and layers, and summed over every rank: each (row, layer) lives on exactly one rank of a
-  data-parallel rank's model group.
-- ``recorded_routes``: the reference of ``replay_followed``, the record's row of the token each
-  router row holds, found from the model's own inputs rather than from the replay ids.
+- The routing counts per layer and what they become in the report are ``counts``; the
+  reference of ``replay_followed`` comes with the step's layout (``trainer.layout.reference``).
 - Log-prob gap over generated tokens, trainer against rollout, with d = logp_trainer -
   logp_rollout: mean |d|, max |d|, the k3 estimate of KL(rollout || trainer),
   mean(exp(d) - 1 - d) (the samples come from the rollout policy), and the fraction of tokens
@@ -17,87 +14,25 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import astuple, dataclass, field
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from routereplay.domain.record import MASKED, Geometry, Record
+from routereplay.domain.record import Geometry
 from trainer.config import ReplayMode
 from trainer.data.source import FetchedBatch
-from trainer.layout.batch import PaddedBatch
-from trainer.parallel.dp import DataParallel
+from trainer.distributed.dp import DataParallel
 from trainer.report.step_report import (
-    Agreement,
     Gap,
-    ReplayFollowed,
     RouteBytes,
     Rows,
     StepReport,
     Times,
 )
+from trainer.rl.counts import agreement, replay_followed, world_sum
 from trainer.rl.stages import Comparison, Laid, OldPass, Passes, Routing, Updates
-
-
-def count_same(
-    routes: dict, reference: dict[int, torch.Tensor], key: str, columns: dict[int, int]
-) -> np.ndarray:
-    """int64 ``[moe layers, 3]``: per layer, rows whose ``key`` top-k set equals the
-    reference's, the experts both share summed over rows, and the rows compared (rows
-    ``MASKED`` in the reference skipped), over this rank's rows and routers.
-
-    Args:
-        routes: Per router layer, what its router did (``{"natural": ids, "used": ids}``).
-        reference: Per router layer, the ids to compare with, ``[rows, topk]``.
-        key: Which of ``routes``' ids to compare.
-        columns: Global MoE layer number -> its row in the result.
-    """
-    out = np.zeros((len(columns), 3), np.int64)
-    for layer, ref in reference.items():
-        got = routes[layer][key]
-        rows = ref[:, 0] >= 0
-        a, b = got[rows].sort(-1).values, ref[rows].sort(-1).values
-        shared = (a[:, :, None] == b[:, None, :]).any(-1).sum(-1)
-        out[columns[layer]] = (int((a == b).all(-1).sum()), int(shared.sum()), int(rows.sum()))
-    return out
-
-
-def world_sum(counts: np.ndarray) -> np.ndarray:
-    """Summed over every rank (each row and layer is counted by one rank)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        total = torch.from_numpy(counts)
-        dist.all_reduce(total)
-        return total.numpy()
-    return counts
-
-
-def same_fraction(counts: np.ndarray) -> float:
-    """Mean over layers with compared rows of the fraction whose top-k set was the same."""
-    fractions = [same / rows for same, _, rows in counts if rows]
-    return float(np.mean(fractions)) if fractions else 1.0
-
-
-def agreement(counts: np.ndarray, layers: list[int], topk: int) -> Agreement:
-    """The routing agreement from ``count_same``'s totals (every rank's)."""
-    rows = int(counts[0, 2]) if counts.size else 0
-    return Agreement(
-        layers=list(layers),
-        exact=[float(s / n) for s, _, n in counts] if rows else [],
-        overlap=[float(o / (topk * n)) for _, o, n in counts] if rows else [],
-        rows=rows,
-    )
-
-
-def replay_followed(counts: np.ndarray, layers: list[int]) -> ReplayFollowed:
-    """Per MoE layer, the fraction of rows with a record route whose experts, as megatron's
-    routing map sent them, are exactly the record's (every rank's rows summed)."""
-    return ReplayFollowed(
-        layers=list(layers),
-        exact=[float(same / rows) if rows else 1.0 for same, _, rows in counts],
-        rows=[int(rows) for rows in counts[:, 2]],
-    )
 
 
 @dataclass
@@ -169,11 +104,6 @@ class Clock:
         self._last = now
 
 
-def no_counts(layers: int) -> np.ndarray:
-    """``count_same``'s zeros for ``layers`` MoE layers."""
-    return np.zeros((layers, 3), np.int64)
-
-
 def logprob_gap(trainer: np.ndarray, rollout: np.ndarray, pass_: str = "") -> Gap:
     """Gap between two float arrays of the same generated tokens' log-probs."""
     d = np.asarray(trainer, np.float64) - np.asarray(rollout, np.float64)
@@ -187,49 +117,6 @@ def logprob_gap(trainer: np.ndarray, rollout: np.ndarray, pass_: str = "") -> Ga
         int(d.size),
         pass_,
     )
-
-
-def recorded_routes(
-    batch: PaddedBatch,
-    records: Sequence[Record | None],
-    layers: Sequence[int],
-    local: Callable[[torch.Tensor], torch.Tensor],
-) -> dict[int, torch.Tensor]:
-    """What each router row should have used under replay, straight from the records.
-
-    Each cell of the batch is named by the model's own inputs: the sample it holds
-    (``batch.segments()``) and its position id (``batch.position_ids()``, what the rotary
-    embedding reads), token t of sample b. Its expected experts are row t of sample b's record
-    (row t: computed with token t as the input). Neither ``align_routes`` nor the replay ids
-    are read, so a fault in the alignment or in the cut of a rank's rows shows as a router
-    row whose experts differ from the record's.
-
-    Args:
-        batch: One micro-batch's layout.
-        records: One per sample of ``batch`` (None: no record); a layer-selected read holds
-            ``layers``.
-        layers: Global layer numbers of this rank's routers.
-        local: This rank's share of a ``[seq, rows, ...]`` tensor, as megatron cuts the
-            tokens (``RankShare.megatron_share``).
-
-    Returns:
-        Per layer, int64 ``[local tokens, k]`` in megatron's token order; ``MASKED`` rows
-        have no recorded route (a sample's final token, padding, no record).
-    """
-    cells = torch.stack([batch.segments(), batch.position_ids()], dim=-1).transpose(0, 1)
-    cells = local(cells.contiguous()).reshape(-1, 2).numpy()
-    sample, position = cells[:, 0], cells[:, 1]
-    out = {}
-    for layer in layers:
-        k = next((r.geometry.topk for r in records if r is not None), 1)
-        ids = np.full((sample.size, k), MASKED, np.int64)
-        for b, record in enumerate(records):
-            if record is None:
-                continue
-            rows = np.flatnonzero((sample == b) & (position < record.num_rows))
-            ids[rows] = record.routes[position[rows], record.moe_layers.index(layer)]
-        out[layer] = torch.from_numpy(ids)
-    return out
 
 
 def in_batch_order(dp: DataParallel, local_mini: int, per_sample: dict[int, object]) -> list:
@@ -377,4 +264,5 @@ def step_report(
         replay_followed=followed,
         aux_loss=float(np.mean(aux_layers)) if aux_layers else None,
         aux_loss_layers=aux_layers,
+        grad_norm=updates.grad_norm,
     )

@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from routereplay.domain.record import Geometry, Record, Turn
 from trainer.data.source import Sample
+from trainer.distributed.dp import DataParallel
 from trainer.layout import MicroBatch
 from trainer.layout.align import routes_from_recorded
-from trainer.parallel.dp import DataParallel
 from trainer.rl import measure
 from trainer.rl.stages import Observed, OldPass
 

@@ -1,8 +1,8 @@
 """The RL step's passes on megatron-core's own schedules, with router replay per stage and chunk.
 
 Every pass over a list of micro-batches (old-logprob, comparison, update) is one call of the
-function ``megatron.core.pipeline_parallel.get_forward_backward_func()`` picks for the layout:
-no pipelining on one stage, 1F1B with pipeline stages, interleaved 1F1B with virtual stages.
+function ``megatron.core.pipeline_parallel.get_forward_backward_func()`` picks for the parallel
+sizes: no pipelining on one stage, 1F1B with pipeline stages, interleaved 1F1B with virtual stages.
 The contract is Megatron-LM's: a forward-step function runs the chunk the schedule hands it on
 the micro-batch it names and returns the output with a loss function; the loss function runs
 on the last stage only. ``forward_only`` passes keep no activations.
@@ -94,7 +94,7 @@ class PassResult:
 
 
 class Schedule:
-    """Runs passes of one model through megatron's schedule for its layout.
+    """Runs passes of one model through megatron's schedule for its parallel sizes.
 
     Args:
         built: The model (its chunks: one per virtual stage).
@@ -135,7 +135,7 @@ class Schedule:
         """One pass: a forward (and, unless ``forward_only``, a backward) of every micro-batch.
 
         Args:
-            batches: The micro-batches' token layouts, in order.
+            batches: The micro-batches' tokens as the model reads them, in order.
             last_stage: What the last stage computes from each micro-batch's logits.
             replay: Per micro-batch, this rank's replay ids, one int64 ``[tokens, k]`` tensor
                 per router of this rank in ``built.routers`` order (``MASKED`` rows route

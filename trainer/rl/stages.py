@@ -52,14 +52,12 @@ ByLayer = dict[int, torch.Tensor]
 
 @dataclass(frozen=True)
 class Laid:
-    """The layout stage: rewards of the whole batch (single-rank order), this rank's layout,
-    and, in R3, each micro-batch's record route of every router row (``replay_followed``'s
-    reference, found from the model's inputs, not from the replay ids)."""
+    """The layout stage: rewards of the whole batch (single-rank order) and this rank's layout
+    (in R3 with each micro-batch's replay reference, ``StepLayout.reference``)."""
 
     rewards: list[float]
     layout: StepLayout
     micro_batches: list[MicroBatch]
-    recorded: list[ByLayer]
 
     @property
     def batches(self) -> list[PaddedBatch]:
@@ -72,7 +70,7 @@ class OldPass:
     did (``routes``) and chose on the rows that have a route (``chosen``, ``MASKED``
     elsewhere: R2's replay ids); over this rank's generated tokens, the sampled token's
     probability (``mass``) and the entropy; and, when it replayed, ``replay_followed``'s
-    counts (``trainer.rl.measure.count_same``)."""
+    counts (``trainer.rl.counts.count_same``)."""
 
     logp: list[torch.Tensor]
     routes: list[Observed]
@@ -95,7 +93,9 @@ class Comparison:
 class Updates:
     """The update epochs: this rank's loss and clip fraction per mini-batch step, the update
     agreement per epoch (every rank's), megatron's aux loss per MoE layer, the rows replayed
-    and, when they replayed the rollout's routes, ``replay_followed``'s counts."""
+    and, when they replayed the rollout's routes, ``replay_followed``'s counts; the L2 norm of
+    the gradient each optimizer step applied, where one rank's norm is the whole gradient's
+    (no model parallelism; None otherwise)."""
 
     losses: list[float]
     clips: list[float]
@@ -103,6 +103,7 @@ class Updates:
     aux_layers: list[float] | None
     replayed: int
     followed: np.ndarray
+    grad_norm: list[float] | None
 
 
 @dataclass(frozen=True)

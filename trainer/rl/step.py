@@ -5,7 +5,7 @@ gradients, ``report.compare``) with the other routing, so every step reports the
 rollout with replay and without; then ``ppo_epochs`` passes over the mini-batches, each
 mini-batch a forward and backward of its micro-batches and one optimizer step. Every pass is
 one call of megatron's schedule (``trainer.rl.schedule``): no pipelining, 1F1B or interleaved
-1F1B, the same code on one rank and on any layout.
+1F1B, the same code on one rank and under any parallel sizes.
 
 Which routing each pass uses (``trainer.rl.stages.PASSES``):
 
@@ -37,9 +37,10 @@ so an alignment or resharding fault lowers it.
 Counts are taken where the routers run, on each rank's rows and layers, and summed over every
 rank: each (row, layer) lives on exactly one rank of a data-parallel rank's model group.
 
-Layouts (``dp``, a ``trainer.parallel.dp.DataParallel``, and its ``model``): each DP rank trains its
-share of every mini-batch; advantages come from every rank's rewards; gradients are summed over
-the ranks with the loss normalised by the mini-batch's generated-token count over all of them.
+Parallelism (``dp``, a ``trainer.distributed.dp.DataParallel``, and its ``model``): each DP rank
+trains its share of every mini-batch; advantages come from every rank's rewards; gradients
+are summed over the ranks with the loss normalised by the mini-batch's generated-token count
+over all of them.
 Tensor parallel: micro-batches are padded (or packed sequences each padded) to a multiple of
 the TP size and each router replays its sequence shard. Pipeline parallel: each stage's
 routers replay their own layers; log-probs come from the last stage and reach every stage.
@@ -49,19 +50,21 @@ Expert parallel needs nothing: routes name global experts.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from routereplay.domain.record import MASKED
+from routereplay.domain.record import MASKED, Record
 from trainer.config import ReplayMode, TrainerConfig
-from trainer.data.source import FetchedBatch
+from trainer.data.source import FetchedBatch, Sample
+from trainer.distributed.dp import SINGLE, DataParallel
 from trainer.layout import MicroBatch, RankShare, plan_step
 from trainer.model.build import TrainerModel
-from trainer.parallel.dp import SINGLE, DataParallel
-from trainer.rl import measure, objective
+from trainer.optim import AdamW
+from trainer.rl import counts, measure, objective
 from trainer.rl.routes_used import routes_used
-from trainer.rl.schedule import Schedule
+from trainer.rl.schedule import LastStage, PassResult, Schedule
 from trainer.rl.stages import (
     PASSES,
     ByLayer,
@@ -78,7 +81,11 @@ class RLStep:
     """Runs steps on one model (``run``: one batch, its report and the routes it used)."""
 
     def __init__(
-        self, built: TrainerModel, optimizer, config: TrainerConfig, dp: DataParallel = SINGLE
+        self,
+        built: TrainerModel,
+        optimizer: AdamW,
+        config: TrainerConfig,
+        dp: DataParallel = SINGLE,
     ):
         if built.replay is None:
             raise ValueError("the RL step needs a model built with routing_replay=True")
@@ -123,9 +130,7 @@ class RLStep:
     def _layout(self, fetched: FetchedBatch) -> Laid:
         """Rewards and advantages; this rank's mini- and micro-batches and the rollout's routes
         as replay ids (``trainer.layout.plan_step``: replayed, or the routing agreement's
-        reference) and, in R3, each router row's record route (``replay_followed``'s
-        reference, found from the model's inputs and not from the replay ids, so a wrong
-        alignment or cut shows)."""
+        reference) and, in R3, each micro-batch's replay reference (``replay_followed``'s)."""
         rewards, adv = self._advantages(fetched.samples)
         layout = plan_step(
             fetched.samples,
@@ -137,10 +142,9 @@ class RLStep:
             geometry=self.built.geometry,
             router_layers=[r.layer for r in self.built.routers],
             model_id=self.config.model.model_id or None,
+            with_reference=self.mode is ReplayMode.R3,
         )
-        mbs = layout.micro_batches
-        recorded = [self._recorded(mb) for mb in mbs] if self.mode is ReplayMode.R3 else []
-        return Laid(rewards, layout, mbs, recorded)
+        return Laid(rewards, layout, layout.micro_batches)
 
     def _old_logprob_pass(self, laid: Laid) -> OldPass:
         """No gradients: the old log-probs, the sampled tokens' mass and entropy, what each
@@ -164,7 +168,7 @@ class RLStep:
             for mb, ok in zip(result.routes, laid.layout.replayable, strict=True)
         ]
         if self.passes.old is Routing.ROLLOUT:
-            followed += self._followed(result, laid.recorded)
+            followed += self._followed(result, laid.layout.reference)
         return OldPass(
             logp=[o["logp"] for o in result.outputs],
             routes=result.routes,
@@ -190,7 +194,7 @@ class RLStep:
         agree = self._no_counts()
         for routes, ids in zip(natural, laid.layout.replay_ids, strict=True):
             agree += self._counts(routes, self._by_layer(ids), "natural")
-        return Comparison(logp, measure.world_sum(agree))
+        return Comparison(logp, counts.world_sum(agree))
 
     def _update_epochs(self, laid: Laid, old: OldPass) -> Updates:
         """``ppo_epochs`` passes over the mini-batches, one optimizer step per mini-batch, with
@@ -204,18 +208,29 @@ class RLStep:
         aux = measure.AuxLoss(self.built)
         losses, clips, drift, followed = [], [], [], self._no_counts()
         for _epoch in range(epochs):
-            counts = self._no_counts()
+            same_counts = self._no_counts()
             for mini, lo in zip(laid.layout.minis, self._starts(laid), strict=True):
                 loss, clip, same, used = self._mini_step(laid, mini, lo, old.logp, ids)
                 losses.append(loss)
                 clips.append(clip)
-                counts += same
+                same_counts += same
                 followed += used
-            drift.append(measure.same_fraction(measure.world_sum(counts)))
+            drift.append(counts.same_fraction(counts.world_sum(same_counts)))
         aux_layers = aux.read(epochs * len(laid.micro_batches), self.mp)
-        return Updates(losses, clips, drift, aux_layers, self._replayed(laid), followed)
+        norms = self.optimizer.take_grad_norms()
+        # Only when every rank holds the whole model is this rank's norm the whole gradient's.
+        grad_norm = norms if self.mp is None else None
+        replayed = self._replayed(laid)
+        return Updates(losses, clips, drift, aux_layers, replayed, followed, grad_norm)
 
-    def _mini_step(self, laid: Laid, mini: list[MicroBatch], lo: int, old_logp, ids):
+    def _mini_step(
+        self,
+        laid: Laid,
+        mini: list[MicroBatch],
+        lo: int,
+        old_logp: list[torch.Tensor],
+        ids: list[ByLayer],
+    ) -> tuple[float, float, np.ndarray, np.ndarray]:
         """One mini-batch's forward, backward and optimizer step: its loss and clip fraction,
         and the counts of its routers' natural choice (and, replaying the rollout's routes,
         of the experts used) against the routes used."""
@@ -230,12 +245,19 @@ class RLStep:
             for m, routes in enumerate(result.routes):
                 same += self._counts(routes, ids[lo + m], "natural")
             if self.passes.update is Routing.ROLLOUT:
-                used = self._followed(result, laid.recorded[lo : lo + len(mini)])
+                used = self._followed(result, laid.layout.reference[lo : lo + len(mini)])
         self.dp.reduce_gradients(self.built.model)
         self.optimizer.step()
         return loss, clip, same, used
 
-    def _update(self, mini, lo, old_logp, update_ids, tokens):
+    def _update(
+        self,
+        mini: list[MicroBatch],
+        lo: int,
+        old_logp: list[torch.Tensor],
+        update_ids: list[ByLayer],
+        tokens: int,
+    ) -> PassResult:
         """One mini-batch's forward and backward (gradients left in the parameters)."""
         cfg = self.config.train
 
@@ -255,12 +277,12 @@ class RLStep:
             [mb.batch for mb in mini], loss, replay=replay, forward_only=False, observe=True
         )
 
-    def _pass(self, laid: Laid, last_stage, routing: Routing):
+    def _pass(self, laid: Laid, last_stage: LastStage, routing: Routing) -> PassResult:
         """A pass without gradients, replaying the rollout's routes or routing naturally."""
         replay = laid.layout.replay_ids if routing is Routing.ROLLOUT else None
         return self.schedule.run(laid.batches, last_stage, replay=replay, observe=True)
 
-    def _routes_used(self, laid: Laid, old: OldPass):
+    def _routes_used(self, laid: Laid, old: OldPass) -> list[Record]:
         if not self.config.router_replay.record_file:
             return []
         return routes_used(
@@ -288,12 +310,7 @@ class RLStep:
         """Each mini-batch's first micro-batch in ``micro_batches`` (where its ids are)."""
         return [0, *itertools.accumulate(len(mini) for mini in laid.layout.minis)][:-1]
 
-    def _recorded(self, mb: MicroBatch) -> ByLayer:
-        """Per router of this rank, the record's route of each of its rows (``MASKED``: none)."""
-        layers = [r.layer for r in self.built.routers]
-        return measure.recorded_routes(mb.batch, mb.records, layers, self.share.megatron_share)
-
-    def _followed(self, result, recorded: list[ByLayer]) -> np.ndarray:
+    def _followed(self, result: PassResult, recorded: list[ByLayer]) -> np.ndarray:
         """``count_same`` of what the routing maps used in a replayed pass (each forward, and
         each forward recomputed in backward) against the records' routes."""
         out = self._no_counts()
@@ -315,23 +332,21 @@ class RLStep:
         return {r.layer: i for r, i in zip(self.built.routers, ids, strict=True)}
 
     def _counts(self, routes: dict, reference: ByLayer, key: str) -> np.ndarray:
-        return measure.count_same(routes, reference, key, self.columns)
+        return counts.count_same(routes, reference, key, self.columns)
 
     def _no_counts(self) -> np.ndarray:
-        return measure.no_counts(len(self.columns))
+        return counts.no_counts(len(self.columns))
 
-    def _advantages(self, samples) -> tuple[list[float], np.ndarray]:
+    def _advantages(self, samples: Sequence[Sample]) -> tuple[list[float], np.ndarray]:
         """Rewards of the whole batch (in the single-rank order) and this rank's advantages,
         normalised within each GRPO group over every DP rank's samples."""
         rewards = [objective.reward(s) for s in samples]
         groups = [s.group_id for s in samples]
         if not self.dp.enabled:
             return rewards, objective.group_advantages(rewards, groups)
-        entries = sorted(
-            (j // self.local_mini, r, j, reward, group)
-            for r, part in enumerate(self.dp.all_gather(list(zip(rewards, groups, strict=True))))
-            for j, (reward, group) in enumerate(part)
-        )
-        adv = objective.group_advantages([e[3] for e in entries], [e[4] for e in entries])
-        mine = np.array([a for e, a in zip(entries, adv, strict=True) if e[1] == self.dp.rank])
-        return [e[3] for e in entries], mine.astype(np.float32)
+        mark = self.dp.rank
+        per_sample = {j: (mark, r, g) for j, (r, g) in enumerate(zip(rewards, groups, strict=True))}
+        entries = measure.in_batch_order(self.dp, self.local_mini, per_sample)
+        adv = objective.group_advantages([e[1] for e in entries], [e[2] for e in entries])
+        mine = np.array([a for e, a in zip(entries, adv, strict=True) if e[0] == mark])
+        return [e[1] for e in entries], mine.astype(np.float32)

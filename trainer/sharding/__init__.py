@@ -10,12 +10,12 @@ tokens go through, in this order:
 2. **Layers of this pipeline stage** (``stage_layers`` / ``stage_moe_layers``): megatron's
    layer split, re-derived here and checked against megatron's own functions in the tests;
    each stage's routers replay only their layers' record columns.
-3. **Micro-batches** (``dynamic_microbatches`` by token budget, with the permutation that puts
-   results back in the original order; a padded batch is cut along its samples).
+3. **Micro-batches** (``dynamic_microbatches`` by token budget; a padded batch is cut along its
+   samples).
    A packed micro-batch is packed on its own, so micro-batch assignment comes before packing.
 4. **Packing** (``PackPlan``): a micro-batch's sequences back to back in one row, each padded
-   to the multiple the layout needs (``pad_multiple``: TP x CP x 2 with CP, TP with SP); a
-   padded ``[batch, seq]`` layout pads ``seq`` to the same multiple instead.
+   to the multiple the parallel sizes need (``pad_multiple``: TP x CP x 2 with CP, TP with SP); a
+   padded ``[batch, seq]`` batch pads ``seq`` to the same multiple instead.
 5. **Context parallel** (``cp_index``): 2 x CP chunks of the sequence; rank r keeps chunks r
    and 2 x CP - 1 - r.
 6. **Sequence parallel** (``sp_slice``): this TP rank's contiguous share of the (CP-local)
@@ -25,9 +25,10 @@ tokens go through, in this order:
 Everything here is torch / numpy on the host; nothing touches a process group, nothing imports
 megatron or the rest of the trainer. ``trainer.layout`` runs these steps for the RL step.
 
-Modules, by concern: ``layout`` (the layout, a rank's coordinates, step 1), ``layers`` (layer
-ownership, step 2), ``microbatch`` (step 3), ``packing`` (steps 4-6: the packing plan, the CP
-and SP cuts of one sequence), ``share`` (a micro-batch's rows cut to one rank). Everything is
+Modules, by concern: ``parallel`` (the parallel sizes, a rank's coordinates, step 1),
+``layers`` (layer ownership, step 2), ``batching`` (step 3), ``packing`` (steps 4-6: the
+packing plan, the CP and SP cuts of one sequence), ``rows`` (a micro-batch's rows cut to one
+rank). Everything is
 importable from ``trainer.sharding``.
 """
 

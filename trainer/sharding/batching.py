@@ -1,13 +1,10 @@
-"""Micro-batches (step 3): dynamic batching of samples under a token budget, with the
-permutation back to the original order."""
+"""Micro-batches (step 3): dynamic batching of samples under a token budget."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 from trainer.sharding.parallel import ParallelismError, padded_length
 
@@ -23,25 +20,6 @@ class DynamicBatches:
 
     groups: tuple[tuple[int, ...], ...]
     tokens: tuple[int, ...]
-
-    @property
-    def order(self) -> np.ndarray:
-        """int64 ``[n]``: original sample index at each position of the execution order."""
-        return np.fromiter((i for g in self.groups for i in g), dtype=np.int64)
-
-    @property
-    def inverse(self) -> np.ndarray:
-        """int64 ``[n]``: execution position of each original sample (``order``'s inverse)."""
-        order = self.order
-        inv = np.empty_like(order)
-        inv[order] = np.arange(order.size)
-        return inv
-
-    def restore(self, results: Sequence) -> list:
-        """Per-sample results given in execution order -> the original sample order."""
-        if len(results) != self.order.size:
-            raise ValueError(f"{len(results)} results for {self.order.size} samples")
-        return [results[p] for p in self.inverse]
 
 
 def dynamic_microbatches(

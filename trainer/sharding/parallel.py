@@ -1,4 +1,4 @@
-"""The parallel layout, a rank's coordinates in it, and data parallelism (step 1): which
+"""The parallel sizes, a rank's coordinates under them, and data parallelism (step 1): which
 samples a DP rank fetches. Errors raised before a step are ``ParallelismError``."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 
 class ParallelismError(ValueError):
-    """A parallel layout that cannot replay the records as configured (raised before a step)."""
+    """Parallel sizes that cannot replay the records as configured (raised before a step)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -84,7 +84,7 @@ def padded_length(length: int, multiple: int) -> int:
 
 @dataclass(frozen=True)
 class RankCoords:
-    """One rank's coordinates in the layout (megatron's ranks within each group)."""
+    """One rank's coordinates under the parallel sizes (megatron's ranks within each group)."""
 
     tp_rank: int = 0
     cp_rank: int = 0

@@ -12,7 +12,7 @@ from trainer.sharding.parallel import Parallelism, ParallelismError, RankCoords
 
 def rank_positions(seq: int, parallelism: Parallelism, coords: RankCoords) -> np.ndarray:
     """The sequence positions whose rows this rank keeps, in its order: its CP chunks, then
-    its SP share of them. Whole positions: ``seq`` is a multiple of the layout's multiple, so
+    its SP share of them. Whole positions: ``seq`` is a multiple of the parallel sizes' multiple, so
     megatron's scatter of the seq-major ``[seq / cp * batch]`` rows cuts between positions."""
     if seq % parallelism.multiple:
         raise ParallelismError(

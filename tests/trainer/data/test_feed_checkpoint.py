@@ -17,7 +17,7 @@ import pytest
 
 from routereplay.domain.feed import ReadyEntry, ReadyPage
 from trainer.data.source import FeedPlans
-from trainer.parallel.dp import SINGLE
+from trainer.distributed.dp import SINGLE
 
 
 class StreamFeed:

@@ -33,7 +33,7 @@ from tests.trainer.helpers import assert_same_counts
 from tests.trainer.tolerance import loss_atol
 from trainer.config import ConfigError, load_config
 from trainer.data.source import BatchPlan, FeedPlans
-from trainer.parallel.dp import DataParallel, ModelParallel
+from trainer.distributed.dp import DataParallel, ModelParallel
 from trainer.report.step_report import reports_from_json
 from trainer.sharding import Parallelism, RankCoords
 from trainer.train import train

@@ -19,6 +19,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from tests.conftest import OTHER_FAMILIES
+from tests.support.replay import recording
 from tests.trainer.helpers import (
     capture_routing,
     grads,
@@ -69,7 +70,7 @@ def test_replaying_natural_routes_is_bit_identical_to_disabled(
     batch = random_batch(1, [9, 4, 12], "left")
     loss_off, grads_off = _train_pass(built, batch)
     recorded: list[list[torch.Tensor]] = []
-    with torch.no_grad(), built.replay.step(), built.replay.recording(recorded):
+    with torch.no_grad(), built.replay.step(), recording(built.replay, recorded):
         next_token_loss(built.model, batch)
     routes = routes_from_recorded(batch, recorded[0], built.geometry)
     aligned = align_routes(

@@ -11,6 +11,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from routereplay.domain.record import MASKED, Geometry
 from routereplay.errors import InvalidArgument
+from tests.support.replay import recording
 from tests.trainer.helpers import (
     capture_routing,
     grads,
@@ -60,7 +61,7 @@ def test_replaying_natural_routes_is_bit_identical_to_disabled(built, padding_si
     batch = random_batch(1, [9, 4, 12], padding_side)
     loss_off, grads_off = _train_pass(built, batch)
     recorded: list[list[torch.Tensor]] = []
-    with torch.no_grad(), built.replay.step(), built.replay.recording(recorded):
+    with torch.no_grad(), built.replay.step(), recording(built.replay, recorded):
         next_token_loss(built.model, batch)
     # Through the record form and back: final tokens and padding are MASKED (native) rows.
     routes = routes_from_recorded(batch, recorded[0], built.geometry)

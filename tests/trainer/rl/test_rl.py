@@ -244,6 +244,8 @@ def test_missing_records_fail_or_train_natively(
     followed = report.replay_followed
     assert followed.rows == [2 * routed] * 3 and followed.exact == [1.0] * 3
     assert report.rows.valid == routed + 4 + rollout[4].token_ids.size
+    # The one optimizer step's gradient norm arrives with the step's updates.
+    assert report.grad_norm is not None and len(report.grad_norm) == 1 and report.grad_norm[0] > 0
 
 
 def test_metrics_match_an_independent_calculation(

@@ -1,1 +1,0 @@
-"""The parallel layout: the world's process groups and what data-parallel ranks exchange."""
