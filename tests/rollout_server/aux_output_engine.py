@@ -32,19 +32,19 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from routereplay.domain.model_geometry import MoEGeometry
+from routereplay.families.model_geometry import MoEGeometry
 
 BLOCK = 4  # tokens per KV block (and per hash block, one KV group)
 
 
-def route_rows(version: int, context: np.ndarray, layout: MoEGeometry) -> np.ndarray:
+def route_rows(version: int, context: np.ndarray, moe_geometry: MoEGeometry) -> np.ndarray:
     """The routing of the last token of ``context`` (all tokens so far) under policy
     ``version``, ``[num_hidden_layers, topk]``: distinct ids on MoE layers, zeros on dense
     layers, as vLLM returns them."""
     digest = hashlib.blake2b(np.asarray(context, np.int64).tobytes(), digest_size=8).digest()
     rng = np.random.default_rng([version, int.from_bytes(digest, "little")])
-    geometry = layout.record
-    row = np.zeros((layout.num_hidden_layers, geometry.topk), np.int32)
+    geometry = moe_geometry.record
+    row = np.zeros((moe_geometry.num_hidden_layers, geometry.topk), np.int32)
     for layer in geometry.moe_layers:
         row[layer] = rng.choice(geometry.num_experts, geometry.topk, replace=False)
     return row
@@ -142,7 +142,7 @@ class StepPlayer:
 
     Args:
         aux: The wheel's modules (``vllm_wheels.load_aux_output``).
-        layout: The served model's geometry (the capture's width).
+        moe_geometry: The served model's geometry (the capture's width).
         vocab: Vocabulary size of the stand-in model.
         max_num_batched_tokens: Token budget per step (longer prompts prefill in chunks).
         store_bytes: ``aux_output_config.max_bytes`` (None: sized from the KV cache).
@@ -155,7 +155,7 @@ class StepPlayer:
     def __init__(
         self,
         aux: SimpleNamespace,
-        layout: MoEGeometry,
+        moe_geometry: MoEGeometry,
         vocab: int,
         *,
         max_num_batched_tokens: int = 16,
@@ -166,13 +166,13 @@ class StepPlayer:
         accepted: tuple[int, ...] = (0,),
         trim_rejected: bool = True,
     ) -> None:
-        self.layout = layout
+        self.moe_geometry = moe_geometry
         self.vocab = vocab
         self.budget = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.kv = StandInKVManager(num_blocks)
         self.scheduler = aux.connector.AuxOutputSchedulerConnector(self.kv)
-        geometry = layout.record
+        geometry = moe_geometry.record
         config = SimpleNamespace(
             scheduler_config=SimpleNamespace(
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs
@@ -180,7 +180,7 @@ class StepPlayer:
             max_concurrent_batches=1,
             aux_output_config=SimpleNamespace(max_bytes=store_bytes),
             model_config=SimpleNamespace(
-                get_total_num_hidden_layers=lambda: layout.num_hidden_layers,
+                get_total_num_hidden_layers=lambda: moe_geometry.num_hidden_layers,
                 get_num_experts=lambda: geometry.num_experts,
                 get_num_experts_per_tok=lambda: geometry.topk,
             ),
@@ -279,7 +279,9 @@ class StepPlayer:
         for rid, (context, tokens, _, _) in plans.items():
             start = starts[rid]
             for i in range(len(tokens)):
-                row = route_rows(self.version, np.asarray(context[: start + i + 1]), self.layout)
+                row = route_rows(
+                    self.version, np.asarray(context[: start + i + 1]), self.moe_geometry
+                )
                 self.capturer.device_buffer[query_start_loc[-1] + i] = _tensor(row)
             query_start_loc.append(query_start_loc[-1] + len(tokens))
         batch = SimpleNamespace(

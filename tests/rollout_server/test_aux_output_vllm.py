@@ -245,24 +245,25 @@ SCENARIOS = {
 # ---------------------------------------------------------------- the check
 
 
-def expected_routes(record, layout) -> np.ndarray:
+def expected_routes(record, moe_geometry) -> np.ndarray:
     """Every row the stand-in capture computed for this record's tokens: row ``r`` under the
     policy of the turn that holds token ``r + 1`` (the token that row's forward pass chose)."""
     tokens = record.token_ids
     version = np.zeros(len(tokens), np.int64)
     for turn in record.turns:
         version[turn.token_start : turn.token_end] = turn.policy_version
-    moe = list(layout.record.moe_layers)
+    moe = list(moe_geometry.record.moe_layers)
     rows = [
-        route_rows(int(version[r + 1]), tokens[: r + 1], layout) for r in range(len(version) - 1)
+        route_rows(int(version[r + 1]), tokens[: r + 1], moe_geometry)
+        for r in range(len(version) - 1)
     ]
     return np.stack(rows)[:, moe]
 
 
-def check_every_row(cache_reader, sample_ids, layout) -> int:
+def check_every_row(cache_reader, sample_ids, moe_geometry) -> int:
     rows = 0
     for record in cache_reader.read_batch(sample_ids):
-        want = expected_routes(record, layout)
+        want = expected_routes(record, moe_geometry)
         assert record.routes.shape == want.shape, (record.sample_id, record.routes.shape)
         bad = np.flatnonzero((record.routes != want).any(axis=(1, 2)))
         assert bad.size == 0, (
@@ -275,7 +276,7 @@ def check_every_row(cache_reader, sample_ids, layout) -> int:
 
 
 def run_scenario(version, scenario, tiny_model_dir, route_cache, loop, monkeypatch):
-    """Play one scenario on vLLM ``version``'s bookkeeping; returns (sample ids, layout, player)."""
+    """Play one scenario on vLLM ``version``'s bookkeeping; returns (sample ids, moe_geometry, player)."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
     play_fn, settings = SCENARIOS[scenario]
@@ -288,13 +289,15 @@ def run_scenario(version, scenario, tiny_model_dir, route_cache, loop, monkeypat
             return StandInAsyncLLM(holder["player"], 256, vocab)
 
         monkeypatch.setattr(AsyncLLM, "from_engine_args", staticmethod(start))
-        from routereplay.domain.model_geometry import load_geometry
+        from routereplay.families.model_geometry import load_geometry
 
-        layout = load_geometry(tiny_model_dir, "tiny")
+        moe_geometry = load_geometry(tiny_model_dir, "tiny")
         vocab = 512
         if settings.get("store_bytes") == "one_block":
-            settings["store_bytes"] = BLOCK * layout.num_hidden_layers * layout.record.topk
-        holder["player"] = StepPlayer(aux_output(version), layout, vocab, **settings)
+            settings["store_bytes"] = (
+                BLOCK * moe_geometry.num_hidden_layers * moe_geometry.record.topk
+            )
+        holder["player"] = StepPlayer(aux_output(version), moe_geometry, vocab, **settings)
         engine = VLLMEngine(tiny_model_dir, model_id="tiny")
         async with AsyncRouteCacheClient(route_cache.target, timeout_s=10) as cache:
             writer = RecordWriter(cache)
@@ -306,10 +309,10 @@ def run_scenario(version, scenario, tiny_model_dir, route_cache, loop, monkeypat
                 ids = await play_fn(rollout, holder["player"], name, vocab, *extra)
             finally:
                 await writer.stop(5)
-        return ids, layout
+        return ids, moe_geometry
 
-    ids, layout = loop.run_until_complete(main())
-    return ids, layout, holder["player"]
+    ids, moe_geometry = loop.run_until_complete(main())
+    return ids, moe_geometry, holder["player"]
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
@@ -317,10 +320,10 @@ def run_scenario(version, scenario, tiny_model_dir, route_cache, loop, monkeypat
 def test_vllm_aux_output_rows_are_stored_as_captured(
     version, scenario, tiny_model_dir, route_cache, cache_reader, loop, monkeypatch
 ):
-    ids, layout, player = run_scenario(
+    ids, moe_geometry, player = run_scenario(
         version, scenario, tiny_model_dir, route_cache, loop, monkeypatch
     )
-    assert check_every_row(cache_reader, ids, layout) > 0
+    assert check_every_row(cache_reader, ids, moe_geometry) > 0
     assert not player.busy
 
 
