@@ -276,7 +276,7 @@ def check_every_row(cache_reader, sample_ids, moe_geometry) -> int:
 
 
 def run_scenario(version, scenario, tiny_model_dir, route_cache, loop, monkeypatch):
-    """Play one scenario on vLLM ``version``'s bookkeeping; returns (sample ids, geometry, player)."""
+    """Play one scenario on vLLM ``version``'s bookkeeping: (sample ids, geometry, player)."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
     play_fn, settings = SCENARIOS[scenario]
