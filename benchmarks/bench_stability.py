@@ -51,6 +51,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from benchmarks import common
 from benchmarks import stability_records as sr
 
@@ -576,7 +578,7 @@ records, and fails if a run's records miss a step. Machine: {data.get("machine",
 The real pipeline: the route cache, a rollout server per family ({setting}), and per run a
 trainer (megatron-core in **bfloat16**, one rank) taking whole GRPO groups from the ready feed
 and pushing its weights to the rollout server after every step, so each step's batch comes
-from the previous step's policy{_staleness(plan)} (checked per step). Families
+from the previous step's policy{_staleness(plan, data)} (checked per step). Families
 {", ".join(plan["families"])}; `disabled`, R2 and R3 with {len(plan["seeds"])} seeds each, R3
 with a float32 trainer with {fp32}; {plan["steps"]} steps per run, {plan["groups"]} GRPO groups
 x {plan["n"]} samples of {plan["max_tokens"]} tokens per step from {plan.get("prompts", 4)}
@@ -639,9 +641,18 @@ def _cell(table: list, family: str, mode: str):
     )
 
 
-def _staleness(plan: dict) -> str:
+def _staleness(plan: dict, data: dict | None = None) -> str:
     k = plan.get("staleness", 0)
-    return f" or up to {k} versions older (`--staleness {k}`)" if k else ""
+    if not k:
+        return ""
+    seen = [x for r in (data or {}).get("runs", []) for x in sr.lags(r)]
+    lagged = (
+        f"; the batches lagged the newest policy by {np.median(seen):g} versions (median), "
+        f"{max(seen)} at most"
+        if seen
+        else ""
+    )
+    return f" or up to {k} versions older (`--staleness {k}`{lagged})"
 
 
 def _collapsed(scale: dict) -> str:

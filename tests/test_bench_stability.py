@@ -344,3 +344,23 @@ def test_the_probe_runs_every_mode_at_every_rate(tmp_path):
     collapsed = [(v["mode"], v["lr"]) for v in data["probe"]["verdicts"] if v["collapsed"]]
     assert collapsed == [("disabled", 3e-3)]
     assert [p for p in sr.check(data) if "missing run:" not in p] == []  # no main runs here
+
+
+def test_an_experiment_writes_its_own_section_and_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "DOCS", tmp_path / "benchmarks.md")
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
+    data = records()
+    data["plan"] = {**PLAN, "tag": "stale", "staleness": 2}
+    for run in data["runs"]:
+        run["staleness"] = 2
+        for s in run["steps"][3:]:
+            s["rollout_versions"] = [s["step"] - 2]
+    path = tmp_path / "stale.json"
+    path.write_text(json.dumps(data))
+    assert bench_stability.main(["--from-records", str(path)]) == 0
+    section = (tmp_path / "benchmarks.md").read_text()
+    assert "<!-- stability_stale:begin -->" in section and "<!-- stability:begin -->" not in section
+    assert "`python -m benchmarks.bench_stability --tag stale --staleness 2`" in section
+    assert "lagged the newest policy by 2 versions (median), 2 at most" in section
+    assert json.loads((tmp_path / "benchmarks-stability-stale.json").read_text()) == data
+    assert (tmp_path / "benchmarks-stability-stale.png").stat().st_size > 0
