@@ -528,9 +528,27 @@ def markdown(
     )
     scale_text = ""
     paper = sr.PAPER_DENSE_KL / sr.PAPER_MOE_KL
+    residue = (
+        "only the kernels' residue (both sides float32)"
+        if plan.get("rollout_dtype", "float32") == "float32"
+        else "the bf16 rollout against a float32 trainer (the column *kernels' residue* "
+        "then holds the rollout's own precision)"
+    )
+    stale_note = (
+        " With rollouts a policy version or more behind, every KL here also holds the policy's "
+        "own change between the versions, not the mismatch alone."
+        if plan.get("staleness")
+        else ""
+    )
     if scale:
         rewards = ", ".join(f"{k} {v:.3f}" for k, v in scale["reward"].items())
         clipped = scale["last_clipped_step"]
+        fp32_clip = (
+            " (its early clipping comes with the float32 trainer too: the update moves the "
+            "policy, not the mismatch)"
+            if clipped is not None and scale["fp32_clipped"]
+            else ""
+        )
         scale_text = f"""
 **The absolute scale, and what was not observed.** Over the {scale["records"]} step records
 of the main runs: the median KL of the bf16 trainer's steps is {sr.fmt(scale["median_kl"])},
@@ -538,14 +556,12 @@ against the R3 paper's {sr.PAPER_MOE_KL:.4g} for Qwen3-30B-A3B
 ({sr.PAPER_MOE_KL / scale["median_kl"]:.0f}x smaller). The largest per-token gap is
 {scale["largest_gap"]:.3f} nats, a probability ratio of {scale["largest_ratio"]:.3f}; the
 largest fraction of a step's tokens at a ratio above 2 (or below 1/2, the paper's extreme
-tokens) is {scale["extreme_max"]:.0%}. So no token came near PPO's clip range (0.8-1.2)
-through the mismatch. Entropy moved {scale["entropy_first"]:.2f} -> {scale["entropy_last"]:.2f}
-nats (range {scale["entropy_min"]:.2f}-{scale["entropy_max"]:.2f}); PPO clipped
-{f"nothing after step {clipped}" if clipped is not None else "nothing"} (its early clipping
-comes with the float32 trainer too: the update moves the policy, not the mismatch); the
-median batch reward was {rewards}. {_collapsed(scale)} Nothing was destabilised in any mode:
-this benchmark measures the mechanism (replay removes routing's share of the
-training-inference mismatch), not stability. The paper's
+tokens) is {scale["extreme_max"]:.0%}.{_near_clip(scale)} Entropy moved
+{scale["entropy_first"]:.2f} -> {scale["entropy_last"]:.2f} nats (range
+{scale["entropy_min"]:.2f}-{scale["entropy_max"]:.2f}); PPO clipped
+{f"nothing after step {clipped}" if clipped is not None else "nothing"}{fp32_clip}; the
+median batch reward was {rewards}. {_collapsed(scale)}{_destabilised(scale, data)}
+The paper's
 dense-to-MoE ratio ({sr.PAPER_DENSE_KL:.2g} / {sr.PAPER_MOE_KL:.4g} = {paper:.2f}) compares
 two models, not one model with and without replay, so it is not set beside these ratios; like
 with like is replay on and off on one model, which the paired ratio is.
@@ -571,7 +587,9 @@ with like is replay on and off on one model, which the paired ratio is.
         )
     return f"""## Stability: the training-inference mismatch over an RL run, without replay, R2, R3
 
-`{command}` (from `make bench`); `python -m benchmarks.bench_stability --from-records
+`{command}`{
+        "" if plan.get("tag") else " (from `make bench`)"
+    }; `python -m benchmarks.bench_stability --from-records
 docs/{records_name}` recomputes this section and both figures from the per-step
 records, and fails if a run's records miss a step. Machine: {data.get("machine", "-")}.
 {partial}
@@ -593,7 +611,7 @@ replayed. Their ratio, replayed / natural, is the share of the mismatch left onc
 agrees, free of run-to-run noise. Median over the last {sr.WINDOW} steps: {lead}. Between
 separate runs, R3's median KL over `disabled`'s: {separate}.
 
-The ratio is not stationary. By thirds of the run (paired, `disabled`'s steps): {
+By thirds of the run (paired, `disabled`'s steps): {
         "; ".join(moved)
     }. The margins it rests on were set by hand (narrowed so that routing flips) and training
 moves them; only {
@@ -612,7 +630,7 @@ routing, as `disabled`'s do (its median KL over `disabled`'s in separate runs: {
 paired ratios match `disabled`'s). What it fixes is routing drift within a
 step: per PPO epoch, the fraction of routing choices where the routers' natural top-k in the
 update pass equals the old-logprob pass's routes. `disabled` trains on its natural choices,
-so its update passes train on routing that moved ({drift}, epochs 1 / 2); R2 and R3 train on
+so its update passes train on routing that moved ({drift}, by epoch); R2 and R3 train on
 the old pass's routes (R3's replay checked per step, `replay_followed`), their natural
 column showing what they would have drifted to.
 
@@ -624,8 +642,8 @@ routing*: the same weights, same step, with the other routing. *Agreement*: the 
 natural top-k set equal to the rollout's, mean over the MoE layers. Grad norm: mean over the
 step's optimizer steps. Medians over the last {sr.WINDOW} steps of every seed, pooled. The
 mismatch by source: `disabled` in bf16 has routing and precision differing, R3 in bf16
-precision alone, R3 with a float32 trainer only the kernels' residue; *routing's part* =
-disabled - R3, *precision's part* = R3 - R3 fp32.
+precision alone, R3 with a float32 trainer {residue}; *routing's part* = disabled - R3,
+*precision's part* = R3 - R3 fp32.{stale_note}
 
 {sr.table_markdown(table)}
 ![KL, paired ratio, agreement and expected reward over steps]({figure_name})
@@ -653,6 +671,25 @@ def _staleness(plan: dict, data: dict | None = None) -> str:
         else ""
     )
     return f" or up to {k} versions older (`--staleness {k}`{lagged})"
+
+
+def _near_clip(scale: dict) -> str:
+    if scale["largest_ratio"] < 1 + 0.2:
+        return " So no token came near PPO's clip range (0.8-1.2) through the mismatch."
+    return " The largest ratio lies outside PPO's clip range (0.8-1.2) before any update."
+
+
+def _destabilised(scale: dict, data: dict) -> str:
+    """The reading, only where the records allow it: nothing collapsed, main runs or probe."""
+    probe = (data.get("probe") or {}).get("verdicts", [])
+    if scale["collapsed"] or any(v.get("collapsed") for v in probe):
+        return ""
+    if scale["extreme_max"] >= sr.EXTREME_FRACTION:
+        return ""
+    return (
+        " Nothing was destabilised in any mode: this benchmark measures the mechanism (replay "
+        "removes routing's share of the training-inference mismatch), not stability."
+    )
 
 
 def _collapsed(scale: dict) -> str:

@@ -490,6 +490,12 @@ def scale(data: dict[str, Any], kind: str = "main") -> dict[str, Any]:
         "entropy_max": float(np.nanmax(entropy)),
         "last_clipped_step": clipped[-1] if clipped else None,
         "largest_clip_fraction": max(value(s, "clip_fraction") for s in steps),
+        "fp32_clipped": any(
+            value(s, "clip_fraction") > 0
+            for r in runs
+            if r["dtype"] == "float32"
+            for s in r["steps"]
+        ),
         "collapsed": [run_name(r) for r in runs if collapse(r)["collapsed"]],
         "runs": len(runs),
         "reward": {label: _nanmedian(v) for label, v in rewards.items()},

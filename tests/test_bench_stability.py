@@ -364,3 +364,25 @@ def test_an_experiment_writes_its_own_section_and_files(tmp_path, monkeypatch):
     assert "lagged the newest policy by 2 versions (median), 2 at most" in section
     assert json.loads((tmp_path / "benchmarks-stability-stale.json").read_text()) == data
     assert (tmp_path / "benchmarks-stability-stale.png").stat().st_size > 0
+
+
+def test_the_reading_claims_no_more_than_the_records(tmp_path, monkeypatch):
+    """'Nothing was destabilised' only where no run collapsed; the clip-range sentence only
+    where the largest ratio stays inside it."""
+    monkeypatch.setattr(common, "DOCS", tmp_path / "benchmarks.md")
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
+    data = records()
+    path = tmp_path / "records.json"
+    path.write_text(json.dumps(data))
+    assert bench_stability.main(["--from-records", str(path)]) == 0
+    section = (tmp_path / "benchmarks.md").read_text()
+    assert "Nothing was destabilised in any mode" in section
+    assert "So no token came near PPO's clip range" in section
+    data["runs"][0]["steps"][12]["ratio_gt_2"] = 0.05
+    data["runs"][0]["steps"][12]["max_gap"] = 0.9
+    path.write_text(json.dumps(data))
+    assert bench_stability.main(["--from-records", str(path)]) == 0
+    section = (tmp_path / "benchmarks.md").read_text()
+    assert "Nothing was destabilised" not in section
+    assert "Collapsed by the probe's criterion (below): main qwen3_moe disabled seed 0" in section
+    assert "The largest ratio lies outside PPO's clip range" in section
