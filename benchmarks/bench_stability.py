@@ -585,7 +585,16 @@ with like is replay on and off on one model, which the paired ratio is.
             f"{sr.PAPER_MOE_KL:.2g} without replay (the R3 paper, Qwen3-30B-A3B).\n\n"
             + sr.sweep_markdown(data)
         )
-    return f"""## Stability: the training-inference mismatch over an RL run, without replay, R2, R3
+    heading = "Stability: the training-inference mismatch over an RL run, without replay, R2, R3"
+    if plan.get("tag"):
+        heading = f"Stability experiment `{plan['tag']}`: {', '.join(sr_flags(plan)[1:])}"
+        if plan["steps"] < 60 or len(plan["seeds"]) < 2:
+            partial += (
+                f"\n**A short run** ({plan['steps']} steps per run, "
+                f"{len(plan['seeds'])} seed(s)): a first look at the setting, not evidence "
+                "of the main run's weight.\n"
+            )
+    return f"""## {heading}
 
 `{command}`{
         "" if plan.get("tag") else " (from `make bench`)"

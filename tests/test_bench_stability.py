@@ -362,6 +362,8 @@ def test_an_experiment_writes_its_own_section_and_files(tmp_path, monkeypatch):
     assert "<!-- stability_stale:begin -->" in section and "<!-- stability:begin -->" not in section
     assert "`python -m benchmarks.bench_stability --tag stale --staleness 2`" in section
     assert "lagged the newest policy by 2 versions (median), 2 at most" in section
+    assert "## Stability experiment `stale`: --staleness 2" in section
+    assert "**A short run** (25 steps per run, 2 seed(s))" in section
     assert json.loads((tmp_path / "benchmarks-stability-stale.json").read_text()) == data
     assert (tmp_path / "benchmarks-stability-stale.png").stat().st_size > 0
 
