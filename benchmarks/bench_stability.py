@@ -418,7 +418,7 @@ def report(data: dict, docs_dir: Path, source: Path | None = None) -> list[str]:
     first = sr.at_spread(data, sr.spreads(data["plan"])[0])
     table = sr.cells(first)
     records = docs_dir / records_name
-    sr.figure(first, docs_dir / figure_name)
+    sr.figure(data, docs_dir / figure_name)  # a column per router margin
     if data.get("probe", {}).get("verdicts"):
         sr.figure(first, docs_dir / probe_name, kind="probe", title="collapse probe")
     if source is None or records.resolve() != source.resolve():
@@ -470,6 +470,13 @@ def markdown(
     fp32 = plan.get("fp32_seeds", len(plan["seeds"]))
     spreads = sr.spreads(plan)
     ratios = sr.ratios(table)
+    window = min(sr.WINDOW, plan["steps"])
+    at = (
+        f" (router spread {spreads[0]:g} in this and the next tables; every "
+        "spread in *Router margins* below)"
+        if len(spreads) > 1
+        else ""
+    )
     thirds = sr.thirds(first)
     scale = sr.scale(first)
     paired = {f: {m: sr.paired_last(first, f, m) for m in sr.PROBE_MODES} for f in plan["families"]}
@@ -617,7 +624,7 @@ sample's sampling seed and the trainer's. {len(main_runs)} main runs and
 **Routing's share of the mismatch, paired.** Every step measures the KL twice on the same
 weights and the same batch: with the trainer's natural routing and with the rollout's routes
 replayed. Their ratio, replayed / natural, is the share of the mismatch left once routing
-agrees, free of run-to-run noise. Median over the last {sr.WINDOW} steps: {lead}. Between
+agrees, free of run-to-run noise. Median over the last {window} steps{at}: {lead}. Between
 separate runs, R3's median KL over `disabled`'s: {separate}.
 
 By thirds of the run (paired, `disabled`'s steps): {
@@ -854,7 +861,7 @@ def main(argv: list[str] | None = None) -> int:
     problems = report(data, docs_dir, args.from_records)
     for problem in problems:
         log(f"CHECK FAILED: {problem}")
-    log(f"section in {common.DOCS}; figure in {docs_dir / FIGURE}")
+    log(f"section in {common.DOCS}; figure in {docs_dir / names(data['plan'].get('tag', ''))[1]}")
     return 1 if problems else 0
 
 

@@ -34,6 +34,7 @@ ratio (``paired_ratio``) reads ``kl`` and ``other_kl``. A step's record (``step_
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -124,6 +125,10 @@ def step_record(report: dict[str, Any]) -> dict[str, Any]:
 def run_key(run: dict[str, Any]) -> tuple:
     spread = run.get("router_spread", DEFAULT_SPREAD)
     return (run["kind"], run["family"], run["mode"], run["dtype"], run["seed"], run["lr"], spread)
+
+
+def _spread(run: dict[str, Any]) -> float:
+    return run.get("router_spread", DEFAULT_SPREAD)
 
 
 def spreads(plan: dict[str, Any]) -> list[float]:
@@ -708,6 +713,7 @@ def figure(data: dict[str, Any], out, kind: str = "main", title: str = "") -> No
     if kind == "probe":
         families = [data["probe"]["family"]]
     lrs = sorted({r["lr"] for r in runs})
+    margins = [s for s in spreads(data["plan"]) if any(_spread(r) == s for r in runs)]
     # (field, y-axis label, log scale, the variants drawn)
     bf16 = [v for v in VARIANTS if v[1] == "bfloat16"]
     rows = [
@@ -718,11 +724,11 @@ def figure(data: dict[str, Any], out, kind: str = "main", title: str = "") -> No
     ]
     if kind == "probe":
         rows.insert(3, ("grad_norm", "gradient norm", True, bf16))
-    columns = [(f, lr) for f in families for lr in lrs]
+    columns = [(f, lr, s) for f in families for lr in lrs for s in margins]
     fig, axes = plt.subplots(
         len(rows), len(columns), figsize=(5.5 * len(columns), 2.6 * len(rows)), squeeze=False
     )
-    for col, (family, lr) in enumerate(columns):
+    for col, (family, lr, spread) in enumerate(columns):
         for row, (field, label, log, variants) in enumerate(rows):
             ax = axes[row][col]
             for mode, dtype in variants:
@@ -731,6 +737,7 @@ def figure(data: dict[str, Any], out, kind: str = "main", title: str = "") -> No
                     for r in runs
                     if r["family"] == family
                     and r["lr"] == lr
+                    and _spread(r) == spread
                     and (r["mode"], r["dtype"]) == (mode, dtype)
                 ]
                 if not mine:
@@ -762,18 +769,21 @@ def figure(data: dict[str, Any], out, kind: str = "main", title: str = "") -> No
             if log:
                 ax.set_yscale("log")
             ax.set_ylabel(label, fontsize=8)
-            ax.set_title(f"{family}, lr {lr:g}", fontsize=9)
+            margin = f", router spread {spread:g}" if len(margins) > 1 else ""
+            ax.set_title(f"{family}, lr {lr:g}{margin}", fontsize=9)
             ax.set_xlabel("RL step", fontsize=8)
             ax.tick_params(labelsize=8)
         axes[0][col].legend(fontsize=7)
         axes[2][col].legend(fontsize=7)
+    window = min(WINDOW, max(len(r["steps"]) for r in runs))
     note = (
-        f"grey: the last {WINDOW} steps (the table's medians); R3 with a float32 trainer "
+        f"grey: the last {window} steps (the table's medians); R3 with a float32 trainer "
         "(KL about 1e-14) not drawn in the KL rows"
         if kind == "main"
         else "R3 with a float32 trainer not run in the probe"
     )
-    fig.suptitle(f"{title + ': ' if title else ''}{note}", fontsize=9)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_size_inches()[1]))
+    width = max(40, int(16 * fig.get_size_inches()[0]))
+    fig.suptitle(textwrap.fill(f"{title + ': ' if title else ''}{note}", width), fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_size_inches()[1]))
     fig.savefig(out, dpi=100)
     plt.close(fig)
