@@ -41,8 +41,11 @@ Each benchmark compares against a baseline measured in the same run, on the same
 - ``stability``: the real pipeline as an RL run of 60 steps per mode (two families with narrow
   router margins, bf16 trainer against the float32 rollout, 2 seeds): the training-inference KL,
   the largest log-prob gap, routing agreement, clip fraction, gradient norm and reward per step
-  in ``disabled``, R2, R3 and R3 with a float32 trainer, and a collapse probe at high learning
-  rates (target: R3's median KL over the last 20 steps at most 0.5x ``disabled``'s).
+  in ``disabled``, R2, R3 and R3 with a float32 trainer, the paired replayed / natural KL of
+  each step, and a collapse probe running every mode at each high learning rate (target: R3's
+  median KL over the last 20 steps at most 0.5x ``disabled``'s). Its experiments (bf16
+  rollout, margin sweep, independent seeds, epochs, group size, staleness) are flags run apart
+  (``--tag``), not part of ``make bench``.
 - ``verl``: in verl's environment, the verl integration's bytes on the Ray path per batch of
   32K-token Qwen3-30B-A3B samples against verl's route tensor, and one worker's routes moved
   through Ray (put, an actor's get) against fetched from the route cache (whole, one stage).

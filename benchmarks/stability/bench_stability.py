@@ -12,10 +12,16 @@ from the same initial weights; a seed fixes each sample's sampling seed and the 
 Runs: per family, seed and variant (``stability_records.VARIANTS``): ``disabled``, R2 and R3
 with the trainer in bf16, and R3 with the trainer in float32 (the mismatch's sources:
 disabled has routing and precision differing, R3 in bf16 precision alone, R3 in float32 only
-the kernels' residue). Then the collapse probe: on one family and seed, ``disabled`` at each
-learning rate of ``--probe-lrs`` in turn until its KL or gradient norm runs away
-(``stability_records.runaway``), then R2 and R3 at that rate; if none runs away, R2 and R3 at
-the highest rate tried.
+the kernels' residue). Then the collapse probe: on one family and seed, every mode at every
+learning rate of ``--probe-lrs``, each run to its end and judged by
+``stability_records.collapse`` (extreme tokens, a gradient blow-up, the reward falling; KL
+growth alone is not collapse).
+
+Experiments (``--tag NAME``, their records, figures and section apart from the main run's,
+refused without a tag): ``--rollout-dtype bfloat16`` (two bf16 engines), ``--router-spreads``
+(a margin sweep, one model per value), ``--init-seeds`` and ``--prompts`` (seeds as
+independent replicates), ``--ppo-epochs``, ``--n`` (group size) and ``--staleness`` (the
+driver runs ahead, rollouts up to that many policy versions behind).
 
 Each step's record (``stability_records.step_record``) comes from the trainer's own step
 report. The records are saved after every run (``results/stability.partial.json``;
@@ -28,8 +34,9 @@ seeds), drawn, and written into docs/benchmarks.md with the records beside the f
 ``--from-records FILE`` runs nothing: it checks FILE and writes the table and figures from it.
 
 Usage: ``python -m benchmarks.stability.bench_stability [--quick] [--steps 60] [--seeds 2]
-[--families qwen3_moe glm4_moe] [--lr 3e-4] [--probe-lrs ...] [--resume]
-[--from-records FILE]``
+[--families qwen3_moe glm4_moe] [--lr 1e-4] [--probe-lrs ...] [--tag NAME
+--rollout-dtype bfloat16 --router-spreads ... --init-seeds --prompts N --ppo-epochs E --n N
+--staleness K] [--resume] [--from-records FILE]``
 """
 
 from __future__ import annotations
@@ -37,14 +44,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import shutil
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from benchmarks import common
 from benchmarks.stability import stability_records as sr
+
+REALISTIC_SPREAD = sr.DEFAULT_SPREAD
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,17 +94,89 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--groups", type=int, default=2, help="GRPO groups per step")
     parser.add_argument("--n", type=int, default=4, help="samples per group")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per sample")
+    parser.add_argument(
+        "--rollout-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="the rollout engine's dtype (bfloat16: two bf16 engines with different kernels)",
+    )
+    parser.add_argument(
+        "--router-spreads",
+        type=float,
+        nargs="+",
+        default=[REALISTIC_SPREAD],
+        help="router margins, wide to narrow (tiny_model's router_spread; one model per value)",
+    )
+    parser.add_argument(
+        "--init-seeds",
+        action="store_true",
+        help="a seed also picks the model's initial weights (independent replicates)",
+    )
+    parser.add_argument("--prompts", type=int, default=4, help="distinct prompts, taken in turn")
+    parser.add_argument("--ppo-epochs", type=int, default=2, help="update passes over a batch")
+    parser.add_argument(
+        "--staleness",
+        type=int,
+        default=0,
+        help="policy versions the rollouts may lag (the driver runs this many steps ahead)",
+    )
+    parser.add_argument(
+        "--tag",
+        default="",
+        help="an experiment's name: its records, figures and section apart from the main run's",
+    )
     parser.add_argument("--resume", action="store_true", help="keep the finished runs of the last")
     parser.add_argument("--from-records", type=Path, help="only check and summarise this file")
     args = parser.parse_args(argv)
+    if not args.from_records and not args.quick and not args.tag and experiment(args):
+        parser.error(
+            f"{', '.join(experiment(args))} differ from the main run's: name the experiment "
+            "with --tag, so its records stay apart from docs/benchmarks-stability.json"
+        )
     if args.quick:
         args.families, args.seeds, args.steps = args.families[:1], 1, 4
         args.probe_lrs, args.probe_steps = args.probe_lrs[-1:], 4
     return args
 
 
+# The main run's settings of what --tag experiments change.
+MAIN_SETTINGS = {
+    "rollout_dtype": "float32",
+    "router_spreads": [REALISTIC_SPREAD],
+    "init_seeds": False,
+    "prompts": 4,
+    "ppo_epochs": 2,
+    "staleness": 0,
+    "n": 4,
+    "groups": 2,
+}
+
+
+def experiment(args) -> list[str]:
+    """The flags whose settings differ from the main run's."""
+    return [
+        f"--{key.replace('_', '-')}"
+        for key, main in MAIN_SETTINGS.items()
+        if getattr(args, key) != main
+    ]
+
+
+def prompt_set(count: int) -> list[str]:
+    """``count`` distinct prompts (the pipeline's four first, then subjects x openings)."""
+    from pipeline.__main__ import PROMPTS
+
+    subjects = ["a router", "an expert", "a policy", "a reward", "a trainer", "a cache"]
+    openings = ["Tell me about", "Why would", "Write a story where", "Explain how", "Describe"]
+    more = [f"{o} {s}" for s in subjects for o in openings]
+    if count > len(PROMPTS) + len(more):
+        raise SystemExit(f"--prompts {count}: at most {len(PROMPTS) + len(more)}")
+    return (list(PROMPTS) + more)[:count]
+
+
 def plan_of(args) -> dict:
     return {
+        **{key: getattr(args, key) for key in MAIN_SETTINGS},
+        "tag": args.tag,
         "families": list(args.families),
         "seeds": list(range(args.seeds)),
         "fp32_seeds": min(args.fp32_seeds, args.seeds),
@@ -104,7 +188,7 @@ def plan_of(args) -> dict:
         "n": args.n,
         "max_tokens": args.max_tokens,
         "layout": "single",
-        "rollout": "vLLM CPU, float32, temperature 1",
+        "rollout": f"vLLM CPU, {args.rollout_dtype}, temperature 1",
         "realistic_margins": True,
         "window": sr.WINDOW,
         "quick": args.quick,
@@ -118,25 +202,22 @@ class Pipeline:
         self.args, self.work = args, work
         self.procs: list[subprocess.Popen] = []
         self.rollouts: dict[str, str] = {}
-        self.models: dict[str, str] = {}
+        self.models: dict[tuple, str] = {}
         self.cache = ""
 
     def start(self, families: list[str]) -> None:
         from routereplay.dev.launch import start_service
-        from routereplay.dev.tiny_model import REALISTIC_ROUTER_SPREAD, build_tiny_model
 
         log("starting the route cache (embedded Redis)")
         proc, self.cache = start_service("route_cache", quiet=True, timeout_s=300)
         self.procs.append(proc)
         for family in families:
-            model = Path(tempfile.gettempdir()) / f"router-replay-tiny-moe-{family}-realistic"
-            if not (model / "config.json").is_file():
-                build_tiny_model(model, family=family, router_spread=REALISTIC_ROUTER_SPREAD)
-            self.models[family] = str(model)
+            model = self.model(family, self.args.router_spreads[0], 0)
             log(f"starting the rollout server for {family} (vLLM on the CPU)")
             proc, target = start_service(
                 "rollout_server",
-                *("--route-cache", self.cache, "--tiny-model-dir", str(model)),
+                *("--route-cache", self.cache, "--tiny-model-dir", model),
+                *("--dtype", self.args.rollout_dtype),
                 # A per-request sampling seed crashes vLLM's CPU build with chunked prefill.
                 "--no-enable-chunked-prefill",
                 quiet=True,
@@ -145,18 +226,46 @@ class Pipeline:
             self.procs.append(proc)
             self.rollouts[family] = target
 
+    def model(self, family: str, spread: float, seed: int) -> str:
+        """The tiny model of ``family`` with router margins ``spread``, its weights from
+        ``seed`` with --init-seeds (else seed 0's), built once."""
+        from routereplay.dev.tiny_model import build_tiny_model
+
+        init = seed if self.args.init_seeds else 0
+        key = (family, spread, init)
+        if key not in self.models:
+            name = f"router-replay-tiny-moe-{family}-realistic"
+            if (spread, init) != (REALISTIC_SPREAD, 0):
+                name += f"-spread{spread:g}-init{init}"
+            path = Path(tempfile.gettempdir()) / name
+            if not (path / "config.json").is_file():
+                build_tiny_model(path, seed=init, family=family, router_spread=spread)
+            self.models[key] = str(path)
+        return self.models[key]
+
     def stop(self) -> None:
         from routereplay.dev.launch import stop_process
 
         for proc in reversed(self.procs):
             stop_process(proc)
 
-    def run(self, family: str, mode: str, dtype: str, seed: int, lr: float, steps: int, kind: str):
+    def run(
+        self,
+        family: str,
+        mode: str,
+        dtype: str,
+        seed: int,
+        lr: float,
+        steps: int,
+        kind: str,
+        spread: float = REALISTIC_SPREAD,
+    ):
         """One RL run from the initial weights; returns its record."""
         from pipeline.__main__ import reset_weights, run_mode
 
         args = self.args
-        name = f"{kind}-{family}-{mode}-{dtype}-s{seed}-lr{lr:g}"
+        name = f"{kind}-{family}-{mode}-{dtype}-s{seed}-lr{lr:g}-spread{spread:g}"
+        model = self.model(family, spread, seed)
         out = self.work / name
         ns = argparse.Namespace(
             out=out,
@@ -169,9 +278,9 @@ class Pipeline:
         )
         out.mkdir(parents=True, exist_ok=True)
         rollouts = [self.rollouts[family]]
-        version = asyncio.run(reset_weights(rollouts, self.models[family]))
+        version = asyncio.run(reset_weights(rollouts, model))
         started = time.perf_counter()
-        overrides = [f"train.lr={lr}", f"train.seed={seed}"]
+        overrides = [f"train.lr={lr}", f"train.seed={seed}", f"train.ppo_epochs={args.ppo_epochs}"]
         reports: list = []
         error = ""
         try:
@@ -179,12 +288,14 @@ class Pipeline:
                 mode,
                 self.cache,
                 rollouts,
-                self.models[family],
+                model,
                 ns,
                 self.procs,
                 name,
                 overrides,
                 seed,
+                prompt_set(args.prompts),
+                args.staleness,
             )
         except SystemExit as exc:  # a trainer that died: its steps so far, if it wrote any
             error = str(exc)
@@ -199,6 +310,8 @@ class Pipeline:
             "dtype": dtype,
             "seed": seed,
             "lr": lr,
+            "router_spread": spread,
+            "staleness": args.staleness,
             "steps_planned": steps,
             "initial_policy": version,
             "seconds": round(seconds, 1),
@@ -232,11 +345,14 @@ def run_all(args, data: dict, partial: Path) -> None:
             pipeline.start(args.families)
             total = len(sr.expected_runs(data["plan"]))
             for i, key in enumerate(sr.expected_runs(data["plan"]), 1):
-                _, family, mode, dtype, seed, lr = key
+                _, family, mode, dtype, seed, lr, spread = key
                 if key in done:
                     continue
-                log(f"run {i}/{total}: {family} {sr.LABELS[(mode, dtype)]} seed {seed} lr {lr:g}")
-                run = pipeline.run(family, mode, dtype, seed, lr, args.steps, "main")
+                log(
+                    f"run {i}/{total}: {family} {sr.LABELS[(mode, dtype)]} seed {seed} lr {lr:g} "
+                    f"router spread {spread:g}"
+                )
+                run = pipeline.run(family, mode, dtype, seed, lr, args.steps, "main", spread)
                 data["runs"].append(run)
                 save(partial, data)
                 log(f"  {len(run['steps'])} steps in {run['seconds']:.0f} s; {_brief(run)}")
@@ -247,36 +363,27 @@ def run_all(args, data: dict, partial: Path) -> None:
 
 
 def probe(args, data: dict, pipeline: Pipeline, partial: Path, done: set) -> None:
-    """``disabled`` at each rate until one runs away; then R2 and R3 at that rate (or at the
-    highest rate tried)."""
+    """Every mode at every rate of ``--probe-lrs``, each run to its end whatever it shows,
+    each judged by ``stability_records.collapse``."""
     family, seed = args.families[0], 0
     found = {"family": family, "seed": seed, "rates_tried": [], "modes_at": {}, "verdicts": []}
     data["probe"] = found
-
-    def one(mode: str, lr: float) -> dict:
-        key = ("probe", family, mode, "bfloat16", seed, lr)
-        run = next((r for r in data["runs"] if sr.run_key(r) == key), None)
-        if run is None:
-            log(f"probe: {family} {mode} lr {lr:g}")
-            run = pipeline.run(family, mode, "bfloat16", seed, lr, args.probe_steps, "probe")
-            data["runs"].append(run)
-        verdict = {"lr": lr, "mode": mode, **sr.runaway(run)}
-        found["verdicts"].append(verdict)
-        found["modes_at"].setdefault(str(lr), []).append(mode)
-        save(partial, data)
-        log(f"  {mode} lr {lr:g}: ran away {verdict['ran_away']}; {_brief(run)}")
-        return verdict
-
-    collapse = None
     for lr in args.probe_lrs:
         found["rates_tried"].append(lr)
-        if one("disabled", lr)["ran_away"]:
-            collapse = lr
-            break
-    rate = collapse if collapse is not None else args.probe_lrs[-1]
-    found["collapse_lr"] = collapse
-    for mode in ("R2", "R3"):
-        one(mode, rate)
+        for mode in sr.PROBE_MODES:
+            key = ("probe", family, mode, "bfloat16", seed, lr, args.router_spreads[0])
+            run = next((r for r in data["runs"] if sr.run_key(r) == key), None)
+            if run is None:
+                log(f"probe: {family} {mode} lr {lr:g}")
+                run = pipeline.run(
+                    family, mode, "bfloat16", seed, lr, args.probe_steps, "probe", key[-1]
+                )
+                data["runs"].append(run)
+            verdict = {"lr": lr, "mode": mode, **sr.collapse(run)}
+            found["verdicts"].append(verdict)
+            found["modes_at"].setdefault(str(lr), []).append(mode)
+            save(partial, data)
+            log(f"  {mode} lr {lr:g}: collapsed {verdict['collapsed']}; {_brief(run)}")
 
 
 def _brief(run: dict) -> str:
@@ -292,179 +399,440 @@ def _brief(run: dict) -> str:
     )
 
 
+def names(tag: str) -> tuple[str, str, str, str]:
+    """The section and the files beside docs/benchmarks.md of the main run or experiment
+    ``tag``: figure, probe figure, records."""
+    if not tag:
+        return "stability", FIGURE, PROBE_FIGURE, RECORDS
+    stem = f"benchmarks-stability-{tag}"
+    return f"stability_{tag}", f"{stem}.png", f"{stem}-probe.png", f"{stem}.json"
+
+
 def report(data: dict, docs_dir: Path, source: Path | None = None) -> list[str]:
     """Check the records, write the section, the figures and the records beside them (unless
     they were read from there, ``source``); returns the problems found."""
     problems = sr.check(data)
     if data.get("probe"):
         data["probe"]["verdicts"] = sr.probe_verdicts(data)
-    table = sr.cells(data)
-    figure, probe_figure = docs_dir / FIGURE, docs_dir / PROBE_FIGURE
-    records = docs_dir / RECORDS
-    sr.figure(data, figure)
+    section, figure_name, probe_name, records_name = names(data["plan"].get("tag", ""))
+    first = sr.at_spread(data, sr.spreads(data["plan"])[0])
+    table = sr.cells(first)
+    records = docs_dir / records_name
+    sr.figure(data, docs_dir / figure_name)  # a column per router margin
     if data.get("probe", {}).get("verdicts"):
-        sr.figure(data, probe_figure, kind="probe", title="collapse probe")
+        sr.figure(first, docs_dir / probe_name, kind="probe", title="collapse probe")
     if source is None or records.resolve() != source.resolve():
         save(records, data)
     summary = {
         "table": [c.__dict__ for c in table],
         "ratios": sr.ratios(table),
+        "paired": {
+            f: {m: sr.paired_last(first, f, m) for m in sr.PROBE_MODES}
+            for f in data["plan"]["families"]
+        },
+        "thirds": sr.thirds(first),
+        "scale": sr.scale(first),
+        "epoch_agreement": {f"{f} {m}": v for (f, m), v in sr.epoch_agreement(first).items()},
         "problems": problems,
     }
     common.write_section(
-        "stability",
-        markdown(data, table, problems),
-        {
-            "summary": summary,
-            "records": str(records),
-        },
+        section,
+        markdown(data, first, table, problems, figure_name, probe_name, records_name),
+        {"summary": summary, "records": str(records)},
     )
     return problems
 
 
-def markdown(data: dict, table: list, problems: list[str]) -> str:
+def _seconds_per_step(data: dict) -> float:
+    runs = [r for r in data["runs"] if r["steps"]]
+    return sum(r["seconds"] for r in runs) / max(1, sum(len(r["steps"]) for r in runs))
+
+
+def markdown(
+    data: dict,
+    first: dict,
+    table: list,
+    problems: list[str],
+    figure_name: str = FIGURE,
+    probe_name: str = PROBE_FIGURE,
+    records_name: str = RECORDS,
+) -> str:
     plan = data["plan"]
-    paper = sr.PAPER_DENSE_KL / sr.PAPER_MOE_KL
     main_runs = [r for r in data["runs"] if r["kind"] == "main"]
     minutes = sum(r["seconds"] for r in data["runs"]) / 60
     partial = ""
     if problems:
         shown = "; ".join(problems[:6]) + (" ..." if len(problems) > 6 else "")
         partial = f"\n**Partial run**: the checks found {len(problems)} problem(s): {shown}\n"
-    headline = "; ".join(
-        f"{family}: R3's median KL is **{sr._x(r['R3/disabled'])}x** `disabled`'s (target "
-        f"{sr.TARGET_R3_RATIO:g}x: {sr.verdict(r['R3/disabled'])}), R2's {sr._x(r['R2/disabled'])}x"
-        for family, r in sr.ratios(table).items()
-    )
     command = "python -m benchmarks.stability.bench_stability" + (
         " --quick" if plan["quick"] else ""
     )
+    if plan.get("tag"):
+        command += " " + " ".join(sr_flags(plan))
     fp32 = plan.get("fp32_seeds", len(plan["seeds"]))
+    spreads = sr.spreads(plan)
+    ratios = sr.ratios(table)
+    window = min(sr.WINDOW, plan["steps"])
+    at = (
+        f" (router spread {spreads[0]:g} in this and the next tables; every "
+        "spread in *Router margins* below)"
+        if len(spreads) > 1
+        else ""
+    )
+    thirds = sr.thirds(first)
+    scale = sr.scale(first)
+    paired = {f: {m: sr.paired_last(first, f, m) for m in sr.PROBE_MODES} for f in plan["families"]}
+    lead = "; ".join(
+        f"{f}: **{sr._x(p['disabled'])}x** on `disabled`'s steps, {sr._x(p['R3'])}x on R3's"
+        for f, p in paired.items()
+    )
+    separate = "; ".join(
+        f"{f} {sr._x(r['R3/disabled'])}x (per seed: "
+        + " / ".join(
+            sr._x(r3 / base)
+            for r3, base in zip(
+                _cell(table, f, "R3").kl_per_seed,
+                _cell(table, f, "disabled").kl_per_seed,
+                strict=False,
+            )
+        )
+        + f"), R2 {sr._x(r['R2/disabled'])}x"
+        for f, r in ratios.items()
+        if _cell(table, f, "R3") and _cell(table, f, "disabled")
+    )
+    moved = []
+    for f in plan["families"]:
+        th = thirds.get(f, {})
+        if "disabled" in th:
+            moved.append(
+                f"{f} "
+                + " -> ".join(sr._x(x) for x in th["disabled"])
+                + f" ({th.get('above_half_first', 0):.0%} of the first third's steps above 0.5)"
+            )
     motion = []
-    for family in plan["families"]:
-        m = sr.moved(data, family)
+    for f in plan["families"]:
+        m = sr.moved(first, f)
         if m:
             motion.append(
-                f"{family} {m['reward_first']:.3f} -> {m['reward_last']:.3f} with natural "
-                f"agreement {m['agreement_first']:.1%} at step 0 and {m['agreement_last']:.1%} "
-                f"over the last {sr.WINDOW} steps"
+                f"{f} {m['reward_first']:.3f} -> {m['reward_last']:.3f} with natural agreement "
+                f"{m['agreement_first']:.1%} at step 0 and {m['agreement_last']:.1%} over the "
+                f"last {sr.WINDOW} steps"
             )
-    return f"""## Stability: the training-inference mismatch over an RL run, without replay, R2, R3
+    r2 = " and ".join(f"{sr._x(r['R2/disabled'])} ({f})" for f, r in ratios.items())
+    epochs = sr.epoch_agreement(first)
+    drift = "; ".join(
+        f"{f} " + " / ".join(f"{x:.0%}" for x in v)
+        for (f, mode), v in epochs.items()
+        if mode == "disabled"
+    )
+    setting = (
+        f"vLLM's CPU build in {plan.get('rollout_dtype', 'float32')}, the family's tiny model "
+        + (
+            f"with router spread {spreads[0]:g} (`--realistic-margins`: a trained model's narrow "
+            "margins, set by hand)"
+            if len(spreads) == 1
+            else f"at router spreads {', '.join(f'{s:g}' for s in spreads)}"
+        )
+        + (", a seed's own initial weights" if plan.get("init_seeds") else "")
+    )
+    scale_text = ""
+    paper = sr.PAPER_DENSE_KL / sr.PAPER_MOE_KL
+    residue = (
+        "only the kernels' residue (both sides float32)"
+        if plan.get("rollout_dtype", "float32") == "float32"
+        else "the bf16 rollout against a float32 trainer (the column *kernels' residue* "
+        "then holds the rollout's own precision)"
+    )
+    stale_note = (
+        " With rollouts a policy version or more behind, every KL here also holds the policy's "
+        "own change between the versions, not the mismatch alone."
+        if plan.get("staleness")
+        else ""
+    )
+    if scale:
+        rewards = ", ".join(f"{k} {v:.3f}" for k, v in scale["reward"].items())
+        clipped = scale["last_clipped_step"]
+        fp32_clip = (
+            " (its early clipping comes with the float32 trainer too: the update moves the "
+            "policy, not the mismatch)"
+            if clipped is not None and scale["fp32_clipped"]
+            else ""
+        )
+        scale_text = f"""
+**The absolute scale, and what was not observed.** Over the {scale["records"]} step records
+of the main runs: the median KL of the bf16 trainer's steps is {sr.fmt(scale["median_kl"])},
+against the R3 paper's {sr.PAPER_MOE_KL:.4g} for Qwen3-30B-A3B
+({sr.PAPER_MOE_KL / scale["median_kl"]:.0f}x smaller). The largest per-token gap is
+{scale["largest_gap"]:.3f} nats, a probability ratio of {scale["largest_ratio"]:.3f}; the
+largest fraction of a step's tokens at a ratio above 2 (or below 1/2, the paper's extreme
+tokens) is {scale["extreme_max"]:.0%}.{_near_clip(scale)} Entropy moved
+{scale["entropy_first"]:.2f} -> {scale["entropy_last"]:.2f} nats (range
+{scale["entropy_min"]:.2f}-{scale["entropy_max"]:.2f}); PPO clipped
+{f"nothing after step {clipped}" if clipped is not None else "nothing"}{fp32_clip}; the
+median batch reward was {rewards}. {_collapsed(scale)}{_destabilised(scale, data)}
+The paper's
+dense-to-MoE ratio ({sr.PAPER_DENSE_KL:.2g} / {sr.PAPER_MOE_KL:.4g} = {paper:.2f}) compares
+two models, not one model with and without replay, so it is not set beside these ratios; like
+with like is replay on and off on one model, which the paired ratio is.
+"""
+    probe_command = ""
+    sec = _seconds_per_step(data)
+    if not plan.get("tag"):
+        # RL steps of each: spreads or seeds x families x modes x steps (+ the fp32 runs)
+        probe_command = EXPERIMENTS.format(
+            margin=sec * 4 * 2 * 2 * 3 * 60 / 3600,
+            seeds=sec * 4 * 2 * 3 * 60 / 3600,
+            bf16=sec * (2 * 2 * 3 + 2) * 60 / 3600,
+            stress=sec * 3 * 30 / 60,
+            sec=sec,
+        )
+    sweep = ""
+    if len(spreads) > 1:
+        sweep = (
+            "\n### Router margins\n\nR3/disabled against the router margin (`router_spread`, "
+            "wide to narrow): the field measured a training-inference KL of "
+            f"{sr.PAPER_MOE_KL:.2g} without replay (the R3 paper, Qwen3-30B-A3B).\n\n"
+            + sr.sweep_markdown(data)
+        )
+    heading = "Stability: the training-inference mismatch over an RL run, without replay, R2, R3"
+    if plan.get("tag"):
+        heading = f"Stability experiment `{plan['tag']}`: {', '.join(sr_flags(plan)[1:])}"
+        if plan["steps"] < 60 or len(plan["seeds"]) < 2:
+            partial += (
+                f"\n**A short run** ({plan['steps']} steps per run, "
+                f"{len(plan['seeds'])} seed(s)): a first look at the setting, not evidence "
+                "of the main run's weight.\n"
+            )
+    return f"""## {heading}
 
-`{command}` (from `make bench`); `python -m benchmarks.stability.bench_stability --from-records
-docs/benchmarks-stability.json` recomputes this section and both figures from the per-step
+`{command}`{
+        "" if plan.get("tag") else " (from `make bench`)"
+    }; `python -m benchmarks.stability.bench_stability --from-records
+docs/{records_name}` recomputes this section and both figures from the per-step
 records, and fails if a run's records miss a step. Machine: {data.get("machine", "-")}.
 {partial}
-The real pipeline: the route cache, a rollout server per family (vLLM's CPU build in float32,
-the family's tiny model with a trained model's narrow router margins, `--realistic-margins`),
-and per run a trainer (megatron-core in **bfloat16**, one rank) taking whole GRPO groups from
-the ready feed and pushing its weights to the rollout server after every step, so each step's
-batch comes from the previous step's policy (checked per step). Families
+The real pipeline: the route cache, a rollout server per family ({setting}), and per run a
+trainer (megatron-core in **bfloat16**, one rank) taking whole GRPO groups from the ready feed
+and pushing its weights to the rollout server after every step, so each step's batch comes
+from the previous step's policy{_staleness(plan, data)} (checked per step). Families
 {", ".join(plan["families"])}; `disabled`, R2 and R3 with {len(plan["seeds"])} seeds each, R3
 with a float32 trainer with {fp32}; {plan["steps"]} steps per run, {plan["groups"]} GRPO groups
-x {plan["n"]} samples of {plan["max_tokens"]} tokens per step, lr {plan["lr"]:g} (AdamW, PPO
-clip 0.2, 2 epochs of 2 mini-batches); every run from the same initial weights, a seed fixing
-each sample's sampling seed and the trainer's. {len(main_runs)} main runs and
+x {plan["n"]} samples of {plan["max_tokens"]} tokens per step from {plan.get("prompts", 4)}
+prompts, lr {plan["lr"]:g} (AdamW, PPO clip 0.2, {plan.get("ppo_epochs", 2)} epochs of 2
+mini-batches); every run from the same initial weights{_init(plan)}, a seed fixing each
+sample's sampling seed and the trainer's. {len(main_runs)} main runs and
 {len(data["runs"]) - len(main_runs)} probe runs, {minutes:.0f} minutes in all.
 
-{headline}.
+**Routing's share of the mismatch, paired.** Every step measures the KL twice on the same
+weights and the same batch: with the trainer's natural routing and with the rollout's routes
+replayed. Their ratio, replayed / natural, is the share of the mismatch left once routing
+agrees, free of run-to-run noise. Median over the last {window} steps{at}: {lead}. Between
+separate runs, R3's median KL over `disabled`'s: {separate}.
 
-The policy moves and routing keeps differing: the expected reward (the policy's probability
-of the rewarded class, 1 token id in 8) went {"; ".join(motion)} (`disabled`, the seeds'
-medians). Within each step, the comparison pass splits the mismatch the
-same way as the modes do: `disabled`'s weights with the rollout's routes replayed come to about
-R3's KL, R3's weights with natural routing to about `disabled`'s (column *KL, other routing*).
-R2 stays near `disabled`: it holds routing fixed within the trainer's step (the update passes
-replay the old-logprob pass's routes) but its old log-probs come from natural routing, so the
-rollout-to-trainer mismatch is `disabled`'s.
+By thirds of the run (paired, `disabled`'s steps): {
+        "; ".join(moved)
+    }. The margins it rests on were set by hand (narrowed so that routing flips) and training
+moves them; only {
+        "one margin setting was" if len(spreads) == 1 else f"{len(spreads)} settings were"
+    }
+measured here. The policy moved: the expected reward (the policy's probability of the
+rewarded class, 1 token id in 8) went {"; ".join(motion)} (`disabled`, the seeds' medians).
 
+{sr.ratios_markdown(first, table)}
+{sr.thirds_markdown(first)}
+*Seeds*: {_seeds(plan)}.
+{scale_text}
+**R2, for what it fixes.** R2 records the routes of the old-logprob pass and replays them in
+the update passes, so it cannot change the KL above: its old log-probs come from natural
+routing, as `disabled`'s do (its median KL over `disabled`'s in separate runs: {r2}; its
+paired ratios match `disabled`'s). What it fixes is routing drift within a
+step: per PPO epoch, the fraction of routing choices where the routers' natural top-k in the
+update pass equals the old-logprob pass's routes. `disabled` trains on its natural choices,
+so its update passes train on routing that moved ({drift}, by epoch); R2 and R3 train on
+the old pass's routes (R3's replay checked per step, `replay_followed`), their natural
+column showing what they would have drifted to.
+
+{sr.agreement_markdown(first)}
 KL is the k3 estimate of KL(rollout || trainer) on the generated tokens, in the pass PPO takes
 its old log-probs from (natural routing in `disabled` and R2, the rollout's routes replayed in
-R3): the mismatch of the policy being trained. *Largest gap*: the largest per-token
-|log p_trainer - log p_rollout|. *KL, other routing*: the same weights, same step, with the other
-routing (replayed in `disabled` and R2, natural in R3). *Agreement*: the trainer's natural
-top-k set equal to the rollout's, mean over the MoE layers (per layer in the records). Grad
-norm: mean over the step's optimizer steps. Medians over the last {sr.WINDOW} steps of every
-seed, pooled; *per seed*: each seed's own median KL.
+R3). *Largest gap*: the largest per-token |log p_trainer - log p_rollout|. *KL, other
+routing*: the same weights, same step, with the other routing. *Agreement*: the trainer's
+natural top-k set equal to the rollout's, mean over the MoE layers. Grad norm: mean over the
+step's optimizer steps. Medians over the last {sr.WINDOW} steps of every seed, pooled. The
+mismatch by source: `disabled` in bf16 has routing and precision differing, R3 in bf16
+precision alone, R3 with a float32 trainer {residue}; *routing's part* = disabled - R3,
+*precision's part* = R3 - R3 fp32.{stale_note}
 
 {sr.table_markdown(table)}
-The mismatch by source, from the table's medians: `disabled` in bf16 has routing and precision
-differing, R3 in bf16 precision alone, R3 with a float32 trainer only the kernels' residue
-(both sides float32, different kernels). *Routing's part* = disabled - R3, *precision's part*
-= R3 - R3 fp32. The paper's reference beside ours: the R3 paper measured a training-inference
-KL of {sr.PAPER_MOE_KL:.4g} for Qwen3-30B-A3B (MoE) against {sr.PAPER_DENSE_KL:.2g} for a dense
-model, a ratio of {paper:.2f}, the level its numerics reach with no routing to differ.
+![KL, paired ratio, agreement and expected reward over steps]({figure_name})
 
-{sr.ratios_markdown(table)}
-![KL, agreement and expected reward over steps]({FIGURE})
-
-Lines: the seeds' median per step; shading: their range.
-
-{probe_markdown(data)}"""
+Lines: the seeds' median per step; shading: their range; grey: the last {sr.WINDOW} steps.
+{sweep}
+{probe_markdown(data, first, probe_name)}{probe_command}"""
 
 
-def probe_markdown(data: dict) -> str:
+def _cell(table: list, family: str, mode: str):
+    return next(
+        (c for c in table if (c.family, c.mode, c.dtype) == (family, mode, "bfloat16")), None
+    )
+
+
+def _staleness(plan: dict, data: dict | None = None) -> str:
+    k = plan.get("staleness", 0)
+    if not k:
+        return ""
+    seen = [x for r in (data or {}).get("runs", []) for x in sr.lags(r)]
+    lagged = (
+        f"; the batches lagged the newest policy by {np.median(seen):g} versions (median), "
+        f"{max(seen)} at most"
+        if seen
+        else ""
+    )
+    return f" or up to {k} versions older (`--staleness {k}`{lagged})"
+
+
+def _near_clip(scale: dict) -> str:
+    if scale["largest_ratio"] < 1 + 0.2:
+        return " So no token came near PPO's clip range (0.8-1.2) through the mismatch."
+    return " The largest ratio lies outside PPO's clip range (0.8-1.2) before any update."
+
+
+def _destabilised(scale: dict, data: dict) -> str:
+    """The reading, only where the records allow it: nothing collapsed, main runs or probe."""
+    probe = (data.get("probe") or {}).get("verdicts", [])
+    if scale["collapsed"] or any(v.get("collapsed") for v in probe):
+        return ""
+    if scale["extreme_max"] >= sr.EXTREME_FRACTION:
+        return ""
+    return (
+        " Nothing was destabilised in any mode: this benchmark measures the mechanism (replay "
+        "removes routing's share of the training-inference mismatch), not stability."
+    )
+
+
+def _collapsed(scale: dict) -> str:
+    if not scale["collapsed"]:
+        return f"None of the {scale['runs']} main runs collapsed by the probe's criterion (below)."
+    return f"Collapsed by the probe's criterion (below): {'; '.join(scale['collapsed'])}."
+
+
+def _seeds(plan: dict) -> str:
+    if plan.get("init_seeds"):
+        return f"each seed its own initial weights, {plan.get('prompts', 4)} prompts"
+    return (
+        f"the seeds share the initial weights and {plan.get('prompts', 4)} prompts; only the "
+        "sampling and the trainer's seed differ, so they are not independent replicates "
+        "(`--init-seeds` and `--prompts` make them so)"
+    )
+
+
+def _init(plan: dict) -> str:
+    return " of a seed" if plan.get("init_seeds") else ""
+
+
+def sr_flags(plan: dict) -> list[str]:
+    """The command-line flags of an experiment's plan (what differs from the main run's)."""
+    out = []
+    for key, main in MAIN_SETTINGS.items():
+        value = plan.get(key, main)
+        if value == main:
+            continue
+        flag = f"--{key.replace('_', '-')}"
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, list):
+            out.append(f"{flag} {' '.join(f'{v:g}' for v in value)}")
+        else:
+            out.append(f"{flag} {value}")
+    return [f"--tag {plan['tag']}", *out]
+
+
+# The experiments the main run leaves out, with their wall time estimated from its own seconds
+# per RL step (a quiet 2-core machine).
+EXPERIMENTS = """
+### Experiments not in these records
+
+Each is a flag of the benchmark and writes its own records, figures and section
+(`--tag`), never the main run's; the wall times are estimates from this run's
+{sec:.1f} s per RL step:
+
+- Router margins, wide to narrow: `python -m benchmarks.stability.bench_stability --tag margins
+  --router-spreads 1 0.3 0.1 0.03 --fp32-seeds 0 --probe-lrs` (about {margin:.1f} h).
+- Independent seeds: `--tag seeds --init-seeds --prompts 16 --seeds 4 --fp32-seeds 0
+  --probe-lrs` (about {seeds:.1f} h).
+- A bf16 rollout, two bf16 engines with different kernels (vLLM's CPU build serves bf16 on
+  a CPU with AVX512-BF16, routes captured and weights reloaded as in float32): `--tag bf16
+  --rollout-dtype bfloat16 --probe-lrs` (about {bf16:.1f} h).
+- Settings reported as unstable, one family, each `--families qwen3_moe --seeds 1
+  --fp32-seeds 0 --steps 30 --probe-lrs` (at the main rate; add `--lr 0.003` for the
+  probe's): `--tag epochs --ppo-epochs 8`, `--tag groups --n 16`, `--tag stale --staleness
+  2` (about {stress:.0f} min each at the main run's cost per step; more epochs and larger
+  groups cost more per step).
+"""
+
+
+def probe_markdown(data: dict, first: dict, probe_name: str = PROBE_FIGURE) -> str:
     probe, plan = data.get("probe") or {}, data["plan"]
     if not probe.get("verdicts"):
         return "No collapse probe in this run.\n"
-    tried = ", ".join(f"{x:g}" for x in probe["rates_tried"])
-    collapse = probe.get("collapse_lr")
+    tried = [x for x in probe["rates_tried"]]
+    planned = plan.get("probe_lrs", tried)
+    not_run = [x for x in planned if x not in tried]
+    collapsed = [v for v in probe["verdicts"] if v.get("collapsed")]
     found = (
-        f"`disabled` ran away at lr {collapse:g}; R2 and R3 at that rate beside it."
-        if collapse is not None
-        else "nothing ran away at any rate tried; R2 and R3 at the highest, "
-        f"{probe['rates_tried'][-1]:g}."
+        "No run collapsed."
+        if not collapsed
+        else "Collapsed: "
+        + "; ".join(f"{v['mode']} at lr {v['lr']:g} ({', '.join(v['fired'])})" for v in collapsed)
+        + "."
     )
-    reading = ""
-    verdicts = {(v["lr"], v["mode"]): v for v in probe["verdicts"]}
-    rate = collapse if collapse is not None else probe["rates_tried"][-1]
-    base, r3 = verdicts.get((rate, "disabled")), verdicts.get((rate, "R3"))
-    if base and r3 and "growth" in base and "growth" in r3:
-        rose = all(
-            v.get("expected_reward_last", 0) > v.get("expected_reward_first", 1)
-            for v in probe["verdicts"]
-            if v["lr"] == rate
-        )
-        grad_growth = max(
-            v["growth"]["grad_norm"] for v in probe["verdicts"] if v["lr"] == rate and "growth" in v
-        )
-        reading = (
-            f"\nAt lr {rate:g} the routers' margins widen within a few steps (`disabled`'s "
-            f"natural agreement {base['agreement_first']:.1%} -> {base['agreement_last']:.1%}): "
-            "AdamW moves every weight by about the learning rate per step, against router rows "
-            "built to differ by 3% of their shared part, so routing soon differs on few tokens. "
-            f"The KL grew {base['growth']['kl']:.0f}x in `disabled` and "
-            f"{r3['growth']['kl']:.0f}x in R3: "
-            + (
-                "R3 does not hold it, so what grew is not routing's part but precision's, "
-                "as the policy sharpens onto the rewarded class (expected reward "
-                f"{base['expected_reward_first']:.2f} -> {base['expected_reward_last']:.2f}, "
-                f"entropy {base['entropy_first']:.1f} -> {base['entropy_last']:.1f} nats) and "
-                "bf16's error in larger logits grows with it. "
-                if r3["growth"]["kl"] >= sr.RUNAWAY_FACTOR
-                else "R3 held it. "
-            )
-            + (
-                "No run's expected reward fell: nothing collapsed in the sense of the "
-                "paper's baseline (reward falling away)"
-                if rose
-                else "Some run's expected reward fell"
-            )
-            + f"; the gradient norm over the last {sr.RUNAWAY_STEPS} steps was at most "
-            f"{grad_growth:.1f}x that over the first {sr.RUNAWAY_STEPS}."
-            + f" That is why the main runs use a lower rate, lr {plan['lr']:g}, at which the "
-            "margins hold over the whole run (the agreement above), so routing's part of the "
-            "mismatch is there to measure.\n"
+    missing = (
+        f" These records hold lr {', '.join(f'{x:g}' for x in tried)} only: the probe that "
+        "made them stopped at its first flag, so lr "
+        f"{', '.join(f'{x:g}' for x in not_run)} never ran (the probe now runs every rate)."
+        if not_run
+        else ""
+    )
+    growth = "; ".join(
+        f"{v['mode']} at lr {v['lr']:g}: KL x{v.get('kl_growth', math.nan):.0f}, expected "
+        f"reward {v.get('expected_reward_first', math.nan):.2f} -> "
+        f"{v.get('expected_reward_last', math.nan):.2f}, entropy "
+        f"{v.get('entropy_first', math.nan):.1f} -> {v.get('entropy_last', math.nan):.1f}"
+        for v in probe["verdicts"]
+    )
+    seen = sr.scale(first, kind="probe")
+    clipping = (
+        f" PPO clipped up to {seen['largest_clip_fraction']:.0%} of a step's tokens: the update "
+        "moves the policy that far in every mode, while the mismatch's largest per-token "
+        f"probability ratio was {seen['largest_ratio']:.2f}."
+        if seen
+        else ""
+    )
+    probe_thirds = sr.thirds(first, kind="probe").get(probe["family"], {})
+    fade = ""
+    if "R3" in probe_thirds:
+        fade = (
+            " R3's paired ratio on the probe's steps, by thirds: "
+            + " -> ".join(sr._x(x) for x in probe_thirds["R3"])
+            + ": as the routers' margins widen at this rate, routing stops differing and "
+            "replay has little left to remove."
         )
     return f"""### Collapse probe
 
-{probe["family"]}, seed {probe["seed"]}, {plan["probe_steps"]} steps per run, `disabled` at lr
-{tried} in turn until one runs away (the median KL or gradient norm of its last
-{sr.RUNAWAY_STEPS} steps {sr.RUNAWAY_FACTOR:g}x that of its first {sr.RUNAWAY_STEPS}, a value not
-finite, or the trainer dead): {found}
+{probe["family"]}, seed {probe["seed"]}, {plan["probe_steps"]} steps per run, every mode at
+every rate, each run to its end. A run *collapses* when training fails: a value not finite or
+the trainer dead; a step with at least {sr.EXTREME_FRACTION:.0%} of its tokens at a probability
+ratio above 2 or below 1/2; a step's gradient norm {sr.BLOWUP_FACTOR:g}x the median of the
+steps before it (the first {sr.COLLAPSE_WINDOW}, whose early spike every mode shows, left out);
+or the expected reward of the last {sr.COLLAPSE_WINDOW} steps at most {sr.REWARD_FALL:.0%} of
+the best {sr.COLLAPSE_WINDOW}-step window before. {found}{missing}
 
-{sr.probe_markdown(probe)}{reading}
-![collapse probe]({PROBE_FIGURE})
+KL growth is shown, not judged: an earlier version of this probe called 10x KL growth "ran
+away", and it fired on the policy sharpening, in R3 as much as in `disabled`, while the reward
+rose ({growth}).{clipping}{fade}
+
+{sr.probe_markdown(probe)}
+![collapse probe]({probe_name})
 """
 
 
@@ -495,7 +863,7 @@ def main(argv: list[str] | None = None) -> int:
     problems = report(data, docs_dir, args.from_records)
     for problem in problems:
         log(f"CHECK FAILED: {problem}")
-    log(f"section in {common.DOCS}; figure in {docs_dir / FIGURE}")
+    log(f"section in {common.DOCS}; figure in {docs_dir / names(data['plan'].get('tag', ''))[1]}")
     return 1 if problems else 0
 
 

@@ -294,3 +294,35 @@ def test_stop_string_ends_early_with_matching_routes(vllm_engine, hf_model, loop
     assert len(done.token_ids) < len(full.token_ids)
     assert stop not in "".join(d.text for d in deltas)
     assert_routes_match(hf_model, vllm_engine, prompt, done)
+
+
+def test_bf16_engine_serves_routes_and_reloads(tiny_model_dir, hf_model, loop):
+    """vLLM's CPU build in bfloat16 (the stability benchmark's ``--rollout-dtype bfloat16``):
+    on a CPU with AVX512-BF16 it generates with routes captured, its log-probabilities differ
+    from float32's by bf16's rounding (a second engine's kernels, not float32 noise), the wide
+    margins of the default tiny model keep its routes the oracle's, and a weight reload serves
+    the same greedy tokens."""
+    pytest.importorskip("vllm")
+    from rollout_server.engine import VLLMEngine
+
+    async def start():
+        return VLLMEngine(tiny_model_dir, dtype="bfloat16", max_model_len=512, max_num_seqs=4)
+
+    engine = loop.run_until_complete(start())
+    try:
+        prompt = engine.tokenizer.encode(TEXTS[0])
+        greedy = SamplingOptions(temperature=0.0, max_tokens=12, logprobs=True)
+        deltas, done = loop.run_until_complete(collect(engine, "bf16-a", prompt, greedy))
+        check_completion(deltas, done, len(prompt), greedy)
+        tokens = list(prompt) + done.token_ids.tolist()
+        routes, logprobs = oracle(hf_model, engine.geometry, tokens[:-1])
+        same = (np.sort(done.routes, -1) == np.sort(routes[done.routes_start :], -1)).all(-1)
+        assert same.mean() >= 0.95, f"agreement per MoE layer: {same.mean(0)}"
+        n, p = len(done.token_ids), len(prompt)
+        gap = np.abs(done.logprobs - logprobs[np.arange(p - 1, p - 1 + n), done.token_ids])
+        assert 1e-3 < gap.max() < 0.2, gap
+        loop.run_until_complete(engine.update_weights(tiny_model_dir))
+        _, again = loop.run_until_complete(collect(engine, "bf16-b", prompt, greedy))
+        assert again.token_ids.tolist() == done.token_ids.tolist()
+    finally:
+        engine.shutdown()
