@@ -1,4 +1,4 @@
-"""Fixes of megatron-core 0.16.1 bugs the trainer runs into, on every device.
+"""Fixes of megatron-core 0.19.2 bugs the trainer runs into, on every device.
 
 ``apply()`` is idempotent and is called before a model is built.
 
@@ -25,10 +25,13 @@
    ("Output 0 of _ReduceFromModelParallelRegion is a view and is being modified inplace").
    Experts' ``linear_fc2`` outputs are cloned in forwards with gradients, so the add is on a
    tensor of its own (upstream's fix would be an out-of-place add on that line).
-4. ``transformer/moe/moe_utils.py``, ``RouterGatingLinearFunction`` (every router's forward
-   and backward) tests ``te_general_gemm is not None``, a module global defined only when
-   TransformerEngine imports: a NameError on any device without it (a CPU, or a GPU with
-   megatron-core's local layers). It is defined as None, so the plain ``torch.mm`` branch runs.
+4. Only for megatron-core 0.16.1, which verl's environment keeps (docs/verl.md):
+   ``transformer/moe/moe_utils.py``, ``RouterGatingLinearFunction`` (every router's forward
+   and backward) tests ``te_general_gemm is not None``, a module global 0.16.1 defines only
+   when TransformerEngine imports: a NameError on any device without it. It is defined as None,
+   so the plain ``torch.mm`` branch runs. 0.19 defines it as None itself (a no-op there).
+
+Fixes 1-3 meet the same lines in 0.19.2 as in 0.16.1, and each is still needed.
 """
 
 from __future__ import annotations
