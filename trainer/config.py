@@ -89,7 +89,7 @@ class ModelConfig:
     aux_loss_coeff: float = 0.0
     # Leave the checkpoint's multi-token-prediction layers (DeepSeek-V3's
     # num_nextn_predict_layers) out of the trained model; exports carry them over unchanged.
-    # False refuses such checkpoints (megatron's MTP block returns a loss, not logits).
+    # False refuses such checkpoints (megatron's MTP block adds its own loss to the gradient).
     drop_mtp_layers: bool = True
 
 

@@ -69,3 +69,10 @@ def test_gpu_benchmark_runs_tiny_on_the_cpu_and_replay_is_followed(tmp_path):
         assert fetch[prefetch]["step"] > 0 and fetch[prefetch]["fetch"] > 0
     # Without prefetch the loop waits for every fetch; with it the fetch runs behind the step.
     assert fetch["off"]["wait"] >= fetch["off"]["fetch"] * 0.5
+
+
+def test_the_gpu_benchmark_carries_the_megatron_the_tests_run():
+    import megatron.core
+
+    script = (ROOT / "tools" / "gpu_bench.sh").read_text()
+    assert f"\nMEGATRON_VERSION={megatron.core.__version__}\n" in script

@@ -212,7 +212,7 @@ def test_report_is_logged_to_tensorboard(
 def test_aux_loss_beside_replay_is_finite_and_from_natural_routing(
     tiny_model_dir, rollout_file, rollout, pg_collection
 ):
-    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import moe_logging, moe_utils
 
     from tests.trainer.helpers import capture_routing
 
@@ -266,9 +266,11 @@ def test_aux_loss_beside_replay_is_finite_and_from_natural_routing(
         assert r.aux_loss is not None and math.isfinite(r.aux_loss) and r.aux_loss > 0
         assert len(r.aux_loss_layers) == geometry.num_moe_layers
         assert math.isfinite(r.loss)
-    # The CPU patch: megatron's logging path with force_initialize allocates no CUDA tensor.
-    moe_utils.get_moe_layer_wise_logging_tracker().clear()
-    moe_utils.track_moe_metrics(
+    # megatron's logging path with force_initialize allocates no CUDA tensor (0.19 does it on
+    # the CPU itself; 0.16.1 needed a patch).
+    tracker = moe_logging.get_moe_metrics_tracker()
+    tracker.clear()
+    tracker.report(
         1.0,
         0,
         track_names=["load_balancing_loss"],

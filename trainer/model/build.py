@@ -136,13 +136,15 @@ def megatron_config(
     megatron_fixes.apply()
     checkpoint = read_checkpoint_config(model_dir)
     if checkpoint.mtp_layers and not drop_mtp_layers:
-        # megatron's MTP block (mtp_num_layers) needs labels in every forward, then returns
-        # the loss instead of the logits and adds its own loss to the gradient: the RL step's
-        # forward (logits for the token log-probs) cannot run it.
+        # megatron-core 0.19's MTP block (mtp_num_layers) returns the decoder's logits, but in
+        # every training forward it adds its own next-token loss on the sample's tokens (labels
+        # rolled from the input ids) to the gradient, and its MoE layer routes tokens no rollout
+        # recorded routes for: the RL step's objective would not be the one trained.
         raise UnsupportedConfig(
             f"num_nextn_predict_layers {checkpoint.mtp_layers}: megatron's multi-token-"
-            "prediction block returns a loss, not the logits the RL step needs; set "
-            "model.drop_mtp_layers to train the decoder alone"
+            "prediction block adds its own next-token loss to the RL step's gradient and its "
+            "layers have no recorded routes; set model.drop_mtp_layers to train the decoder "
+            "alone"
         )
     settings: dict[str, Any] = {"use_cpu_initialization": not torch.cuda.is_available()}
     if load_weights:

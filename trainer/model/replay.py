@@ -22,7 +22,8 @@ index tensors, so ``set_target_indices`` and the ``REPLAY_BACKWARD`` FIFO carry 
 **Per model, not per process.** Megatron's ``RouterReplay`` keeps a class-level registry in
 construction order; two models in one process would share it. ``RouterReplayControl`` holds
 the routers of one model, keyed by global layer number, and addresses their instances
-directly; the model builder resets the registry and installs fresh instances.
+directly; the model builder resets the registry and installs fresh instances, each given its
+router's layer number as megatron-core 0.19 does (``RouterReplay.layer_number``).
 
 **Actions.** ``REPLAY_FORWARD`` for forward passes; ``REPLAY_BACKWARD`` around backward when
 activations are recomputed (nothing inside megatron sets it; leaving ``REPLAY_FORWARD`` on then
@@ -240,4 +241,7 @@ def install(routers: Sequence[ReplayRouter]) -> RouterReplayControl:
         if getattr(r.router, "router_replay", None) is None:
             raise ValueError(f"layer {r.layer}: router built without moe_enable_routing_replay")
         r.router.router_replay = MaskedRouterReplay()
+        # megatron-core 0.19 gives each RouterReplay its router's (1-based, global) layer number
+        # when the layer is built; the router's own setter hands it to the new instance too.
+        r.router.set_layer_number(r.router.layer_number)
     return RouterReplayControl(routers)

@@ -1,4 +1,4 @@
-"""What megatron-core 0.16.1 needs to run on a CPU-only torch, in one place.
+"""What megatron-core 0.19.2 needs to run on a CPU-only torch, in one place.
 
 megatron-core assumes a CUDA device in a few spots even when every tensor lives on the CPU.
 ``apply()`` patches exactly those spots, and only when CUDA is absent, so the GPU path is never
@@ -18,22 +18,21 @@ allgather dispatcher, no expert bias; more than one rank needs two more, ``apply
 3. ``tensor_parallel/random.py``: ``CheckpointFunction`` (activation recompute) saves and
    restores the "CUDA" generator state through the module functions ``_get_cuda_rng_state`` /
    ``_set_cuda_rng_state``; they read and write the CPU generator instead.
-4. The load-balancing aux-loss tracker: ``transformer/moe/moe_utils.py``
-   (``track_moe_metrics(..., force_initialize=True)``, how a training loop logs the aux loss)
-   creates missing tracker entries with ``torch.zeros(num_layers, device="cuda")``. The
-   wrapper creates them on the CPU first, so megatron's code finds them and skips that line.
-   (``save_to_aux_losses_tracker``, called by the router in every training forward, already
-   allocates on the loss's device.)
-5. ``pipeline_parallel/schedules.py``: the schedules (``forward_backward_no_pipelining``,
+4. ``pipeline_parallel/schedules.py``: the schedules (``forward_backward_no_pipelining``,
    ``forward_backward_pipelining_with_interleaving``,
    ``forward_backward_pipelining_without_interleaving`` (1F1B)) create their token counter
    with ``total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")``. The module's
    ``torch`` name is given a thin proxy whose ``zeros`` puts a ``device="cuda"`` tensor on the
    CPU; every other attribute is torch's own.
-6. ``transformer/utils.py``, ``get_sliding_window_causal_mask`` (imported by name into
+5. ``transformer/utils.py``, ``get_sliding_window_causal_mask`` (imported by name into
    ``fusions/fused_softmax.py``, whose ``forward_torch_softmax`` calls it in every
    sliding-window layer: gpt-oss) builds its mask with ``device="cuda"``; the same mask is
    built on the CPU instead.
+
+megatron-core 0.16.1 needed one more: its aux-loss logging (``track_moe_metrics`` with
+``force_initialize``) created tracker entries with ``device="cuda"``. 0.19's
+``transformer/moe/moe_logging.py`` (``MoEMetricsTracker.ensure_initialized``) allocates on the
+CPU when CUDA is absent, so that patch is gone.
 """
 
 from __future__ import annotations
@@ -66,7 +65,6 @@ def apply() -> bool:
     _patch_current_device()
     _patch_rng_tracker()
     _patch_rng_state_functions()
-    _patch_aux_loss_tracker()
     _patch_schedules_token_counter()
     _patch_sliding_window_mask()
     _APPLIED = True
@@ -141,34 +139,6 @@ def _patch_rng_state_functions() -> None:
     mrandom._set_cuda_rng_state = _set_cpu_rng_state
 
 
-def _patch_aux_loss_tracker() -> None:
-    import functools
-
-    from megatron.core.transformer.moe import moe_utils
-
-    original = moe_utils.track_moe_metrics
-    if getattr(original, "_cpu_compat", False):
-        return
-
-    @functools.wraps(original)
-    def track_moe_metrics(*args, **kwargs):
-        names, layers = kwargs.get("track_names"), kwargs.get("num_layers")
-        if kwargs.get("force_initialize") and names is not None and layers is not None:
-            tracker = moe_utils.get_moe_layer_wise_logging_tracker()
-            for name in names:
-                if name not in tracker:
-                    tracker[name] = {
-                        "values": torch.zeros(layers),  # megatron: device="cuda"
-                        "reduce_group": None,
-                        "avg_group": None,
-                        "reduce_group_has_dp": False,
-                    }
-        return original(*args, **kwargs)
-
-    track_moe_metrics._cpu_compat = True
-    moe_utils.track_moe_metrics = track_moe_metrics
-
-
 class _CpuZerosTorch:
     """``torch`` for ``pipeline_parallel/schedules.py``: ``zeros(..., device="cuda")`` lands on
     the CPU; everything else is delegated to torch unchanged."""
@@ -209,7 +179,7 @@ def _patch_sliding_window_mask() -> None:
 
 
 def apply_multirank() -> bool:
-    """Patch megatron-core 0.16.1 for more than one rank on a CPU-only torch (no-op with CUDA).
+    """Patch megatron-core 0.19.2 for more than one rank on a CPU-only torch (no-op with CUDA).
 
     1. ``transformer/torch_norm.py``: ``WrappedTorchNorm`` (the norm of the local layer spec
        without TransformerEngine or apex) asserts ``not config.sequence_parallel``. RMSNorm is

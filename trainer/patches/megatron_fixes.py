@@ -1,4 +1,4 @@
-"""Fixes of megatron-core 0.16.1 bugs the trainer runs into, on every device.
+"""Fixes of megatron-core 0.19.2 bugs the trainer runs into, on every device.
 
 ``apply()`` is idempotent and is called before a model is built.
 
@@ -25,10 +25,20 @@
    ("Output 0 of _ReduceFromModelParallelRegion is a view and is being modified inplace").
    Experts' ``linear_fc2`` outputs are cloned in forwards with gradients, so the add is on a
    tensor of its own (upstream's fix would be an out-of-place add on that line).
-4. ``transformer/moe/moe_utils.py``, ``RouterGatingLinearFunction`` (every router's forward
-   and backward) tests ``te_general_gemm is not None``, a module global defined only when
-   TransformerEngine imports: a NameError on any device without it (a CPU, or a GPU with
-   megatron-core's local layers). It is defined as None, so the plain ``torch.mm`` branch runs.
+4. Only for megatron-core 0.16.1, which verl's environment keeps (docs/verl.md):
+   ``transformer/moe/moe_utils.py``, ``RouterGatingLinearFunction`` (every router's forward
+   and backward) tests ``te_general_gemm is not None``, a module global 0.16.1 defines only
+   when TransformerEngine imports: a NameError on any device without it. It is defined as None,
+   so the plain ``torch.mm`` branch runs. 0.19 defines it as None itself (a no-op there).
+
+5. ``transformer/moe/moe_utils.py``, ``MoEAuxLossAutoScaler``: the aux loss's backward scale
+   is a class-level tensor. A backward outside megatron's schedules (a plain ``loss.backward()``)
+   creates it 0-d (``torch.tensor(1.0)``); the schedules then ``copy_`` their 1-element scale
+   into it: ``RuntimeError: output with shape [] doesn't match the broadcast shape [1]``, in
+   every later schedule run of the process with an aux loss. ``set_loss_scale`` reshapes the
+   scale to the tensor it is copied into.
+
+Fixes 1-3 and 5 meet the same lines in 0.19.2 as in 0.16.1, and each is still needed.
 """
 
 from __future__ import annotations
@@ -56,6 +66,7 @@ def apply() -> None:
     _router_gemm_without_transformer_engine()
     _keep_the_mask_in_sliding_window_layers()
     _expert_bias_out_of_place()
+    _aux_loss_scale_of_either_shape()
     _APPLIED = True
 
 
@@ -107,3 +118,17 @@ def _expert_bias_out_of_place() -> None:
             self.linear_fc2.register_forward_hook(_clone_output)
 
     MLP.__init__ = __init__
+
+
+def _aux_loss_scale_of_either_shape() -> None:
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    original = MoEAuxLossAutoScaler.set_loss_scale
+
+    def set_loss_scale(scale: torch.Tensor) -> None:
+        current = MoEAuxLossAutoScaler.main_loss_backward_scale
+        if current is not None and current.shape != scale.shape:
+            scale = scale.reshape(current.shape)
+        original(scale)
+
+    MoEAuxLossAutoScaler.set_loss_scale = staticmethod(set_loss_scale)

@@ -1,9 +1,10 @@
-"""Multi-head latent attention (DeepSeek-V2/V3) in megatron-core 0.16.1 with local modules
+"""Multi-head latent attention (DeepSeek-V2/V3) in megatron-core 0.19.2 with local modules
 (no TransformerEngine), in one place.
 
 megatron-core builds ``MLASelfAttention`` for ``multi_latent_attention=True`` from
 ``get_gpt_decoder_block_spec(config, use_transformer_engine=False)``, but two spots assume
-TransformerEngine; each failed the build without its fix (docs/trainer.md has the messages):
+TransformerEngine, and a third does since 0.19; each failed the build without its fix
+(docs/trainer.md has the messages):
 
 1. ``transformer/multi_latent_attention.py``, ``MultiLatentAttention.__init__``, builds its core
    attention with ``k_channels`` (the query/key head size, latent + rotary) and ``v_channels``
@@ -21,9 +22,20 @@ TransformerEngine; each failed the build without its fix (docs/trainer.md has th
    is, and nothing changes). The local spec's projections are ``ColumnParallelLinear``, which
    the module's own non-TE branch handles.
 
+3. (New in 0.19.) ``MLASelfAttention`` resolves its query/key-value norms and projections with
+   ``transformer/mla_qk_norm_config.py``'s ``QKNormConfigResolver``. Without a query LoRA
+   (``q_lora_rank`` None: DeepSeek-V2-Lite) it refuses megatron's own local spec, which sets
+   ``q_layernorm`` whenever ``qk_layernorm`` is on (``ValueError: `q_layernorm=...
+   WrappedTorchNorm` is non-trivial, but `q_lora_rank is None```), and with the norm left out it
+   asks for a fused norm+linear ``linear_q_proj``, which only TransformerEngine has
+   (``RuntimeError: qk_layernorm requires TransformerEngine ...``); that would also norm the
+   hidden states a second time, which DeepSeek-V2's ``q_proj`` does not. ``LocalMLASelfAttention``
+   builds what the checkpoint has: a plain ``q_proj``, no query norm, the key-value latent's norm
+   (megatron 0.16.1 built the same modules). With a query LoRA megatron's resolver is used as is.
+
 Under tensor parallelism one more, a megatron bug that is not about TransformerEngine:
 
-3. ``MLASelfAttention.get_query_key_value_tensors``: the local spec's ``linear_kv_down_proj`` is
+4. ``MLASelfAttention.get_query_key_value_tensors``: the local spec's ``linear_kv_down_proj`` is
    column-parallel, so MLA gathers its output columns (``gather_from_tensor_model_parallel_region``)
    and takes the shared rotary key from them. Every rank uses that key for its own heads, but the
    gather's backward keeps each rank's own columns of the gradient: the rotary key's gradient (and
@@ -48,6 +60,8 @@ from __future__ import annotations
 from typing import Any
 
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 _APPLIED = False
 
@@ -71,6 +85,22 @@ class LocalMLACoreAttention(DotProductAttention):
             self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
 
 
+class LocalMLASelfAttention(MLASelfAttention):
+    """megatron's ``MLASelfAttention`` that builds a query without LoRA as the checkpoint has
+    it: ``linear_q_proj`` from the spec, no query norm (fix 3)."""
+
+    def _resolve_qk_norm_config(self, submodules):
+        if self.config.q_lora_rank is not None:
+            return super()._resolve_qk_norm_config(submodules)
+        return {
+            "linear_q_proj": submodules.linear_q_proj,
+            "linear_q_up_proj": IdentityOp,
+            "linear_kv_up_proj": submodules.linear_kv_up_proj,
+            "q_layernorm": IdentityOp,
+            "kv_layernorm": submodules.kv_layernorm,
+        }
+
+
 def apply() -> None:
     """Fix 2 above (idempotent; a no-op where TransformerEngine is installed)."""
     global _APPLIED
@@ -86,7 +116,7 @@ def apply() -> None:
 
 def _full_width_on_sequence_shard(module, args, output):
     """Forward hook of a column-parallel ``linear_kv_down_proj`` under sequence parallelism:
-    ``[s, b, width / tp]`` -> ``[s / tp, b, width]`` (fix 3)."""
+    ``[s, b, width / tp]`` -> ``[s / tp, b, width]`` (fix 4)."""
     from megatron.core.tensor_parallel.mappings import (
         gather_from_tensor_model_parallel_region,
         scatter_to_sequence_parallel_region,
@@ -98,13 +128,11 @@ def _full_width_on_sequence_shard(module, args, output):
 
 
 def fix_tensor_parallel(model) -> None:
-    """Fix 3 above on every latent-attention layer of ``model`` (a no-op at TP 1).
+    """Fix 4 above on every latent-attention layer of ``model`` (a no-op at TP 1).
 
     Raises:
         ValueError: Tensor parallelism without sequence parallelism (not fixed here).
     """
-    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
-
     config = model.config
     if config.tensor_model_parallel_size == 1:
         return
@@ -120,14 +148,15 @@ def fix_tensor_parallel(model) -> None:
 
 def decoder_block_spec(config, **kwargs: Any):
     """``get_gpt_decoder_block_spec(config, use_transformer_engine=False, **kwargs)`` with
-    ``LocalMLACoreAttention`` as the core attention of latent-attention layers (fix 1)."""
+    ``LocalMLASelfAttention`` and ``LocalMLACoreAttention`` in latent-attention layers (fixes 1
+    and 3)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, **kwargs)
     for layer in spec.layer_specs:
         attention = layer.submodules.self_attention
         if attention.module is MLASelfAttention:
             apply()
+            attention.module = LocalMLASelfAttention
             attention.submodules.core_attention = LocalMLACoreAttention
     return spec

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
-from megatron.core.transformer.moe.router_replay import RouterReplayAction
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from routereplay.domain.record import MASKED, Geometry
 from routereplay.errors import InvalidArgument
@@ -31,6 +31,15 @@ from trainer.sharding import Parallelism, RankCoords, rank_positions, shard_padd
 @pytest.fixture
 def built(tiny_model_dir, pg_collection):
     return build_model(tiny_model_dir, routing_replay=True, pg_collection=pg_collection)
+
+
+def test_installed_replays_are_megatrons_registry_with_their_layer_numbers(built):
+    # megatron-core 0.19 numbers each RouterReplay by its router's layer (1-based, global);
+    # the instances the builder installs keep that number and are the registry, in layer order.
+    replays = [r.replay for r in built.routers]
+    assert [r.layer for r in built.routers] == [1, 2, 3]
+    assert [p.layer_number for p in replays] == [2, 3, 4]
+    assert RouterReplay.global_router_replay_instances == replays
 
 
 def _train_pass(built, batch, indices=None):

@@ -3,24 +3,23 @@
 Oracles: megatron's CP batch split (``get_batch_on_this_cp_rank``) applied to position ids,
 its sequence-parallel scatter (``_split_along_first_dim``), its pipeline layer placement
 (``get_transformer_layer_offset`` / ``get_num_layers_to_build``); packing and dynamic batching
-by round trips. No process group is needed: megatron reads CP sizes from ``parallel_state``,
-which the tests patch for the duration of one call.
+by round trips. No process group is needed: megatron-core 0.19 asks ``torch.distributed`` for
+the size and rank of the CP group it is handed, which the tests answer for one call.
 """
 
 from __future__ import annotations
 
-import contextlib
 from types import SimpleNamespace
 from unittest import mock
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("megatron.core")
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import _split_along_first_dim
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -49,19 +48,17 @@ SETTINGS = settings(max_examples=60, deadline=None)
 # -- megatron oracles -------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _cp_state(cp_size: int, cp_rank: int):
-    with (
-        mock.patch.object(parallel_state, "get_context_parallel_world_size", lambda: cp_size),
-        mock.patch.object(parallel_state, "get_context_parallel_rank", lambda: cp_rank),
-    ):
-        yield
-
-
 def megatron_cp(positions: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """megatron's CP split of a ``[batch, seq]`` tensor (its ``position_ids`` key)."""
-    with _cp_state(cp_size, cp_rank):
-        return get_batch_on_this_cp_rank({"position_ids": positions.clone()})["position_ids"]
+    """megatron's CP split of a ``[batch, seq]`` tensor (its ``position_ids`` key). megatron
+    asks ``torch.distributed`` for the size and rank of the CP group it is given; a stand-in
+    group answers them."""
+    group = _Group(cp_size, cp_rank)
+    with (
+        mock.patch.object(dist, "get_world_size", lambda g: g.size()),
+        mock.patch.object(dist, "get_rank", lambda g: g.rank()),
+    ):
+        batch = {"position_ids": positions.clone()}
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=group)["position_ids"]
 
 
 class _Group:
