@@ -96,30 +96,27 @@ def stored(events: list) -> list[SampleDone]:
     return done
 
 
-async def plain(rollout, player, name, vocab):
+async def batch(rollout, player, name, prompts, n, max_tokens) -> list[SampleDone]:
+    """``n`` samples of each prompt in one ``generate_batch``, named ``{name}-{i}``; stored."""
+    ids = [f"{name}-{i}" for i in range(len(prompts) * n)]
+    options = SamplingOptions(max_tokens=max_tokens)
     events = await play(
-        player,
-        rollout.generate_batch(
-            [prompt(1, 10, vocab)], 1, SamplingOptions(max_tokens=6), sample_ids=[f"{name}-0"]
-        ),
-        requests=1,
+        player, rollout.generate_batch(prompts, n, options, sample_ids=ids), requests=len(ids)
     )
-    return [d.sample_id for d in stored(events)]
+    done = stored(events)
+    assert sorted(d.sample_id for d in done) == sorted(ids), done
+    return done
+
+
+async def plain(rollout, player, name, vocab):
+    return [d.sample_id for d in await batch(rollout, player, name, [prompt(1, 10, vocab)], 1, 6)]
 
 
 async def grpo_group(rollout, player, name, vocab):
-    ids = [f"{name}-{i}" for i in range(4)]
-    events = await play(
-        player,
-        rollout.generate_batch(
-            [prompt(2, 13, vocab)], 4, SamplingOptions(max_tokens=5), sample_ids=ids
-        ),
-        requests=4,
-    )
-    done = stored(events)
+    done = await batch(rollout, player, name, [prompt(2, 13, vocab)], 4, 5)
     # The siblings' prompt rows came from the store: the prefix path ran.
     assert sum(d.cached_tokens for d in done) >= 2 * 3 * BLOCK, [d.cached_tokens for d in done]
-    return ids
+    return [d.sample_id for d in done]
 
 
 async def second_turn(rollout, player, name, vocab):
@@ -142,71 +139,32 @@ async def second_turn(rollout, player, name, vocab):
 
 
 async def chunked_prefill(rollout, player, name, vocab):
-    ids = [f"{name}-{i}" for i in range(2)]
-    events = await play(
-        player,
-        rollout.generate_batch(
-            [prompt(5, 23, vocab), prompt(6, 18, vocab)],
-            1,
-            SamplingOptions(max_tokens=4),
-            sample_ids=ids,
-        ),
-        requests=2,
-    )
-    stored(events)
-    return ids
+    done = await batch(rollout, player, name, [prompt(5, 23, vocab), prompt(6, 18, vocab)], 1, 4)
+    return [d.sample_id for d in done]
 
 
 async def preemption(rollout, player, name, vocab):
-    ids = [f"{name}-{i}" for i in range(3)]
     # One preempted in the middle of its prefill, one in the middle of its decoding.
     player.preempt_when[f"{name}-0@"] = lambda r: r.num_computed_tokens >= 10
     player.preempt_when[f"{name}-1@"] = lambda r: r.num_output_tokens >= 3
-    events = await play(
-        player,
-        rollout.generate_batch(
-            [prompt(7, 21, vocab), prompt(8, 11, vocab), prompt(9, 6, vocab)],
-            1,
-            SamplingOptions(max_tokens=6),
-            sample_ids=ids,
-        ),
-        requests=3,
-    )
-    stored(events)
+    prompts = [prompt(7, 21, vocab), prompt(8, 11, vocab), prompt(9, 6, vocab)]
+    done = await batch(rollout, player, name, prompts, 1, 6)
     assert player.counts["preempted"] == 2, player.counts
-    return ids
+    return [d.sample_id for d in done]
 
 
 async def speculative(rollout, player, name, vocab):
-    ids = [f"{name}-{i}" for i in range(2)]
-    events = await play(
-        player,
-        rollout.generate_batch(
-            [prompt(10, 9, vocab), prompt(11, 14, vocab)],
-            1,
-            SamplingOptions(max_tokens=17),
-            sample_ids=ids,
-        ),
-        requests=2,
-    )
-    stored(events)
+    done = await batch(rollout, player, name, [prompt(10, 9, vocab), prompt(11, 14, vocab)], 1, 17)
     assert player.counts["drafts_rejected"] >= 6, player.counts
-    return ids
+    return [d.sample_id for d in done]
 
 
 async def small_store(rollout, player, name, vocab):
-    ids = [f"{name}-{i}" for i in range(3)]
-    events = await play(
-        player,
-        rollout.generate_batch(
-            [prompt(12, 17, vocab)], 3, SamplingOptions(max_tokens=4), sample_ids=ids
-        ),
-        requests=3,
-    )
-    assert sum(d.cached_tokens for d in stored(events)) >= 4 * BLOCK
+    done = await batch(rollout, player, name, [prompt(12, 17, vocab)], 3, 4)
+    assert sum(d.cached_tokens for d in done) >= 4 * BLOCK
     # It held one block at first; vLLM 0.31/0.32's would have raised here instead of growing.
     assert player.worker._store._store.num_slots >= 17 // BLOCK, "the store did not grow"
-    return ids
+    return [d.sample_id for d in done]
 
 
 async def weight_update(rollout, player, name, vocab, checkpoint):
