@@ -397,6 +397,8 @@ class RouteCache:
     def delete(self, sample_id: str) -> None:
         check_sample_id(sample_id)
         self.store.delete(sample_id)
+        if self.feed is not None:  # a record written again under this id is trained anew
+            self.feed.forget(sample_id)
 
     # Ready feed --------------------------------------------------------------------------
 

@@ -330,6 +330,7 @@ def _in_daemon_thread(fn) -> futures.Future:
 # often freed records whose grace is over are deleted.
 TRIM_INTERVAL_S = 1.0
 SWEEP_INTERVAL_S = 0.25
+FREE_INTERVAL_S = 1.0  # what an acknowledgement left in the freeing set (ReadyFeed.free)
 
 
 class RouteCacheServer:
@@ -360,7 +361,11 @@ class RouteCacheServer:
         self.cache = RouteCache(store, config, self.feed, self.metrics.registry, self.budget)
         tasks = [(self.budget.interval_s, self.budget.read)] if config.memory_budget else []
         if self.feed is not None:
-            tasks += [(TRIM_INTERVAL_S, self.feed.trim), (SWEEP_INTERVAL_S, self.feed.sweep)]
+            tasks += [
+                (TRIM_INTERVAL_S, self.feed.trim),
+                (FREE_INTERVAL_S, self.feed.free),
+                (SWEEP_INTERVAL_S, self.feed.sweep),
+            ]
         self.upkeep = Upkeep(tasks)
         self.servicer = RouteCacheServicer(self.cache)
         _add_servicer(self.servicer, self.grpc_server)

@@ -230,7 +230,7 @@ class ReadyConsumer:
     def next_groups(self, count: int, timeout_s: float | None = None) -> list[ReadyGroup]:
         """Up to ``count`` complete groups, reading the feed until there are that many or
         ``timeout_s`` has passed (None: wait as long as it takes). Each group is handed out
-        once per process; acknowledge it with ``ack`` after training on it."""
+        once per process; acknowledge it with ``settle`` after training on it."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while len(self._complete) < count:
             wait_ms = self.block_ms
@@ -243,23 +243,13 @@ class ReadyConsumer:
             self.poll(block_ms=wait_ms)
         return [self._complete.popleft() for _ in range(min(count, len(self._complete)))]
 
-    def ack(self, groups: Iterable[ReadyGroup], chunk: int = 512) -> int:
-        """Acknowledge ``groups`` (trained, or given up on): their entries are not delivered
-        again, and later repeats of their samples are dropped. Returns how many entries the
-        server still had pending."""
-        groups = list(groups)
-        delivered = [item for group in groups for item in group.delivered.items()]
-        acknowledged = 0
-        for start in range(0, len(delivered), chunk):
-            acknowledged += self._ack_delivered(delivered[start : start + chunk])
-        for group in groups:
-            self._forget(group)
-        return acknowledged
-
     def settle(self, groups: Iterable[ReadyGroup]) -> list[ReadyGroup]:
-        """Acknowledge each of ``groups`` on its own, and return those this consumer settled:
-        the groups whose every entry this acknowledgement settled (``AckReady``'s count).
-        Commit the training of those only.
+        """Acknowledge each of ``groups`` on its own (trained, or given up on), and return
+        those this consumer settled: the groups whose every entry this acknowledgement settled
+        (``AckReady``'s count). Commit the training of those only. Their entries are not
+        delivered again, and later repeats of their samples are dropped. The one
+        acknowledgement of the feed: the trainer (``trainer.data.source.FeedPlans``) and the
+        fault run's consumer call it alike.
 
         A consumer that stalls past ``claim_idle_ms`` (a paused process, a long step) loses
         its entries to another consumer, which trains and acknowledges them too; so does one

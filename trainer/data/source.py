@@ -352,7 +352,11 @@ class FeedPlans:
         through = min(through, self._reported)
         steps = [s for s in sorted(self.handed_out) if self._acked <= s < through]
         if steps:
-            self.consumer.ack([g for s in steps for g in self.handed_out[s]])
+            groups = [g for s in steps for g in self.handed_out[s]]
+            # The trainer is its consumer group's one consumer: a group another consumer
+            # settled first (a stand-by that took it over while this one stalled) is logged
+            # by ``settle``; the checkpoint already holds this job's training of it.
+            self.consumer.settle(groups)
             for s in steps:  # once acknowledged: a failed call is tried again by the next
                 del self.handed_out[s]
             if self.log is not None:
