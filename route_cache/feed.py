@@ -40,14 +40,20 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from typing import NamedTuple
 
 import redis
 import redis.cluster
 
 from route_cache.connection import WAIT_TIMEOUT_MS, domain_errors_from_redis, replicated
-from route_cache.record_format import freeing_key, record_key, routes_key, settled_key
+from route_cache.record_format import (
+    dead_letter_key,
+    freeing_key,
+    record_key,
+    routes_key,
+    settled_key,
+)
 from route_cache.store import Announcement, stream_full
 from routereplay.domain.feed import ReadyEntry, ReadyPage, ReadyRead
 from routereplay.errors import InvalidArgument, Unavailable
@@ -60,9 +66,10 @@ _ENTRY_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
 
 _UINT64_MAX = 2**64 - 1
 
-# KEYS: the stream, a sample's settled hash, the freeing set (all in the stream's slot). ARGV:
-# consumer group, the entry, the consumer, the sample, the claim's time to live in ms (0:
-# kept), the fence (ms: how long a committed sample's claims are kept), then the commit groups.
+# KEYS: the stream, a sample's settled hash, the freeing set, the dead-letter stream (all in the
+# stream's slot). ARGV: consumer group, the entry, the consumer, the sample, the claim's time to
+# live in ms (0: kept), the fence (ms: how long a committed sample's claims are kept), the
+# dead-letter reason ('': trained), then the commit groups.
 # Claims the sample for the entry unless another claim holds, and acknowledges the entry: one
 # script, so a failover of the stream's master keeps both or loses both (two commands on two
 # shards, as before issue 47, let a consumer die between them: its claim stood and its entry
@@ -72,8 +79,10 @@ _UINT64_MAX = 2**64 - 1
 # was told that entry settled (``ack`` WAITs), and without the handover no announcement of the
 # sample could settle it again. Once every commit group holds a claim, the sample joins the
 # freeing set: its record, on another slot, is freed from there (``ReadyFeed.free``), never
-# by a sample not in it. Returns the claim that holds, XACK's count, the lost entry whose
-# claim passed (or ''), and 1 when every commit group has claimed the sample. At Redis's
+# by a sample not in it. A sample settled with a reason trained nothing: the claim that first
+# takes it for the group adds it to the dead-letter stream (a retry does not again). Returns
+# the claim that holds, XACK's count, the lost entry whose claim passed (or ''), 1 when every
+# commit group has claimed the sample, and 1 when it was dead-lettered now. At Redis's
 # memory limit too (allow-oom): it is what frees memory, and a full Redis must not stop it.
 _SETTLE = """#!lua flags=allow-oom
 local stream, claims, group, entry = KEYS[1], KEYS[2], ARGV[1], ARGV[2]
@@ -83,7 +92,7 @@ local function id(text)
   if ms == nil then return nil end
   return {tonumber(ms), tonumber(seq ~= '' and seq or '0')}
 end
-redis.call('HSETNX', claims, group, mine)
+local taken = redis.call('HSETNX', claims, group, mine)
 local claim = redis.call('HGET', claims, group)
 local held, lost = string.match(claim, '^(%S+)'), ''
 if held ~= entry and #redis.call('XRANGE', stream, held, held, 'COUNT', 1) == 0 then
@@ -98,10 +107,16 @@ if tonumber(ARGV[5]) > 0 then
   redis.call('PEXPIRE', claims, ARGV[5])
 end
 local acked = redis.call('XACK', stream, group, entry)
+local dead = 0
+if ARGV[7] ~= '' and (taken == 1 or lost ~= '') then
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', 100000, '*', 'sample_id', ARGV[4],
+    'consumer_group', group, 'consumer', ARGV[3], 'entry_id', entry, 'reason', ARGV[7])
+  dead = 1
+end
 local committed = 0
-if #ARGV > 6 then
+if #ARGV > 7 then
   committed = 1
-  for i = 7, #ARGV do
+  for i = 8, #ARGV do
     if redis.call('HEXISTS', claims, ARGV[i]) == 0 then committed = 0 end
   end
   if committed == 1 then
@@ -109,7 +124,7 @@ if #ARGV > 6 then
     redis.call('SADD', KEYS[3], ARGV[4])
   end
 end
-return {claim, acked, lost, committed}
+return {claim, acked, lost, committed, dead}
 """
 
 # KEYS: the freeing set, a key to write. ARGV: how many samples. Up to that many samples of
@@ -264,6 +279,7 @@ class ReadyFeed:
         self._freeing: deque[tuple[float, str]] = deque()  # (grace's end, sample): to sweep
         self._lock = threading.Lock()
         self.trimmed = 0  # stream entries trimmed by this process
+        self.dead_lettered = 0  # samples this process added to the dead-letter stream
 
     def announcement(self, entry: ReadyEntry) -> Announcement | None:
         """``entry`` for a record's commit to add, where the stream shares the record's
@@ -377,6 +393,8 @@ class ReadyFeed:
         entry_ids: Sequence[str],
         consumer: str = "",
         sample_ids: Sequence[str] = (),
+        dead_letters: Set[str] = frozenset(),
+        reason: str = "",
     ) -> int:
         """Acknowledge entries of ``group``. Returns how many this call settled: entries it
         took off the pending list whose sample no other entry settled in ``group`` first.
@@ -398,6 +416,11 @@ class ReadyFeed:
         record of what it read), it counts as that sample's other entries in this call do,
         and on its acknowledgement alone otherwise.
 
+        ``dead_letters``: samples the consumer settles without training them (their record
+        was lost after the announcement); the first claim of each in ``group`` adds it to the
+        dead-letter stream (``dead_letter_key``) with ``reason``, logs it and counts it
+        (``dead_lettered``). An entry of one the stream no longer has cannot carry it there.
+
         Raises:
             Unavailable: Fewer than ``wait_replicas`` replicas confirmed the acknowledgement.
         """
@@ -405,7 +428,9 @@ class ReadyFeed:
             samples = self._samples(entry_ids)
             if self.wait_replicas:
                 replies, replicas = self._replicated(
-                    lambda pipe: self._queue_settle(pipe, group, entry_ids, consumer, samples)
+                    lambda pipe: self._queue_settle(
+                        pipe, group, entry_ids, consumer, samples, dead_letters, reason
+                    )
                 )
                 if replicas < self.wait_replicas:
                     raise Unavailable(
@@ -414,14 +439,24 @@ class ReadyFeed:
                     )
             else:
                 pipe = self.client.pipeline(transaction=False)
-                self._queue_settle(pipe, group, entry_ids, consumer, samples)
+                self._queue_settle(pipe, group, entry_ids, consumer, samples, dead_letters, reason)
                 replies = pipe.execute()
             owners, acked, committed = {}, [], []
             for entry_id, reply in zip(entry_ids, replies, strict=True):
                 if entry_id not in samples:  # gone from the stream: XACK alone
                     acked.append(int(reply))
                     continue
-                claim, n, lost, all_committed = reply
+                claim, n, lost, all_committed, dead = reply
+                if int(dead):
+                    self.dead_lettered += 1
+                    log.warning(
+                        "sample %r dead-lettered by %r of %r (entry %s): %s",
+                        samples[entry_id],
+                        consumer,
+                        group,
+                        entry_id,
+                        reason,
+                    )
                 owners[entry_id] = _owner(_text(claim))
                 acked.append(int(n))
                 if _text(lost):
@@ -570,18 +605,21 @@ class ReadyFeed:
         entry_ids: Sequence[str],
         consumer: str,
         samples: dict[str, str],
+        dead_letters: Set[str],
+        reason: str,
     ) -> None:
         """Queue, per entry, the claim and XACK of ``_SETTLE`` (an entry still in the stream)
         or XACK alone (one gone: nothing to claim by), all on the stream's slot."""
-        lifecycle = (self.settled_ttl_ms, self.fence_ms, *self.commit_groups)
-        freeing = freeing_key(self.stream)
+        freeing, dead = freeing_key(self.stream), dead_letter_key(self.stream)
         for entry_id in entry_ids:
             sample_id = samples.get(entry_id)
             if sample_id is None:
                 pipe.xack(self.stream, group, entry_id)
                 continue
-            keys = (self.stream, settled_key(self.stream, sample_id), freeing)
-            args = (group, entry_id, consumer, sample_id, *lifecycle)
+            keys = (self.stream, settled_key(self.stream, sample_id), freeing, dead)
+            why = reason if sample_id in dead_letters else ""
+            args = (group, entry_id, consumer, sample_id, self.settled_ttl_ms, self.fence_ms, why)
+            args += self.commit_groups
             pipe.execute_command("EVAL", _SETTLE, len(keys), *keys, *args)
 
     def _replicated(self, queue) -> tuple[object, int]:

@@ -113,7 +113,12 @@ class RouteCacheServicer(route_cache_pb2_grpc.RouteCacheServicer):
 
     def AckReady(self, request, context):
         acknowledged = self.cache.ack_ready(
-            request.consumer_group, request.entry_ids, request.consumer, request.sample_ids
+            request.consumer_group,
+            request.entry_ids,
+            request.consumer,
+            request.sample_ids,
+            request.dead_letter_ids,
+            request.dead_letter_reason,
         )
         return route_cache_pb2.AckReadyResponse(acknowledged=acknowledged)
 

@@ -137,7 +137,7 @@ def train(
             if dp.model is None:  # every rank holds the whole model: the whole gradient's norm
                 report = replace(report, grad_norm=norms)
             seconds = time.perf_counter() - started + fetched.wait_s
-            done = StepDone(last, report, seconds, result.routes_used)
+            done = StepDone(last, report, seconds, result.routes_used, fetched.dead_letters)
             for output in outputs:
                 learned = output.after_step(done)
                 if learned:  # for the outputs after it, and the run's reports

@@ -12,7 +12,7 @@ import pytest
 
 from route_cache.config import Config, parse_config
 from route_cache.connection import connect
-from route_cache.record_format import settled_key
+from route_cache.record_format import dead_letter_key, settled_key
 from route_cache.server import RouteCacheServer
 from route_cache.store import RouteStore
 from routereplay.dev.synthetic import synthetic_record
@@ -437,6 +437,36 @@ def test_start_from_latest_skips_older_entries(feed, rng, sid):
     assert ids(consumer.next_groups(1, timeout_s=2)) == [[record.sample_id]]
 
 
+def test_a_sample_settled_untrained_goes_to_the_dead_letter_stream_once(feed, rng, sid):
+    """Issue 47: a consumer whose sample's record was lost settles it as a dead letter: the
+    entry is acknowledged with its group like the rest, and the sample is added, once per
+    consumer group, to the dead-letter stream in the ready stream's slot, with the reason,
+    and counted on /metrics."""
+    lost, kept = feed.write(rng, sid(), group_id="g"), feed.write(rng, sid(), group_id="g")
+    consumer = feed.consumer("c0", group_size=2)
+    (group,) = consumer.next_groups(1, timeout_s=2)
+    assert consumer.settle([group], [lost.sample_id], "record missing") == [group]
+    assert feed.pending() == 0
+    dead = feed.redis.xrange(dead_letter_key(feed.stream))
+    assert [{k.decode(): v.decode() for k, v in f.items()} for _, f in dead] == [
+        {
+            "sample_id": lost.sample_id,
+            "consumer_group": "trainer",
+            "consumer": "c0",
+            "entry_id": group.entry_ids[group.sample_ids.index(lost.sample_id)],
+            "reason": "record missing",
+        }
+    ]
+    # A retry whose first answer was lost settles again, and adds nothing.
+    entries, samples = group.entry_ids, list(group.delivered.values())
+    assert feed.client.ack_ready("trainer", entries, "c0", samples, [lost.sample_id], "x") == 2
+    assert feed.redis.xlen(dead_letter_key(feed.stream)) == 1
+    assert feed.server.feed.dead_lettered == 1
+    assert kept.sample_id not in {f[b"sample_id"].decode() for _, f in dead}
+    registry = feed.server.metrics.registry  # what /metrics serves (test_metrics scrapes it)
+    assert registry.get_sample_value("route_cache_ready_dead_letters_total") == 1
+
+
 def test_async_client(single_store, rng, sid):
     feed = Feed(single_store)
     try:
@@ -468,6 +498,14 @@ def test_async_client(single_store, rng, sid):
         (lambda c: c.ack_ready("trainer", []), "entry_ids is empty"),
         (lambda c: c.ack_ready("trainer", ["1-0", "nope"]), "entry_ids[1]"),
         (lambda c: c.ack_ready("trainer", ["1-0"] * 301), "entry_ids has 301 ids"),
+        (
+            lambda c: c.ack_ready("trainer", ["1-0"], "c", ["s1"], ["s2"], "lost"),
+            "dead_letter_ids ['s2'] are not in sample_ids",
+        ),
+        (
+            lambda c: c.ack_ready("trainer", ["1-0"], "c", ["s1"], ["s1"]),
+            "dead_letter_reason must be",
+        ),
         # Past unsigned 64 bits: Redis would refuse it (found by fuzzing: it was INTERNAL).
         (lambda c: c.ack_ready("trainer", ["99999999999999999999"]), "entry_ids[0]"),
         (
