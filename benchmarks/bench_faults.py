@@ -42,7 +42,8 @@ the longest write gap per shard, p50/p99 latency outside and during each fault, 
 time per fault, and a PNG timeline.
 
 Usage: python -m benchmarks.bench_faults [--short | --soak] [--wait-replicas N] [--drop-ack]
-                    [--mutate early-ack|commit-before-settle|no-aof|trainer-early-ack]
+                    [--mutate early-ack|commit-before-settle|no-aof|trainer-early-ack|
+                              claim-apart|no-dead-letter]
 """
 
 from __future__ import annotations
@@ -107,7 +108,14 @@ RECOVERY_WINDOW_S = 5.0  # an operation counts towards a fault's recovery up to 
 READY_STREAM = "rr:ready"  # the route cache's default ready feed
 CONSUMER_GROUP = "faultrun"  # the feed consumers' group (fault_consumer.py's default)
 FREE_GRACE_S = 3600  # a freed record's expiry: far below the records' 24 h, above the run
-MUTATIONS = ("early-ack", "commit-before-settle", "no-aof", "trainer-early-ack", "claim-apart")
+MUTATIONS = (
+    "early-ack",
+    "commit-before-settle",
+    "no-aof",
+    "trainer-early-ack",
+    "claim-apart",  # the claim and its XACK apart (before issue 47): red under kill_between
+    "no-dead-letter",  # a lost record fails the trainer's batch (with WAIT 0): it crash-loops
+)
 FEED_SHARD = 0  # the shard whose slots hold the ready stream (checked at the start)
 TRAINER_POINTS = {"trainer_kill_ack": "after_ack", "trainer_kill_step": "after_checkpoint"}
 
@@ -382,6 +390,8 @@ class Environment:
         ]
         if self.config.mutate == "trainer-early-ack":
             args += ["--mutate", "early-ack"]
+        if self.config.mutate == "no-dead-letter":
+            args += ["--mutate", "no-dead-letter"]
         with open(self.workdir / "trainer.log", "ab") as log:
             self.trainer = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 

@@ -65,6 +65,7 @@ _ENTRY_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
 
 
 _UINT64_MAX = 2**64 - 1
+UPKEEP_WAIT_MS = 200  # the longest the upkeep's ``free`` waits for replicas per round
 
 # KEYS: the stream, a sample's settled hash, the freeing set, the dead-letter stream (all in the
 # stream's slot). ARGV: consumer group, the entry, the consumer, the sample, the claim's time to
@@ -520,10 +521,18 @@ class ReadyFeed:
         freeing = freeing_key(self.stream)
         with domain_errors_from_redis():
             if samples is None:
+                if not self.client.scard(freeing):  # the usual case: nothing to WAIT for
+                    return 0
                 marker = f"{freeing}:waited"
                 if self.wait_replicas:  # only what a failover of the set's master keeps
-                    due, replicas = self._replicated(
-                        lambda pipe: pipe.eval(_DUE, 2, freeing, marker, count)
+                    # Briefly: the upkeep thread also reads the memory budget, and a replica
+                    # that is down must not hold that up; the next round tries again.
+                    due, replicas = replicated(
+                        self.client,
+                        self.stream,
+                        lambda pipe: pipe.eval(_DUE, 2, freeing, marker, count),
+                        self.wait_replicas,
+                        min(self.wait_timeout_ms, UPKEEP_WAIT_MS),
                     )
                     if replicas < self.wait_replicas:
                         return 0
