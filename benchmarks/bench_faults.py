@@ -43,7 +43,7 @@ time per fault, and a PNG timeline.
 
 Usage: python -m benchmarks.bench_faults [--short | --soak] [--wait-replicas N] [--drop-ack]
                     [--mutate early-ack|commit-before-settle|no-aof|trainer-early-ack|
-                              claim-apart|no-dead-letter]
+                              claim-apart]
 """
 
 from __future__ import annotations
@@ -114,7 +114,6 @@ MUTATIONS = (
     "no-aof",
     "trainer-early-ack",
     "claim-apart",  # the claim and its XACK apart (before issue 47): red under kill_between
-    "no-dead-letter",  # a lost record fails the trainer's batch (with WAIT 0): it crash-loops
 )
 FEED_SHARD = 0  # the shard whose slots hold the ready stream (checked at the start)
 TRAINER_POINTS = {"trainer_kill_ack": "after_ack", "trainer_kill_step": "after_checkpoint"}
@@ -390,8 +389,6 @@ class Environment:
         ]
         if self.config.mutate == "trainer-early-ack":
             args += ["--mutate", "early-ack"]
-        if self.config.mutate == "no-dead-letter":
-            args += ["--mutate", "no-dead-letter"]
         with open(self.workdir / "trainer.log", "ab") as log:
             self.trainer = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
