@@ -94,10 +94,12 @@ def early_ack() -> None:
 
     write = store_module.RouteStore.write
 
-    def acknowledged_early(self, sample_id, group_id, geometry, block) -> bool:
+    # Whatever ``write`` takes (a fixed signature broke silently when it gained
+    # ``announcement``: every write then failed INTERNAL, and the run failed for that instead).
+    def acknowledged_early(self, *args, **kwargs) -> bool:
         def later() -> None:
             time.sleep(DEFER_S)
-            write(self, sample_id, group_id, geometry, block)
+            write(self, *args, **kwargs)
 
         threading.Thread(target=later, daemon=True).start()
         return False  # "stored, not a duplicate", before anything is stored
