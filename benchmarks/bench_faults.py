@@ -43,7 +43,7 @@ time per fault, and a PNG timeline.
 
 Usage: python -m benchmarks.bench_faults [--short | --soak] [--wait-replicas N] [--drop-ack]
                     [--mutate early-ack|commit-before-settle|no-aof|trainer-early-ack|
-                              claim-apart]
+                              claim-apart|no-dead-letter]
 """
 
 from __future__ import annotations
@@ -114,6 +114,9 @@ MUTATIONS = (
     "no-aof",
     "trainer-early-ack",
     "claim-apart",  # the claim and its XACK apart (before issue 47): red under kill_between
+    # Nodes without AOF (records lost, as no-aof) and the trainer failing a batch whose record
+    # is gone (the rule before issue 47): red as a trainer that crash-loops, never finishing.
+    "no-dead-letter",
 )
 FEED_SHARD = 0  # the shard whose slots hold the ready stream (checked at the start)
 TRAINER_POINTS = {"trainer_kill_ack": "after_ack", "trainer_kill_step": "after_checkpoint"}
@@ -251,7 +254,7 @@ class Environment:
     def _node(self) -> RedisProcess:
         """A cluster node with an append-only file (unless ``no-aof``), announcing its
         proxy's port."""
-        aof = "no" if self.config.mutate == "no-aof" else "yes"
+        aof = "no" if self.config.mutate in ("no-aof", "no-dead-letter") else "yes"
         node = RedisProcess(
             "--appendonly",
             aof,
@@ -389,6 +392,8 @@ class Environment:
         ]
         if self.config.mutate == "trainer-early-ack":
             args += ["--mutate", "early-ack"]
+        if self.config.mutate == "no-dead-letter":
+            args += ["--mutate", "no-dead-letter"]
         with open(self.workdir / "trainer.log", "ab") as log:
             self.trainer = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 

@@ -21,6 +21,8 @@ logs ``paused`` and stops itself (SIGSTOP) there, and the run SIGKILLs it. Point
 
 ``--mutate early-ack``: acknowledge every batch once trained, whether or not a checkpoint
 covers it (the gap issue 29 found): a kill after the acknowledgement loses samples.
+``--mutate no-dead-letter``: a published sample whose record is gone fails its batch (the
+rule before issue 47): the trainer crash-loops on it.
 
 Usage: python -m benchmarks.fault_trainer --target T --history H --checkpoint-dir D ...
 """
@@ -108,6 +110,8 @@ def run(args) -> int:
                 break
             continue
         history.log("deliver", samples=plan.sample_ids, step=step)
+        if args.mutate == "no-dead-letter":  # the old rule: a lost record fails the batch
+            plan.published = False
         for tries in range(100):  # a failed fetch is retried: the step has not happened yet
             try:
                 fetched = resolve(plan, source.fetch(plan.sample_ids), MissingRecord.ERROR)
@@ -186,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-s", type=float, default=0.05, help="the stand-in step's time")
     parser.add_argument("--wait-s", type=float, default=1.0, help="data.wait_s")
     parser.add_argument("--attempts", type=int, default=12)
-    parser.add_argument("--mutate", choices=["", "early-ack"], default="")
+    parser.add_argument("--mutate", choices=["", "early-ack", "no-dead-letter"], default="")
     return run(parser.parse_args(argv))
 
 
