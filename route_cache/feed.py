@@ -56,7 +56,7 @@ from route_cache.record_format import (
 )
 from route_cache.store import Announcement, stream_full
 from routereplay.domain.feed import ReadyEntry, ReadyPage, ReadyRead
-from routereplay.errors import InvalidArgument, Unavailable
+from routereplay.errors import InvalidArgument, RouteReplayError, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -470,10 +470,14 @@ class ReadyFeed:
                     )
                 if int(all_committed):
                     committed.append(samples[entry_id])
-            # Replicated (or not asked to be): the claims that committed them will outlive a
-            # failover, so their records may go now. What a failure leaves, ``free`` finds.
-            if committed:
+        # Replicated (or not asked to be): the claims that committed them will outlive a
+        # failover, so their records may go now. A records' shard that fails here must not fail
+        # the acknowledgement, which is done: the freeing set keeps them for the upkeep.
+        if committed:
+            try:
                 self.free(committed)
+            except RouteReplayError:
+                log.warning("freeing %d committed records left to the upkeep", len(committed))
         ours = set(entry_ids)  # a repeat acknowledged with its sample's first entry counts
         counted = {}
         for entry_id, n in zip(entry_ids, acked, strict=True):

@@ -14,7 +14,7 @@ from route_cache.feed import ReadyFeed
 from route_cache.record_format import freeing_key, record_key, routes_key, settled_key
 from routereplay.dev.redis_nodes import RedisProcess
 from routereplay.dev.synthetic import synthetic_record
-from routereplay.errors import NotFound, ResourceExhausted
+from routereplay.errors import NotFound, ResourceExhausted, Unavailable
 from tests.route_cache.conftest import SMALL
 from tests.route_cache.test_feed import Feed
 
@@ -271,7 +271,8 @@ def test_the_claim_shares_the_streams_slot_and_frees_only_what_every_group_commi
     acknowledges (a failover keeps both or loses both), and the record, on its own slot, is
     freed in a second step: from the freeing set, which only the claim of the last commit
     group fills. Here the acknowledging process dies between the two steps (its ``free``
-    never runs: the freeing is left to the route cache's ``Upkeep``, called by hand)."""
+    never runs: the freeing is left to the route cache's ``Upkeep``, called by hand), and then
+    the records' shard fails at the second step: the acknowledgement, done, still counts."""
     feed = Feed(store, commit_groups="a,b", free_grace_s=30)
     feed.server.upkeep.stop()  # its free() is called by hand below
     try:
@@ -281,11 +282,17 @@ def test_the_claim_shares_the_streams_slot_and_frees_only_what_every_group_commi
         assert key_slot(freeing_key(feed.stream).encode()) == stream_slot
         dying = ReadyFeed(feed.redis, feed.stream, commit_groups=("a", "b"), free_grace_ms=30_000)
         dying.free = lambda samples=None: 0  # dies before freeing what it committed
+        failing = ReadyFeed(feed.redis, feed.stream, commit_groups=("a", "b"))
+
+        def unreachable(samples=None):
+            raise Unavailable("the records' shard is down (stands in for a failed PEXPIRE)")
+
+        failing.free = unreachable
         upkeep = ReadyFeed(feed.redis, feed.stream, commit_groups=("a", "b"), free_grace_ms=30_000)
         keys = (record_key(record.sample_id), routes_key(record.sample_id))
-        for group, freed in (("a", 0), ("b", 1)):
+        for group, freed, acker in (("a", 0, dying), ("b", 1, failing)):
             (entry,) = feed.client.read_ready(group, f"{group}0", max_entries=1).entries
-            assert dying.ack(group, [entry.entry_id], f"{group}0", [record.sample_id]) == 1
+            assert acker.ack(group, [entry.entry_id], f"{group}0", [record.sample_id]) == 1
             assert all(feed.redis.pttl(k) > 60_000 for k in keys), group  # not freed yet
             assert upkeep.free() == freed, group  # only once every commit group claimed it
         assert all(0 < feed.redis.pttl(k) <= 30_000 for k in keys)
