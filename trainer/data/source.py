@@ -377,10 +377,17 @@ class FeedPlans:
         if steps:
             groups = [g for s in steps for g in self.handed_out[s]]
             dead = [d for s in steps for d in self.dead_letters.get(s, ())]
-            # The trainer is its consumer group's one consumer: a group another consumer
-            # settled first (a stand-by that took it over while this one stalled) is logged
-            # by ``settle``; the checkpoint already holds this job's training of it.
-            self.consumer.settle(groups, dead, MISSING_RECORD_REASON)
+            # The trainer commits (checkpoints) before it settles, so a group ``settle`` says
+            # is not this consumer's is trained all the same: its entry was lost in a failover
+            # of the stream's master (read from the old one; found by the seeded soak, which
+            # then trained the writer's repeat of it again), or a stand-by settled it first.
+            # Either way it is remembered as done, so a repeat is dropped, not trained again.
+            won = self.consumer.settle(groups, dead, MISSING_RECORD_REASON)
+            kept = [g for g in groups if not any(g is w for w in won)]
+            if kept:
+                entries = [e for g in kept for e in g.entry_ids]
+                samples = [s for g in kept for s in g.sample_ids]
+                self.consumer.covered(entries, samples, [g.key for g in kept])
             for s in steps:
                 self.dead_letters.pop(s, None)
             for s in steps:  # once acknowledged: a failed call is tried again by the next
