@@ -190,7 +190,13 @@ class _BacklogCollector:
             "Ready entries trimmed once every consumer group acknowledged them (this process)",
         )
         trimmed.add_metric([], self.feed.trimmed)
-        yield from (lag, pending, oldest, freed, trimmed)
+        dead = CounterMetricFamily(
+            f"{NAMESPACE}_ready_dead_letters",
+            "Samples settled untrained (record lost) and added to the dead-letter stream "
+            "(this process)",
+        )
+        dead.add_metric([], self.feed.dead_lettered)
+        yield from (lag, pending, oldest, freed, trimmed, dead)
 
 
 class _MemoryCollector:
@@ -397,6 +403,8 @@ class RouteCache:
     def delete(self, sample_id: str) -> None:
         check_sample_id(sample_id)
         self.store.delete(sample_id)
+        if self.feed is not None:  # a record written again under this id is trained anew
+            self.feed.forget(sample_id)
 
     # Ready feed --------------------------------------------------------------------------
 
@@ -425,6 +433,8 @@ class RouteCache:
         entry_ids: Sequence[str],
         consumer: str = "",
         sample_ids: Sequence[str] = (),
+        dead_letter_ids: Sequence[str] = (),
+        dead_letter_reason: str = "",
     ) -> int:
         feed = self._feed()
         check_sample_id(group, "consumer_group")
@@ -438,7 +448,18 @@ class RouteCache:
                     f"sample_ids has {len(sample_ids)} ids for {len(entry_ids)} entry_ids; "
                     "name one sample per entry, or none"
                 )
-        return feed.ack(group, entry_ids, consumer, sample_ids)
+        dead = set(dead_letter_ids)
+        if dead:
+            if not dead <= set(sample_ids):
+                raise InvalidArgument(
+                    f"dead_letter_ids {sorted(dead - set(sample_ids))[:8]} are not in sample_ids"
+                )
+            if not 0 < len(dead_letter_reason) <= 256 or not dead_letter_reason.isprintable():
+                raise InvalidArgument(
+                    "dead_letter_reason must be 1 to 256 printable characters with "
+                    f"dead_letter_ids, got {dead_letter_reason[:64]!r}"
+                )
+        return feed.ack(group, entry_ids, consumer, sample_ids, dead, dead_letter_reason)
 
     def _ids(self, values: Sequence[str], name: str, check) -> list[str]:
         """A non-empty list of at most ``max_batch`` ids, each passing ``check``."""

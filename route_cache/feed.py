@@ -40,17 +40,23 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from typing import NamedTuple
 
 import redis
 import redis.cluster
 
 from route_cache.connection import WAIT_TIMEOUT_MS, domain_errors_from_redis, replicated
-from route_cache.record_format import record_key, routes_key, settled_key
+from route_cache.record_format import (
+    dead_letter_key,
+    freeing_key,
+    record_key,
+    routes_key,
+    settled_key,
+)
 from route_cache.store import Announcement, stream_full
 from routereplay.domain.feed import ReadyEntry, ReadyPage, ReadyRead
-from routereplay.errors import InvalidArgument, Unavailable
+from routereplay.errors import InvalidArgument, RouteReplayError, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -59,33 +65,75 @@ _ENTRY_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
 
 
 _UINT64_MAX = 2**64 - 1
+UPKEEP_WAIT_MS = 200  # the longest the upkeep's ``free`` waits for replicas per round
 
-# KEYS: a sample's settled hash, its record, its routes. ARGV: consumer group, the claim, its
-# time to live in ms (0: kept), the record's grace in ms once every commit group claimed it,
-# the settled hash's time to live then, and the commit groups. Claims the sample unless
-# another claim holds; returns the claim that holds, and 1 when the record is now freed (its
-# expiry brought down to the grace: PEXPIRE LT never lengthens it, so a repeat is a no-op). One
-# script, not HSETNX then HGET on a pipeline: a cluster pipeline whose connection is reset
-# retries its failed commands one by one, and its HGET then ran before its HSETNX (nil: the
-# fault run's proxy_drop told a sole consumer its sample was taken, and nobody trained it).
-# And one script with the freeing: a record is freed only in the step that sees the last
-# commit group's claim, all on the record's slot. It may run at Redis's memory limit
-# (allow-oom): it is what frees memory, and a full Redis must not stop it (a run's trainer
-# could then never acknowledge, and nothing would ever be freed).
-_CLAIM = """#!lua flags=allow-oom
-redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
-if tonumber(ARGV[3]) > 0 then
-  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+# KEYS: the stream, a sample's settled hash, the freeing set, the dead-letter stream (all in the
+# stream's slot). ARGV: consumer group, the entry, the consumer, the sample, the claim's time to
+# live in ms (0: kept), the fence (ms: how long a committed sample's claims are kept), the
+# dead-letter reason ('': trained), then the commit groups.
+# Claims the sample for the entry unless another claim holds, and acknowledges the entry: one
+# script, so a failover of the stream's master keeps both or loses both (two commands on two
+# shards, as before issue 47, let a consumer die between them: its claim stood and its entry
+# went to a stand-by, which was told "taken", and nobody trained the sample). A claim held by
+# an entry the stream lost (absent, and newer than the stream's first entry, so not trimmed:
+# read and claimed on the old master, neither reached a replica) passes to this entry: nobody
+# was told that entry settled (``ack`` WAITs), and without the handover no announcement of the
+# sample could settle it again. Once every commit group holds a claim, the sample joins the
+# freeing set: its record, on another slot, is freed from there (``ReadyFeed.free``), never
+# by a sample not in it. A sample settled with a reason trained nothing: the claim that first
+# takes it for the group adds it to the dead-letter stream (a retry does not again). Returns
+# the claim that holds, XACK's count, the lost entry whose claim passed (or ''), 1 when every
+# commit group has claimed the sample, and 1 when it was dead-lettered now. At Redis's
+# memory limit too (allow-oom): it is what frees memory, and a full Redis must not stop it.
+_SETTLE = """#!lua flags=allow-oom
+local stream, claims, group, entry = KEYS[1], KEYS[2], ARGV[1], ARGV[2]
+local mine = entry .. ' ' .. ARGV[3]
+local function id(text)
+  local ms, seq = string.match(text, '^(%d+)-?(%d*)$')
+  if ms == nil then return nil end
+  return {tonumber(ms), tonumber(seq ~= '' and seq or '0')}
 end
-local claim = redis.call('HGET', KEYS[1], ARGV[1])
-if #ARGV < 6 then return {claim, 0} end
-for i = 6, #ARGV do
-  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 then return {claim, 0} end
+local taken = redis.call('HSETNX', claims, group, mine)
+local claim = redis.call('HGET', claims, group)
+local held, lost = string.match(claim, '^(%S+)'), ''
+if held ~= entry and #redis.call('XRANGE', stream, held, held, 'COUNT', 1) == 0 then
+  local first = redis.call('XRANGE', stream, '-', '+', 'COUNT', 1)
+  local h, f = id(held), first[1] and id(first[1][1])
+  if h and f and (h[1] > f[1] or (h[1] == f[1] and h[2] > f[2])) then
+    redis.call('HSET', claims, group, mine)
+    lost, claim = held, mine
+  end
 end
-local freed = redis.call('PEXPIRE', KEYS[2], ARGV[4], 'LT')
-redis.call('PEXPIRE', KEYS[3], ARGV[4], 'LT')
-redis.call('PEXPIRE', KEYS[1], ARGV[5], 'LT')
-return {claim, freed}
+if tonumber(ARGV[5]) > 0 then
+  redis.call('PEXPIRE', claims, ARGV[5])
+end
+local acked = redis.call('XACK', stream, group, entry)
+local dead = 0
+if ARGV[7] ~= '' and (taken == 1 or lost ~= '') then
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', 100000, '*', 'sample_id', ARGV[4],
+    'consumer_group', group, 'consumer', ARGV[3], 'entry_id', entry, 'reason', ARGV[7])
+  dead = 1
+end
+local committed = 0
+if #ARGV > 7 then
+  committed = 1
+  for i = 8, #ARGV do
+    if redis.call('HEXISTS', claims, ARGV[i]) == 0 then committed = 0 end
+  end
+  if committed == 1 then
+    redis.call('PEXPIRE', claims, ARGV[6], 'LT')
+    redis.call('SADD', KEYS[3], ARGV[4])
+  end
+end
+return {claim, acked, lost, committed, dead}
+"""
+
+# KEYS: the freeing set, a key to write. ARGV: how many samples. Up to that many samples of
+# the set, and a write, so that a WAIT after it covers every claim that put them there (WAIT
+# counts the replicas holding this connection's writes; a read alone would count them all).
+_DUE = """
+redis.call('SET', KEYS[2], '1', 'PX', 60000)
+return redis.call('SRANDMEMBER', KEYS[1], ARGV[1])
 """
 
 # KEYS: a freed record, its routes. ARGV: the grace (ms). Deletes them if their expiry is
@@ -146,15 +194,6 @@ local now = redis.call('TIME')
 local kept_from = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) - tonumber(ARGV[1])
 if kept_from < oldest_ms then oldest_ms, oldest_seq = kept_from, 0 end
 return redis.call('XTRIM', KEYS[1], 'MINID', string.format('%d-%d', oldest_ms, oldest_seq))
-"""
-
-# KEYS: a sample's settled hash. ARGV: consumer group, the claim seen, the new claim. Hands
-# the claim over only if it is still the one seen (two new entries race for it).
-_TAKE_OVER = """#!lua flags=allow-oom
-if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
-  redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
-end
-return redis.call('HGET', KEYS[1], ARGV[1])
 """
 
 
@@ -241,6 +280,7 @@ class ReadyFeed:
         self._freeing: deque[tuple[float, str]] = deque()  # (grace's end, sample): to sweep
         self._lock = threading.Lock()
         self.trimmed = 0  # stream entries trimmed by this process
+        self.dead_lettered = 0  # samples this process added to the dead-letter stream
 
     def announcement(self, entry: ReadyEntry) -> Announcement | None:
         """``entry`` for a record's commit to add, where the stream shares the record's
@@ -354,17 +394,21 @@ class ReadyFeed:
         entry_ids: Sequence[str],
         consumer: str = "",
         sample_ids: Sequence[str] = (),
+        dead_letters: Set[str] = frozenset(),
+        reason: str = "",
     ) -> int:
         """Acknowledge entries of ``group``. Returns how many this call settled: entries it
         took off the pending list whose sample no other entry settled in ``group`` first.
 
         A sample can be announced twice (a retried write or final append announces again),
         and two consumers of a group can each hold one of its entries; both train it. The
-        first to acknowledge its entry claims the sample (``settled_key``: consumer group ->
-        entry id and ``consumer``, kept as long as records are); the other's entry is
+        first to acknowledge its entry claims the sample (``settled_key``, in the stream's
+        slot: consumer group -> entry id and ``consumer``, kept as long as records are); the
+        other's entry is
         acknowledged but not counted, so ``ReadyConsumer.settle`` tells it not to commit.
         Entries of one sample acknowledged in one call (a repeat filed with its group) count
-        alike. The claim comes before the acknowledgement, and a named consumer's retry that
+        alike. The claim and the acknowledgement are one script on the stream's slot
+        (``_SETTLE``), and a named consumer's retry that
         finds its own claim counts even when XACK finds nothing pending any more (its first
         answer was lost: say, past its deadline while the consumer was paused); a named
         consumer counts only its own claims. An entry the stream no longer has (trimmed, or
@@ -373,15 +417,21 @@ class ReadyFeed:
         record of what it read), it counts as that sample's other entries in this call do,
         and on its acknowledgement alone otherwise.
 
+        ``dead_letters``: samples the consumer settles without training them (their record
+        was lost after the announcement); the first claim of each in ``group`` adds it to the
+        dead-letter stream (``dead_letter_key``) with ``reason``, logs it and counts it
+        (``dead_lettered``). An entry of one the stream no longer has cannot carry it there.
+
         Raises:
             Unavailable: Fewer than ``wait_replicas`` replicas confirmed the acknowledgement.
         """
         with domain_errors_from_redis():
             samples = self._samples(entry_ids)
-            owners = self._claim(group, samples, consumer)
             if self.wait_replicas:
-                acked, replicas = self._replicated(
-                    lambda pipe: [pipe.xack(self.stream, group, e) for e in entry_ids]
+                replies, replicas = self._replicated(
+                    lambda pipe: self._queue_settle(
+                        pipe, group, entry_ids, consumer, samples, dead_letters, reason
+                    )
                 )
                 if replicas < self.wait_replicas:
                     raise Unavailable(
@@ -390,9 +440,44 @@ class ReadyFeed:
                     )
             else:
                 pipe = self.client.pipeline(transaction=False)
-                for entry_id in entry_ids:
-                    pipe.xack(self.stream, group, entry_id)
-                acked = pipe.execute()
+                self._queue_settle(pipe, group, entry_ids, consumer, samples, dead_letters, reason)
+                replies = pipe.execute()
+            owners, acked, committed = {}, [], []
+            for entry_id, reply in zip(entry_ids, replies, strict=True):
+                if entry_id not in samples:  # gone from the stream: XACK alone
+                    acked.append(int(reply))
+                    continue
+                claim, n, lost, all_committed, dead = reply
+                if int(dead):
+                    self.dead_lettered += 1
+                    log.warning(
+                        "sample %r dead-lettered by %r of %r (entry %s): %s",
+                        samples[entry_id],
+                        consumer,
+                        group,
+                        entry_id,
+                        reason,
+                    )
+                owners[entry_id] = _owner(_text(claim))
+                acked.append(int(n))
+                if _text(lost):
+                    log.warning(
+                        "sample %r: its claim in %r by entry %s, which the stream lost, now %s",
+                        samples[entry_id],
+                        group,
+                        _text(lost),
+                        _text(claim),
+                    )
+                if int(all_committed):
+                    committed.append(samples[entry_id])
+        # Replicated (or not asked to be): the claims that committed them will outlive a
+        # failover, so their records may go now. A records' shard that fails here must not fail
+        # the acknowledgement, which is done: the freeing set keeps them for the upkeep.
+        if committed:
+            try:
+                self.free(committed)
+            except RouteReplayError:
+                log.warning("freeing %d committed records left to the upkeep", len(committed))
         ours = set(entry_ids)  # a repeat acknowledged with its sample's first entry counts
         counted = {}
         for entry_id, n in zip(entry_ids, acked, strict=True):
@@ -428,6 +513,59 @@ class ReadyFeed:
                 list(acked),
             )
         return settled
+
+    def free(self, samples: Sequence[str] | None = None, count: int = 512) -> int:
+        """Free the records of ``samples`` (all in the freeing set: every commit group
+        settled them), or, with None, of up to ``count`` of the set's samples (the route
+        cache's ``Upkeep`` runs it every second: samples whose acknowledgement was not
+        answered, or whose acknowledging process died before freeing them). Each record's
+        expiry comes down to the grace (``PEXPIRE LT``: never lengthened, so a repeat changes
+        nothing), then the sample leaves the set: a process that dies between the two leaves
+        it for the next call. Returns how many records this call freed."""
+        freeing = freeing_key(self.stream)
+        with domain_errors_from_redis():
+            if samples is None:
+                if not self.client.scard(freeing):  # the usual case: nothing to WAIT for
+                    return 0
+                marker = f"{freeing}:waited"
+                if self.wait_replicas:  # only what a failover of the set's master keeps
+                    # Briefly: the upkeep thread also reads the memory budget, and a replica
+                    # that is down must not hold that up; the next round tries again.
+                    due, replicas = replicated(
+                        self.client,
+                        self.stream,
+                        lambda pipe: pipe.eval(_DUE, 2, freeing, marker, count),
+                        self.wait_replicas,
+                        min(self.wait_timeout_ms, UPKEEP_WAIT_MS),
+                    )
+                    if replicas < self.wait_replicas:
+                        return 0
+                    due = due[0]
+                else:
+                    due = self.client.eval(_DUE, 2, freeing, marker, count)
+                samples = [_text(s) for s in due or ()]
+            if not samples:
+                return 0
+            pipe = self.client.pipeline(transaction=False)
+            for sample_id in samples:
+                pipe.pexpire(record_key(sample_id), self.free_grace_ms, lt=True)
+                pipe.pexpire(routes_key(sample_id), self.free_grace_ms, lt=True)
+            replies = pipe.execute()
+            self.client.srem(freeing, *samples)
+        freed = [s for s, r in zip(samples, replies[::2], strict=True) if r]
+        if freed:
+            due_at = time.monotonic() + self.free_grace_ms / 1000
+            with self._lock:
+                self.freed += len(freed)
+                self._freeing.extend((due_at, sample_id) for sample_id in freed)
+        return len(freed)
+
+    def forget(self, sample_id: str) -> None:
+        """Drop a deleted sample's claims: a record written again under its id is announced
+        again, and trained anew."""
+        with domain_errors_from_redis():
+            self.client.delete(settled_key(self.stream, sample_id))
+            self.client.srem(freeing_key(self.stream), sample_id)
 
     def sweep(self) -> int:
         """Delete the records this process freed whose grace is over. Redis's own expiry
@@ -473,62 +611,29 @@ class ReadyFeed:
                 samples[entry_id] = entry.sample_id
         return samples
 
-    def _claim(
-        self, group: str, samples: dict[str, str], consumer: str
-    ) -> dict[str, tuple[str, str]]:
-        """Claim each entry's sample for it (and ``consumer``) in ``group`` unless another
-        entry has; returns the (entry, consumer) that holds each claim.
-
-        A claim held by an entry the stream lost (a failover of its master: the entry was
-        read and claimed, but neither it nor its acknowledgement reached a replica) passes to
-        this entry: nobody was told that lost entry settled (``ack`` needs the replicas), and
-        without the handover no announcement of the sample could ever settle it again."""
-        pipe = self.client.pipeline(transaction=False)
-        lifecycle = (self.free_grace_ms, self.fence_ms, *self.commit_groups)
-        for entry_id, sample_id in samples.items():
-            claim = f"{entry_id} {consumer}"
-            keys = (settled_key(sample_id), record_key(sample_id), routes_key(sample_id))
-            pipe.execute_command(
-                "EVAL", _CLAIM, 3, *keys, group, claim, self.settled_ttl_ms, *lifecycle
-            )
-        replies = pipe.execute()
-        owners = {e: _text(claim) for e, (claim, _) in zip(samples, replies, strict=True)}
-        due = time.monotonic() + self.free_grace_ms / 1000
-        freed = [samples[e] for e, (_, f) in zip(samples, replies, strict=True) if int(f)]
-        if freed:
-            with self._lock:
-                self.freed += len(freed)
-                self._freeing.extend((due, sample_id) for sample_id in freed)
-        lost = self._lost({_owner(claim)[0] for claim in owners.values()} - set(samples))
-        for entry_id, claim in owners.items():
-            if _owner(claim)[0] in lost:
-                mine = f"{entry_id} {consumer}"
-                key = settled_key(samples[entry_id])
-                owners[entry_id] = _text(self.client.eval(_TAKE_OVER, 1, key, group, claim, mine))
-                log.warning(
-                    "sample %r: its claim in %r by entry %s, which the stream lost, now %s",
-                    samples[entry_id],
-                    group,
-                    _owner(claim)[0],
-                    owners[entry_id],
-                )
-        return {entry_id: _owner(claim) for entry_id, claim in owners.items()}
-
-    def _lost(self, entry_ids: set[str]) -> set[str]:
-        """Of ``entry_ids``, those the stream lost: absent, and newer than its first entry
-        (so not trimmed: trimming drops the oldest entries). A stream left with no entry
-        older than them cannot tell; those count as trimmed, and their claims hold."""
-        if not entry_ids:
-            return set()
-        first = self.client.xrange(self.stream, count=1)
-        if not first:
-            return set()
-        oldest = _id(_text(first[0][0]))
-        pipe = self.client.pipeline(transaction=False)
-        ordered = sorted(e for e in entry_ids if _ENTRY_ID.fullmatch(e) and _id(e) > oldest)
-        for entry_id in ordered:
-            pipe.xrange(self.stream, min=entry_id, max=entry_id, count=1)
-        return {e for e, found in zip(ordered, pipe.execute(), strict=True) if not found}
+    def _queue_settle(
+        self,
+        pipe,
+        group: str,
+        entry_ids: Sequence[str],
+        consumer: str,
+        samples: dict[str, str],
+        dead_letters: Set[str],
+        reason: str,
+    ) -> None:
+        """Queue, per entry, the claim and XACK of ``_SETTLE`` (an entry still in the stream)
+        or XACK alone (one gone: nothing to claim by), all on the stream's slot."""
+        freeing, dead = freeing_key(self.stream), dead_letter_key(self.stream)
+        for entry_id in entry_ids:
+            sample_id = samples.get(entry_id)
+            if sample_id is None:
+                pipe.xack(self.stream, group, entry_id)
+                continue
+            keys = (self.stream, settled_key(self.stream, sample_id), freeing, dead)
+            why = reason if sample_id in dead_letters else ""
+            args = (group, entry_id, consumer, sample_id, self.settled_ttl_ms, self.fence_ms, why)
+            args += self.commit_groups
+            pipe.execute_command("EVAL", _SETTLE, len(keys), *keys, *args)
 
     def _replicated(self, queue) -> tuple[object, int]:
         """The one command ``queue(pipe)`` queues, then WAIT, on the stream's master."""

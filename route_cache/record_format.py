@@ -134,10 +134,31 @@ def routes_key(sample_id: str) -> str:
     return f"rr:{{{sample_id}}}:routes"
 
 
-def settled_key(sample_id: str) -> str:
-    """The hash of which ready-feed entry settled the sample, per consumer group (beside its
-    record, in its slot; see ``ReadyFeed.ack``)."""
-    return f"rr:{{{sample_id}}}:settled"
+def stream_tag(stream: str) -> str:
+    """The part of the ready stream's key that Redis Cluster hashes: what is inside its first
+    non-empty ``{...}``, else the whole key. Keys named ``{<tag>}...`` share its slot."""
+    start = stream.find("{")
+    end = stream.find("}", start + 1)
+    return stream[start + 1 : end] if start >= 0 and end > start + 1 else stream
+
+
+def settled_key(stream: str, sample_id: str) -> str:
+    """The hash of which ready-feed entry settled the sample, per consumer group. In the
+    stream's slot, so one script claims and acknowledges (``ReadyFeed.ack``): a failover of
+    that master keeps both or loses both."""
+    return f"{{{stream_tag(stream)}}}:settled:{sample_id}"
+
+
+def freeing_key(stream: str) -> str:
+    """The set of samples every commit group has settled whose records may not be freed yet
+    (in the stream's slot: the claim script adds to it; ``ReadyFeed.free`` empties it)."""
+    return f"{{{stream_tag(stream)}}}:freeing"
+
+
+def dead_letter_key(stream: str) -> str:
+    """The stream of samples announced and settled without training, with the reason (in the
+    ready stream's slot: ``ReadyFeed.dead_letter``)."""
+    return f"{{{stream_tag(stream)}}}:dead"
 
 
 @functools.lru_cache(maxsize=64)  # every write and append needs it; a fleet has few models

@@ -115,7 +115,12 @@ class RouteCacheServicer(route_cache_pb2_grpc.RouteCacheServicer):
 
     def AckReady(self, request, context):
         acknowledged = self.cache.ack_ready(
-            request.consumer_group, request.entry_ids, request.consumer, request.sample_ids
+            request.consumer_group,
+            request.entry_ids,
+            request.consumer,
+            request.sample_ids,
+            request.dead_letter_ids,
+            request.dead_letter_reason,
         )
         return route_cache_pb2.AckReadyResponse(acknowledged=acknowledged)
 
@@ -332,6 +337,7 @@ def _in_daemon_thread(fn) -> futures.Future:
 # often freed records whose grace is over are deleted.
 TRIM_INTERVAL_S = 1.0
 SWEEP_INTERVAL_S = 0.25
+FREE_INTERVAL_S = 1.0  # what an acknowledgement left in the freeing set (ReadyFeed.free)
 
 
 class RouteCacheServer:
@@ -362,7 +368,11 @@ class RouteCacheServer:
         self.cache = RouteCache(store, config, self.feed, self.metrics.registry, self.budget)
         tasks = [(self.budget.interval_s, self.budget.read)] if config.memory_budget else []
         if self.feed is not None:
-            tasks += [(TRIM_INTERVAL_S, self.feed.trim), (SWEEP_INTERVAL_S, self.feed.sweep)]
+            tasks += [
+                (TRIM_INTERVAL_S, self.feed.trim),
+                (FREE_INTERVAL_S, self.feed.free),
+                (SWEEP_INTERVAL_S, self.feed.sweep),
+            ]
         self.upkeep = Upkeep(tasks)
         self.servicer = RouteCacheServicer(self.cache)
         _add_servicer(self.servicer, self.grpc_server)

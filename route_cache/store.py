@@ -63,7 +63,6 @@ from route_cache.record_format import (
     StoredRecord,
     record_key,
     routes_key,
-    settled_key,
 )
 from routereplay.domain.record import Geometry
 from routereplay.errors import (
@@ -503,8 +502,6 @@ class RouteStore:
         with domain_errors_from_redis():
             if not self.client.delete(record_key(sample_id), routes_key(sample_id)):
                 raise NotFound(f"no record for sample_id {sample_id!r}")
-            # A record written again under this id is announced again, and trained anew.
-            self.client.delete(settled_key(sample_id))
 
 
 _SHAS = {source: hashlib.sha1(source.encode()).hexdigest() for source in (_COMMIT, _APPEND)}

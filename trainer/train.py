@@ -159,7 +159,7 @@ def _step(stepper: RLStep, outputs: list[Output], fetched: FetchedBatch, step: i
     started = time.perf_counter()
     result = stepper.run(fetched, step)
     seconds = time.perf_counter() - started + fetched.wait_s
-    done = StepDone(step, result.report, seconds, result.routes_used)
+    done = StepDone(step, result.report, seconds, result.routes_used, fetched.dead_letters)
     for output in outputs:
         learned = output.after_step(done)
         if learned:

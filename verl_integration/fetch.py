@@ -23,11 +23,11 @@ import torch
 from routereplay.domain.record import Record
 from routereplay.domain.record_checks import (
     MissingRecord,
-    absent_samples,
     check_geometry,
+    decide_missing,
     first_turn_difference,
 )
-from routereplay.errors import InvalidArgument, NotFound
+from routereplay.errors import InvalidArgument
 from routereplay.families.model_geometry import MoEGeometry
 
 logger = logging.getLogger(__name__)
@@ -114,12 +114,9 @@ class RouteFetcher:
         wanted = [s for s in ids if s is not None]
         fetched = iter(self.source.fetch(wanted) if wanted else [])
         records = [None if s is None else next(fetched) for s in ids]
-        absent = [s for s in absent_samples(ids, records) if s is not None]
-        if absent and self.missing is MissingRecord.ERROR:
-            raise NotFound(
-                f"no route record for sample(s) {absent} (expired, never written, or another "
-                "route cache); set missing='native' to train them with native routing"
-            )
+        # verl's batch holds every row's tokens: a missing record routes natively or fails.
+        wanted_records = [r for s, r in zip(ids, records, strict=True) if s is not None]
+        decide_missing(wanted, wanted_records, self.missing, tokens_known=True)
         model = self.geometry.record
         for record in records:
             if record is not None:

@@ -42,7 +42,8 @@ the longest write gap per shard, p50/p99 latency outside and during each fault, 
 time per fault, and a PNG timeline.
 
 Usage: python -m benchmarks.faults.bench_faults [--short | --soak] [--wait-replicas N] [--drop-ack]
-                    [--mutate early-ack|commit-before-settle|no-aof|trainer-early-ack]
+                    [--mutate early-ack|commit-before-settle|no-aof|trainer-early-ack|
+                              claim-apart|no-dead-letter]
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import shutil
 import signal
@@ -86,6 +88,7 @@ from benchmarks.faults.fault_history import (
     trail,
     write_gaps,
 )
+from benchmarks.faults.fault_mutants import HOOK_DIR_ENV
 from route_cache.record_format import record_key
 from routereplay.dev.fault_proxy import FaultProxy
 from routereplay.dev.launch import free_ports, stop_process, wait_serving
@@ -105,7 +108,17 @@ RECOVERY_WINDOW_S = 5.0  # an operation counts towards a fault's recovery up to 
 READY_STREAM = "rr:ready"  # the route cache's default ready feed
 CONSUMER_GROUP = "faultrun"  # the feed consumers' group (fault_consumer.py's default)
 FREE_GRACE_S = 3600  # a freed record's expiry: far below the records' 24 h, above the run
-MUTATIONS = ("early-ack", "commit-before-settle", "no-aof", "trainer-early-ack")
+MUTATIONS = (
+    "early-ack",
+    "commit-before-settle",
+    "no-aof",
+    "trainer-early-ack",
+    "claim-apart",  # the claim and its XACK apart (before issue 47): red under kill_between
+    # Nodes without AOF (records lost, as no-aof) and the trainer failing a batch whose record
+    # is gone (the rule before issue 47): red as a trainer that crash-loops, never finishing.
+    "no-dead-letter",
+)
+FEED_SHARD = 0  # the shard whose slots hold the ready stream (checked at the start)
 TRAINER_POINTS = {"trainer_kill_ack": "after_ack", "trainer_kill_step": "after_checkpoint"}
 
 
@@ -151,6 +164,10 @@ SCHEDULES = {
         (74, "proxy_drop", 2.0),
         (82, "wait_only", 0),  # shard 0: records and the ready feed's stream
         (96, "proxy_blackhole", 8.0),
+        (110, "consumer_kill_between", 1.0),
+        (120, "feed_blackhole", 8.0),  # the ready stream's shard: every announcement, read, ack
+        (134, "double_failover", 1),  # the stream's shard and a records' shard at once
+        (146, "replica_link_mute", 1),
         # The trainer's faults run on a schedule of their own, beside the others.
         (14, "trainer_kill_ack", 0),
         (50, "trainer_kill_step", 0),
@@ -164,6 +181,10 @@ SCHEDULES = {
         (21, "proxy_drop", 1.5),
         (24, "wait_only", 0),
         (27, "proxy_blackhole", 6.0),
+        (31, "consumer_kill_between", 0.5),
+        (34, "feed_blackhole", 6.0),
+        (38, "double_failover", 1),
+        (42, "replica_link_mute", 2),
         (4, "trainer_kill_ack", 0),
         (14, "trainer_kill_step", 0),
     ],
@@ -172,6 +193,8 @@ SCHEDULES = {
 COMPONENT = {
     "cache_kill": "cache0",
     "consumer_stop": "c0",
+    "consumer_kill_between": "c0",
+    "feed_blackhole": f"shard{FEED_SHARD}",
     "proxy_delay": "all",
     "trainer_kill_ack": "trainer",
     "trainer_kill_step": "trainer",
@@ -186,7 +209,16 @@ def soak(seconds: float, seed: int, repeats: int = 2) -> list[tuple[float, str, 
     plan = kinds * repeats
     rng.shuffle(plan)
     params = {name: value for _, name, value in SCHEDULES[False]}
-    shards = {"master_failover": 3, "master_aof_restart": 3, "wait_only": 3}
+    shards = dict.fromkeys(
+        (
+            "master_failover",
+            "master_aof_restart",
+            "wait_only",
+            "double_failover",
+            "replica_link_mute",
+        ),
+        3,
+    )
     step = seconds / (len(plan) + 1)
     out = []
     for i, name in enumerate(plan):
@@ -212,6 +244,8 @@ class Environment:
         self.trainer_fault = False  # a trainer kill in progress: the supervisor waits
         self.pause_dir = workdir / "pause"
         self.pause_dir.mkdir()
+        self.hook_dir = workdir / "hooks"  # the route caches' hook (``fault_mutants.between``)
+        self.hook_dir.mkdir()
 
     @property
     def target(self) -> str:
@@ -220,7 +254,7 @@ class Environment:
     def _node(self) -> RedisProcess:
         """A cluster node with an append-only file (unless ``no-aof``), announcing its
         proxy's port."""
-        aof = "no" if self.config.mutate == "no-aof" else "yes"
+        aof = "no" if self.config.mutate in ("no-aof", "no-dead-letter") else "yes"
         node = RedisProcess(
             "--appendonly",
             aof,
@@ -261,6 +295,8 @@ class Environment:
                     for slot in range(a, b + 1)
                 }
             )
+        if key_slot(READY_STREAM.encode()) not in self.slots[FEED_SHARD]:
+            raise RuntimeError(f"the ready stream is not on shard {FEED_SHARD}")
 
     def shard_of(self, sample_id: str) -> int:
         slot = key_slot(record_key(sample_id).encode())
@@ -268,9 +304,10 @@ class Environment:
 
     def start_cache(self, i: int) -> None:
         seed = self.proxies[self.masters[1].port].port
-        module = ["-m", "route_cache"]
-        if self.config.mutate == "early-ack":
-            module = ["-m", "benchmarks.faults.fault_mutants", "early-ack"]
+        patches = "hooks"  # the point c0 is killed at (consumer_kill_between)
+        if self.config.mutate in ("early-ack", "claim-apart"):
+            patches += f",{self.config.mutate}"
+        module = ["-m", "benchmarks.faults.fault_mutants", patches]
         args = [
             sys.executable,
             *module,
@@ -294,40 +331,43 @@ class Environment:
             "--free-grace-s",
             str(FREE_GRACE_S),
         ]
+        env = {**os.environ, HOOK_DIR_ENV: str(self.hook_dir)}
         with open(self.workdir / f"cache{i}.log", "ab") as log:
             proc = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, process_group=0, cwd=ROOT
+                args, stdout=log, stderr=subprocess.STDOUT, process_group=0, cwd=ROOT, env=env
             )
         wait_serving(f"127.0.0.1:{self.cache_ports[i]}", proc, 30)
         self.caches[i] = proc
 
     def start_consumers(self) -> None:
         for i in range(2):
-            args = [
-                sys.executable,
-                "-m",
-                "benchmarks.faults.fault_consumer",
-                "--target",
-                self.target,
-                "--name",
-                f"c{i}",
-                "--history",
-                str(self.workdir / f"c{i}.jsonl"),
-                "--stop-file",
-                str(self.stop_file),
-                "--start",
-                repr(self.start),
-                "--claim-idle-ms",
-                str(self.config.claim_idle_ms),
-            ]
-            if self.config.drop_ack and i == 1:
-                args += ["--drop-ack-step", "3"]
-            if self.config.mutate == "commit-before-settle":
-                args += ["--commit-before-settle"]
-            with open(self.workdir / f"c{i}.log", "ab") as log:
-                self.consumers.append(
-                    subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-                )
+            self.consumers.append(self.start_consumer(i))
+
+    def start_consumer(self, i: int) -> subprocess.Popen:
+        """Consumer ``c<i>`` (again, after a kill: its history goes on in the same file)."""
+        args = [
+            sys.executable,
+            "-m",
+            "benchmarks.faults.fault_consumer",
+            "--target",
+            self.target,
+            "--name",
+            f"c{i}",
+            "--history",
+            str(self.workdir / f"c{i}.jsonl"),
+            "--stop-file",
+            str(self.stop_file),
+            "--start",
+            repr(self.start),
+            "--claim-idle-ms",
+            str(self.config.claim_idle_ms),
+        ]
+        if self.config.drop_ack and i == 1:
+            args += ["--drop-ack-step", "3"]
+        if self.config.mutate == "commit-before-settle":
+            args += ["--commit-before-settle"]
+        with open(self.workdir / f"c{i}.log", "ab") as log:
+            return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
     def start_trainer(self) -> None:
         """The trainer's feed path (``fault_trainer.py``), resuming from its checkpoints."""
@@ -352,6 +392,8 @@ class Environment:
         ]
         if self.config.mutate == "trainer-early-ack":
             args += ["--mutate", "early-ack"]
+        if self.config.mutate == "no-dead-letter":
+            args += ["--mutate", "no-dead-letter"]
         with open(self.workdir / "trainer.log", "ab") as log:
             self.trainer = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
@@ -675,7 +717,15 @@ def inject(env: Environment, name: str, value: float, mark) -> dict:
             )
         return {"node": victim.port, "refused_s": value, "reset": reset}
     if name == "proxy_blackhole":
-        return blackhole(env, value, mark)
+        return blackhole(env, value, mark, 2)
+    if name == "feed_blackhole":
+        return blackhole(env, value, mark, FEED_SHARD)
+    if name == "consumer_kill_between":
+        return kill_between(env, value, mark)
+    if name == "double_failover":
+        return double_failover(env, int(value), mark)
+    if name == "replica_link_mute":
+        return mute_replica_link(env, int(value), mark)
     if name in TRAINER_POINTS:
         return kill_trainer(env, name, mark)
     if name == "wait_only":
@@ -703,8 +753,126 @@ def inject(env: Environment, name: str, value: float, mark) -> dict:
     raise ValueError(name)
 
 
-def blackhole(env: Environment, seconds: float, mark) -> dict:
-    """Shard 2's master's proxy black-holes for ``seconds``: nothing passes either way, on
+def kill_between(env: Environment, down_s: float, mark) -> dict:
+    """Consumer c0 is killed at the route cache's hook between its settle claim and its XACK
+    (``fault_mutants.between``: the next acknowledgement c0 sends is held there), and stays
+    down past the stand-by's ``claim_idle_ms`` (+ ``down_s``), so that c1 takes over what it
+    held; then it starts again under its name, as a supervisor would. Checked: the hook held
+    an acknowledgement of c0's, and c0 ended by SIGKILL."""
+    trigger, held = env.hook_dir / "between", env.hook_dir / "between.held"
+    consumer = env.consumers[0]
+    trigger.touch()
+    try:
+        wait_until(held.exists, 20, "an acknowledgement of c0's held at the hook")
+    except Exception:
+        trigger.unlink(missing_ok=True)
+        raise
+    mark()  # c0 holds its batch now: delivered, trained, its settle held (the floor counts it)
+    consumer.kill()
+    code = consumer.wait()
+    held.unlink()  # the held call now fails: nothing after the point happened
+    if code != -signal.SIGKILL:
+        raise RuntimeError(f"consumer c0 ended with {code}, not by SIGKILL")
+    stopped_s = env.config.claim_idle_ms / 1000 + down_s
+    time.sleep(stopped_s)
+    env.consumers[0] = env.start_consumer(0)
+    return {"consumer": "c0", "down_s": round(stopped_s, 2)}
+
+
+def double_failover(env: Environment, shard: int, mark) -> dict:
+    """The masters of the ready stream's shard and of records' shard ``shard`` (another one
+    if that is the stream's) both down at once: the stream's killed, and the records' killed
+    as soon as the stream's replica is promoted (two of three masters down together get no
+    failover: Redis Cluster needs a majority of masters to agree that one failed; found by
+    the first try, which killed both at once and waited 30 s for nothing). Both old masters
+    come back as replicas once both replicas are promoted. Checked: both promotions and
+    both resyncs."""
+    if shard == FEED_SHARD:
+        shard = (shard + 1) % len(env.masters)
+    shards = (FEED_SHARD, shard)
+    victims = [env.master_of(s) for s in shards]
+    heirs = [env.replica_of(s, v) for s, v in zip(shards, victims, strict=True)]
+    started = time.monotonic()
+    mark()
+    for victim, heir in zip(victims, heirs, strict=True):
+        victim.kill()
+        wait_until(lambda h=heir: _role(h).get("role") == "master", 30, "a replica's promotion")
+    failover_s = time.monotonic() - started
+    for victim in victims:
+        env.restart_node(victim)
+    for victim in victims:
+        wait_until(lambda v=victim: _role(v).get("master_link_status") == "up", 30, "resync")
+    return {
+        "shards": list(shards),
+        "nodes": [v.port for v in victims],
+        "failover_s": round(failover_s, 2),
+        "replica_linked_s": round(time.monotonic() - started, 2),
+    }
+
+
+REPL_TIMEOUT_S = 3  # the muted link's ends notice within this (Redis's default: 60 s)
+
+
+def _replica_links(master: redis.Redis) -> list[dict]:
+    """The master's replicas as ``INFO replication`` gives them (``port``: the replica's own;
+    ``lag``: seconds since its last acknowledgement)."""
+    info = master.info("replication")
+    return [v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
+
+
+def mute_replica_link(env: Environment, shard: int, mark) -> dict:
+    """The replication link of shard ``shard`` dies silently: its proxy passes nothing more on
+    that one connection, closes nothing and resets nothing (``FaultProxy.mute``); every other
+    connection to the master is untouched. ``WAIT``ed writes to the shard fail until the ends'
+    ``repl-timeout`` notices (lowered to 3 s on the pair for the fault, restored after) and the
+    replica links again on a new connection. Checked: the muted connection was the replica's
+    (found through ``CLIENT LIST``), the replica's acknowledgements stopped (its lag grew past
+    2 s), and it linked again on a new connection."""
+    victim = env.master_of(shard)
+    replica = env.replica_of(shard, victim)
+    proxy = env.proxies[victim.port]
+    master, follower = redis.Redis(port=victim.port), redis.Redis(port=replica.port)
+    for node in (master, follower):
+        node.config_set("repl-timeout", REPL_TIMEOUT_S)
+    master.config_set("repl-ping-replica-period", 1)
+    try:
+        (link,) = master.client_list(_type="replica")
+        port = int(link["addr"].rsplit(":", 1)[1])
+        started = time.monotonic()
+        mark()
+        if not proxy.mute(port):
+            raise RuntimeError(f"the replica's link (port {port}) is not open through the proxy")
+        wait_until(
+            lambda: (
+                any(r["lag"] >= 2 for r in _replica_links(master)) or not _replica_links(master)
+            ),
+            15,
+            "the muted replica's acknowledgements to stop",
+        )
+        stalled_s = time.monotonic() - started
+
+        def linked_anew() -> bool:
+            links = master.client_list(_type="replica")
+            fresh = [c for c in links if int(c["addr"].rsplit(":", 1)[1]) != port]
+            return bool(fresh) and _role(replica).get("master_link_status") == "up"
+
+        wait_until(linked_anew, 30, "the replica's new link")
+        return {
+            "node": victim.port,
+            "muted_port": port,
+            "stalled_s": round(stalled_s, 2),
+            "relinked_s": round(time.monotonic() - started, 2),
+        }
+    finally:
+        for node in (master, follower):
+            node.config_set("repl-timeout", 60)
+        master.config_set("repl-ping-replica-period", 10)
+        master.close()
+        follower.close()
+
+
+def blackhole(env: Environment, seconds: float, mark, shard: int) -> dict:
+    """Shard ``shard``'s master's proxy black-holes for ``seconds``: nothing passes either way, on
     open connections, the replica's link and new connections alike; no RST, no FIN; what was
     sent comes through afterwards, as TCP would resend it. ``seconds`` must outlast the route
     caches' Redis socket time-out, so that they meet it. Checked: a PING through the proxy, on
@@ -712,7 +880,7 @@ def blackhole(env: Environment, seconds: float, mark) -> dict:
     answered; at least one open connection (a route cache's) was silenced, and at least one of
     those was given up by its client (closed: a socket time-out met). Healed when the shard
     acknowledges a write again; raises if that takes over the socket time-out + 10 s."""
-    victim = env.master_of(2)
+    victim = env.master_of(shard)
     proxy = env.proxies[victim.port]
     before, gave_up = proxy.black_holed, proxy.given_up
     started = time.monotonic()
@@ -736,9 +904,9 @@ def blackhole(env: Environment, seconds: float, mark) -> dict:
         )
     ended = time.monotonic()
     socket_timeout_s = env.config.redis_socket_timeout_s
-    if not env.traffic.wait_acked(2, socket_timeout_s + 10):
+    if not env.traffic.wait_acked(shard, socket_timeout_s + 10):
         raise RuntimeError(
-            f"shard 2 acknowledged no write within {socket_timeout_s + 10:.0f} s of the "
+            f"shard {shard} acknowledged no write within {socket_timeout_s + 10:.0f} s of the "
             "black hole's end"
         )
     writable_s = time.monotonic() - ended

@@ -514,6 +514,11 @@ def check(
         "records freed (every group committed them)": sum(
             1 for e in history if e["op"] == "final_read" and e.get("freed")
         ),
+        # Named losses: published samples whose record was gone when trained (each is also
+        # lost, never trained: a run that has any fails).
+        "samples dead-lettered (record gone)": len(
+            {s for e in history if e["op"] == "dead_letter" for s in e["samples"]}
+        ),
     }
     if steps is not None:
         verdict.counts["trainer steps trained / committed / discarded"] = (

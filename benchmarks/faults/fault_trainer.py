@@ -21,6 +21,8 @@ logs ``paused`` and stops itself (SIGSTOP) there, and the run SIGKILLs it. Point
 
 ``--mutate early-ack``: acknowledge every batch once trained, whether or not a checkpoint
 covers it (the gap issue 29 found): a kill after the acknowledgement loses samples.
+``--mutate no-dead-letter``: a published sample whose record is gone fails its batch (the
+rule before issue 47): the trainer crash-loops on it.
 
 Usage: python -m benchmarks.faults.fault_trainer --target T --history H --checkpoint-dir D ...
 """
@@ -108,6 +110,8 @@ def run(args) -> int:
                 break
             continue
         history.log("deliver", samples=plan.sample_ids, step=step)
+        if args.mutate == "no-dead-letter":  # the old rule: a lost record fails the batch
+            plan.published = False
         for tries in range(100):  # a failed fetch is retried: the step has not happened yet
             try:
                 fetched = resolve(plan, source.fetch(plan.sample_ids), MissingRecord.ERROR)
@@ -120,10 +124,12 @@ def run(args) -> int:
         time.sleep(args.step_s)
         with torch.no_grad():
             model.weight += 1.0  # the stand-in update: the weights count the steps trained
+        if fetched.dead_letters:  # records lost: trained nothing, settled as dead letters
+            history.log("dead_letter", samples=fetched.dead_letters, step=step)
         history.log(
             "step",
             step=step,
-            samples=plan.sample_ids,
+            samples=[s.sample_id for s in fetched.samples],
             digests=[digest(r) for r in fetched.records],
             turns=[len(r.turns) for r in fetched.records],
         )
@@ -132,7 +138,7 @@ def run(args) -> int:
             history.log("checkpoint", steps_done=step + 1)
             pause(args, history, "after_checkpoint", step)
         held = {s: list(g) for s, g in plans.handed_out.items()}
-        ack(plans, history, held)
+        ack(plans, history, held, fetched.dead_letters)
         if (step + 1) % args.every:
             pause(args, history, "after_ack", step)
         step += 1
@@ -150,15 +156,15 @@ def run(args) -> int:
     return 0
 
 
-def ack(plans: FeedPlans, history: History, held: dict) -> None:
-    """``FeedAck.after_step``: ``plans.ack()``, retried while the route cache is down; logs
-    the samples it acknowledged."""
+def ack(plans: FeedPlans, history: History, held: dict, dead_letters: list[str]) -> None:
+    """``FeedAck.after_step``: ``plans.ack(dead_letters)``, retried while the route cache is
+    down; logs the samples it acknowledged."""
     first = True
     while True:
         try:
             if first:
                 first = False
-                plans.ack()
+                plans.ack(dead_letters)
             else:  # the step was reported; its acknowledgement failed: acknowledge again
                 plans.ack_covered(plans._reported if plans.log is None else None)
             break
@@ -184,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-s", type=float, default=0.05, help="the stand-in step's time")
     parser.add_argument("--wait-s", type=float, default=1.0, help="data.wait_s")
     parser.add_argument("--attempts", type=int, default=12)
-    parser.add_argument("--mutate", choices=["", "early-ack"], default="")
+    parser.add_argument("--mutate", choices=["", "early-ack", "no-dead-letter"], default="")
     return run(parser.parse_args(argv))
 
 

@@ -33,6 +33,9 @@ class FaultProxy:
         ``drop(seconds)``: reset every open connection now and refuse new ones for ``seconds``.
         ``blackhole(seconds)``: forward nothing, on open or new connections, for ``seconds``,
         closing and resetting none; then pass on what was sent meanwhile (TCP would resend it).
+        ``mute(port)``: forward nothing, for good, on the one open connection whose upstream
+        side has local port ``port`` (what the server sees as its peer: a replica's link in
+        ``CLIENT LIST``), closing and resetting nothing; other connections are untouched.
     """
 
     def __init__(self, upstream_port: int, port: int = 0):
@@ -50,6 +53,8 @@ class FaultProxy:
         self.black_holed = 0  # connections open when ``blackhole`` began (new ones not counted)
         self.given_up = 0  # of those, how many their client closed (its time-out was met)
         self._silenced: set[socket.socket] = set()
+        self._upstreams: dict[int, socket.socket] = {}  # upstream local port -> that socket
+        self._muted: set[socket.socket] = set()
 
     def start(self) -> FaultProxy:
         threading.Thread(target=self._accept, daemon=True, name=f"proxy-{self.port}").start()
@@ -77,6 +82,16 @@ class FaultProxy:
             self._hole_until = time.monotonic() + seconds
             self.black_holed += len(self._clients)
             self._silenced = set(self._clients)
+
+    def mute(self, port: int) -> bool:
+        """A link that dies silently: the connection whose upstream side has local port
+        ``port`` passes nothing more, either way, and is never closed here (only the ends'
+        own time-outs notice). Returns whether that connection was open."""
+        with self._lock:
+            upstream = self._upstreams.get(port)
+            if upstream is not None:
+                self._muted.add(upstream)
+            return upstream is not None
 
     def _hold(self) -> bool:
         """Wait out a black hole; False when the proxy closed meanwhile."""
@@ -107,6 +122,7 @@ class FaultProxy:
                 _reset(client)
                 continue
             upstream.settimeout(None)
+            self._upstreams[upstream.getsockname()[1]] = upstream
             # Small writes go out at once, as they do between the real ends (Redis and its
             # clients set TCP_NODELAY): Nagle's algorithm here would add ~40 ms round trips.
             for sock in (client, upstream):
@@ -127,6 +143,9 @@ class FaultProxy:
                 readable, _, _ = select.select([a, b], [], [], 0.2)
                 if self._closed.is_set() or not self._hold():
                     return
+                if b in self._muted:  # dead silently: wait, unread, until the proxy closes
+                    self._closed.wait()
+                    return
                 for sock in readable:
                     data = sock.recv(_CHUNK)
                     if not data:
@@ -143,6 +162,8 @@ class FaultProxy:
                 self._open -= {a, b}
                 self._clients.discard(a)
                 self._silenced.discard(a)
+                self._muted.discard(b)
+                self._upstreams = {p: s for p, s in self._upstreams.items() if s is not b}
             for sock in (a, b):
                 with contextlib.suppress(OSError):
                     sock.close()

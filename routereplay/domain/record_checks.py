@@ -8,18 +8,20 @@ trainer (``trainer.layout.align``) and the verl glue.
   inside the record's first turn (verl's rule: its token builders may drop a stop token where a
   tool's answer follows a generation, so later turns may differ; the rows from there route
   natively).
-- ``MissingRecord`` and ``absent_samples``: what a step does with a sample without a record.
+- ``MissingRecord``, ``absent_samples`` and ``decide_missing``: what a step does with a sample
+  without a record (the one place that decides it).
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from routereplay.domain.record import Geometry, Record
-from routereplay.errors import InvalidArgument
+from routereplay.errors import InvalidArgument, NotFound
 
 
 class MissingRecord(enum.StrEnum):
@@ -32,6 +34,60 @@ class MissingRecord(enum.StrEnum):
 def absent_samples(sample_ids: Sequence[str], records: Sequence[Record | None]) -> list[str]:
     """The ids of ``sample_ids`` whose record (same position in ``records``) is None."""
     return [s for s, r in zip(sample_ids, records, strict=True) if r is None]
+
+
+@dataclass(frozen=True)
+class Absent:
+    """What becomes of a batch's samples without a record (``decide_missing``).
+
+    Attributes:
+        native: trained with native routing (their tokens are known without the record).
+        dropped: trained nothing (no tokens without the record): left out of the batch.
+        dead_letter: ``dropped`` are published samples, committed then lost: the consumer
+            that read them settles them to the feed's dead-letter stream with
+            ``MISSING_RECORD_REASON``.
+    """
+
+    native: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    dead_letter: bool = False
+
+
+# The dead-letter reason of a published sample whose record is gone.
+MISSING_RECORD_REASON = "record missing: announced on the ready feed, gone when read"
+
+
+def decide_missing(
+    sample_ids: Sequence[str],
+    records: Sequence[Record | None],
+    policy: MissingRecord,
+    *,
+    tokens_known: bool,
+    published: bool = False,
+) -> Absent:
+    """Decide for a batch's samples whose record is None.
+
+    A published sample (read from the ready feed, so its record was committed) whose tokens
+    live only in that record cannot train, whatever ``policy`` says: failing its batch would
+    fail it again on every restart (the entry stays pending). It is dropped and dead-lettered,
+    and the batch trains the rest. Otherwise ``policy`` decides: ``error`` refuses the batch,
+    ``native`` routes the sample natively where its tokens are known and drops it where not.
+
+    Raises:
+        NotFound: a record is missing under ``error`` (not a published sample).
+    """
+    absent = absent_samples(sample_ids, records)
+    if not absent:
+        return Absent()
+    if published and not tokens_known:
+        return Absent(dropped=absent, dead_letter=True)
+    if policy == MissingRecord.ERROR:
+        raise NotFound(
+            f"no record in the route cache for {len(absent)} of {len(records)} samples: "
+            f"{absent[:8]} (expired, never written, or another route cache; the "
+            "missing-record policy 'native' trains them with native routing)"
+        )
+    return Absent(native=absent) if tokens_known else Absent(dropped=absent)
 
 
 def check_geometry(record: Geometry, model: Geometry, sample_id: str, model_id: str | None) -> None:

@@ -295,15 +295,21 @@ class _RouteCacheCalls:
         entry_ids: Sequence[str],
         consumer: str = "",
         sample_ids: Sequence[str] = (),
+        dead_letter_ids: Sequence[str] = (),
+        dead_letter_reason: str = "",
     ) -> int:
         """Acknowledge ready entries (idempotent). Returns how many it settled (see AckReady:
         with ``consumer`` named, a retry after a lost answer counts them again; with each
-        entry's sample named, an entry the stream lost counts as its sample's others)."""
+        entry's sample named, an entry the stream lost counts as its sample's others;
+        ``dead_letter_ids``, samples of them that trained nothing, go to the dead-letter
+        stream with ``dead_letter_reason``)."""
         request = route_cache_pb2.AckReadyRequest(
             consumer_group=consumer_group,
             entry_ids=list(entry_ids),
             consumer=consumer,
             sample_ids=list(sample_ids),
+            dead_letter_ids=list(dead_letter_ids),
+            dead_letter_reason=dead_letter_reason,
         )
         return self.transport.unary(ACK_READY, request, self.timeout_s)
 
@@ -365,6 +371,8 @@ class AsyncRouteCacheClient(_RouteCacheCalls):
             entry_ids: Sequence[str],
             consumer: str = "",
             sample_ids: Sequence[str] = (),
+            dead_letter_ids: Sequence[str] = (),
+            dead_letter_reason: str = "",
         ) -> int: ...
 
     async def close(self) -> None:

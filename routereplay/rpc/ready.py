@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -47,6 +47,8 @@ class ReadyClient(Protocol):
         entry_ids: Sequence[str],
         consumer: str = ...,
         sample_ids: Sequence[str] = ...,
+        dead_letter_ids: Sequence[str] = ...,
+        dead_letter_reason: str = ...,
     ) -> int: ...
 
 
@@ -230,7 +232,7 @@ class ReadyConsumer:
     def next_groups(self, count: int, timeout_s: float | None = None) -> list[ReadyGroup]:
         """Up to ``count`` complete groups, reading the feed until there are that many or
         ``timeout_s`` has passed (None: wait as long as it takes). Each group is handed out
-        once per process; acknowledge it with ``ack`` after training on it."""
+        once per process; acknowledge it with ``settle`` after training on it."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while len(self._complete) < count:
             wait_ms = self.block_ms
@@ -243,23 +245,18 @@ class ReadyConsumer:
             self.poll(block_ms=wait_ms)
         return [self._complete.popleft() for _ in range(min(count, len(self._complete)))]
 
-    def ack(self, groups: Iterable[ReadyGroup], chunk: int = 512) -> int:
-        """Acknowledge ``groups`` (trained, or given up on): their entries are not delivered
-        again, and later repeats of their samples are dropped. Returns how many entries the
-        server still had pending."""
-        groups = list(groups)
-        delivered = [item for group in groups for item in group.delivered.items()]
-        acknowledged = 0
-        for start in range(0, len(delivered), chunk):
-            acknowledged += self._ack_delivered(delivered[start : start + chunk])
-        for group in groups:
-            self._forget(group)
-        return acknowledged
-
-    def settle(self, groups: Iterable[ReadyGroup]) -> list[ReadyGroup]:
-        """Acknowledge each of ``groups`` on its own, and return those this consumer settled:
-        the groups whose every entry this acknowledgement settled (``AckReady``'s count).
-        Commit the training of those only.
+    def settle(
+        self,
+        groups: Iterable[ReadyGroup],
+        dead_letters: Collection[str] = (),
+        reason: str = "",
+    ) -> list[ReadyGroup]:
+        """Acknowledge each of ``groups`` on its own (trained, or given up on), and return
+        those this consumer settled: the groups whose every entry this acknowledgement settled
+        (``AckReady``'s count). Commit the training of those only. Their entries are not
+        delivered again, and later repeats of their samples are dropped. The one
+        acknowledgement of the feed: the trainer (``trainer.data.source.FeedPlans``) and the
+        fault run's consumer call it alike.
 
         A consumer that stalls past ``claim_idle_ms`` (a paused process, a long step) loses
         its entries to another consumer, which trains and acknowledges them too; so does one
@@ -271,10 +268,16 @@ class ReadyConsumer:
         sample, so one a failover of the stream's master lost (read from the old master,
         with the writer's repeat read from the new one) counts as its sample's others do.
         One call per group: the count the server returns is per call.
+
+        ``dead_letters``: samples of ``groups`` that trained nothing (``decide_missing``:
+        their record was lost after the announcement); they settle with their group, and the
+        route cache adds each to its dead-letter stream with ``reason``.
         """
         won = []
+        dead = set(dead_letters)
         for group in groups:
-            acknowledged = self._ack_delivered(list(group.delivered.items()))
+            named = [s for s in group.sample_ids if s in dead]
+            acknowledged = self._ack_delivered(list(group.delivered.items()), named, reason)
             if acknowledged == len(group.delivered):
                 self._forget(group)
                 won.append(group)
@@ -313,11 +316,20 @@ class ReadyConsumer:
             self._acked_samples.add(sample_id)
         return acknowledged
 
-    def _ack_delivered(self, delivered: list[tuple[str, str]]) -> int:
+    def _ack_delivered(
+        self, delivered: list[tuple[str, str]], dead_letters: Sequence[str] = (), reason: str = ""
+    ) -> int:
         """Acknowledge (entry id, sample id) pairs in one call: naming each entry's sample
         lets one the stream lost since (a failover) count as its sample's others do."""
         entry_ids, sample_ids = zip(*delivered, strict=True)
-        return self.client.ack_ready(self.consumer_group, entry_ids, self.consumer, sample_ids)
+        named = {"dead_letter_ids": dead_letters, "dead_letter_reason": reason}
+        return self.client.ack_ready(
+            self.consumer_group,
+            entry_ids,
+            self.consumer,
+            sample_ids,
+            **(named if dead_letters else {}),
+        )
 
     def _forget(self, group: ReadyGroup) -> None:
         """``group`` is done with: later repeats of it and of its samples are dropped."""

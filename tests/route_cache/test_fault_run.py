@@ -4,8 +4,8 @@ The checker is tested on histories with one violation each, against records buil
 the writers send: it must name each, including a fault that did not happen or met no traffic,
 a stale read, entries left pending, and a trainer's sample in two committed steps or in none.
 The injection checks are tested on a proxy that does not cut, delay or black-hole, and the
-black hole on the proxy itself (no answer, no close, no reset). The short run (about 35 s of
-writes under ten faults, the trainer's two kills included, plus start-up and drain)
+black hole on the proxy itself (no answer, no close, no reset). The short run (about 45 s of
+writes under fourteen faults, the trainer's two kills included, plus start-up and drain)
 must pass it with a nonzero traffic floor per fault, and fail without WAIT (acknowledged
 writes lost in the WAIT-only fault); the deliberate failure (a consumer that commits without
 acknowledging) must fail it, as trained twice.
@@ -421,7 +421,9 @@ def test_short_fault_run_passes_the_checker_with_a_traffic_floor_per_fault(tmp_p
     print(report(results))
     assert results["verdict"], "\n".join(results["verdict_lines"])
     names = [f["fault"] for f in results["floors"]]
-    assert {"wait_only", "proxy_blackhole"} <= set(names) and len(names) == 10
+    assert {"wait_only", "proxy_blackhole"} <= set(names) and len(names) == 14
+    new = {"consumer_kill_between", "feed_blackhole", "double_failover", "replica_link_mute"}
+    assert new <= set(names)
     assert {"trainer_kill_ack", "trainer_kill_step"} <= set(names)
     assert all(f["started"] and f["in_flight"] and f["acknowledged"] for f in results["floors"])
     # the trainer was killed twice and restarted; the kill after an acknowledgement, before

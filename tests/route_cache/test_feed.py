@@ -12,7 +12,7 @@ import pytest
 
 from route_cache.config import Config, parse_config
 from route_cache.connection import connect
-from route_cache.record_format import settled_key
+from route_cache.record_format import dead_letter_key, settled_key
 from route_cache.server import RouteCacheServer
 from route_cache.store import RouteStore
 from routereplay.dev.synthetic import synthetic_record
@@ -166,7 +166,7 @@ def test_duplicate_write_yields_the_sample_once(feed, rng, sid):
     (group,) = consumer.next_groups(2, timeout_s=0.3)
     assert group.sample_ids == [record.sample_id] and len(group.entry_ids) == 2
     assert consumer.duplicates == 1
-    assert consumer.ack([group]) == 2 and feed.pending() == 0
+    assert consumer.settle([group]) == [group] and feed.pending() == 0
     # A late repeat of a trained sample is acknowledged at once, never handed out.
     feed.client.write(record)
     assert consumer.next_groups(1, timeout_s=0.3) == []
@@ -191,7 +191,7 @@ def test_restarted_consumer_gets_back_what_it_had_not_acknowledged(feed, rng, si
             feed.write(rng, sid(), group_id=group_id)
     consumer = feed.consumer("rank0", group_size=2, max_entries=1)
     trained, crashed = consumer.next_groups(2, timeout_s=2)
-    consumer.ack([trained])
+    assert consumer.settle([trained]) == [trained]
     # The process dies before acknowledging the second group; it restarts under its name.
     consumer.client.close()
     restarted = feed.consumer("rank0", group_size=2, max_entries=1)
@@ -200,7 +200,7 @@ def test_restarted_consumer_gets_back_what_it_had_not_acknowledged(feed, rng, si
         crashed.group_id,
         sorted(crashed.sample_ids),
     )
-    restarted.ack([again])
+    assert restarted.settle([again]) == [again]
     assert feed.pending() == 0
     assert feed.consumer("rank0", group_size=2).next_groups(1, timeout_s=0.3) == []
 
@@ -216,7 +216,7 @@ def test_groups_come_out_whole(feed, rng, sid):
     a.append(feed.write(rng, sid(), group_id="g-a").sample_id)
     (group,) = consumer.next_groups(1, timeout_s=2)
     assert sorted(group.sample_ids) == sorted(a)
-    consumer.ack([*groups, group])
+    assert consumer.settle([*groups, group]) == [*groups, group]
     # A sample beyond a group's size is dropped (and acknowledged), not a new group.
     feed.write(rng, sid(), group_id="g-a")
     assert consumer.next_groups(1, timeout_s=0.3) == []
@@ -231,7 +231,7 @@ def test_a_stand_by_claims_the_entries_of_a_dead_consumer(feed, rng, sid):
     time.sleep(0.45)
     groups = stand_by.next_groups(3, timeout_s=2)
     assert {s for g in groups for s in g.sample_ids} == written
-    stand_by.ack(groups)
+    assert stand_by.settle(groups) == groups
     assert feed.pending() == 0
 
 
@@ -298,7 +298,10 @@ def test_a_retried_settle_whose_first_answer_was_lost_still_settles(feed, rng, s
 def test_a_claim_by_an_entry_the_stream_lost_passes_to_the_next_announcement(feed, rng, sid):
     """Found by the fault run's WAIT-only fault on the feed's shard (issue 29): c0 read an
     announcement while the stream master's replica was cut off, and its acknowledgement
-    claimed the sample (on the sample's own shard) before the master died with the entry.
+    claimed the sample (then on the sample's own shard) before the master died with the entry.
+    Since issue 47 the claim shares the stream's slot, and a replica holds a prefix of its
+    master's writes, so a failover that loses the entry loses its claim too: the state below
+    is kept as a guard of the handover rule.
     The writer's retry announced the sample again and c1 trained it, but the claim named the
     lost entry: c1 was told taken, c0's retry found its entry gone, and nobody trained the
     sample. Here XACK and XDEL stand in for the failover (the same state: the tail entry and
@@ -309,7 +312,9 @@ def test_a_claim_by_an_entry_the_stream_lost_passes_to_the_next_announcement(fee
     record = feed.write(rng, sid())
     (lost,) = c0.next_groups(1, timeout_s=1)
     # c0's first acknowledgement: the claim landed, the master died before its XACK.
-    feed.redis.hsetnx(settled_key(record.sample_id), "trainer", f"{lost.entry_ids[0]} c0")
+    feed.redis.hsetnx(
+        settled_key(feed.stream, record.sample_id), "trainer", f"{lost.entry_ids[0]} c0"
+    )
     feed.redis.xack(feed.stream, "trainer", *lost.entry_ids)  # nor its pending record
     feed.redis.xdel(feed.stream, *lost.entry_ids)
     feed.client.write(record)  # the writer's retry announces the sample again
@@ -325,12 +330,15 @@ def test_an_entry_delivered_again_after_a_failover_is_settled_by_the_first_claim
     claimed the sample, but the stream's master died before the XACK (and the delivery)
     reached its replica. The promoted replica delivered the entry again, to c0, whose XACK
     then counted: c0 was told settled, and so was c1's retry (its own claim). Both trained it.
-    XCLAIM stands in for the new delivery; the claim is kept on the sample's own shard."""
+    XCLAIM stands in for the new delivery; the claim is kept (then on the sample's own shard;
+    since issue 47 claim and XACK are one script, so this state is a guard of the rule)."""
     record = feed.write(rng, sid())
     c0, c1 = feed.consumer("c0"), feed.consumer("c1")
     (first,) = c1.next_groups(1, timeout_s=1)
     # c1's first acknowledgement: the claim landed; the XACK went down with the master.
-    feed.redis.hsetnx(settled_key(record.sample_id), "trainer", f"{first.entry_ids[0]} c1")
+    feed.redis.hsetnx(
+        settled_key(feed.stream, record.sample_id), "trainer", f"{first.entry_ids[0]} c1"
+    )
     feed.redis.xclaim(feed.stream, "trainer", "c0", 0, first.entry_ids)
     c0._pending_cursor = "0"  # read its pending entries again, as a fresh read would
     (again,) = c0.next_groups(1, timeout_s=1)
@@ -429,6 +437,36 @@ def test_start_from_latest_skips_older_entries(feed, rng, sid):
     assert ids(consumer.next_groups(1, timeout_s=2)) == [[record.sample_id]]
 
 
+def test_a_sample_settled_untrained_goes_to_the_dead_letter_stream_once(feed, rng, sid):
+    """Issue 47: a consumer whose sample's record was lost settles it as a dead letter: the
+    entry is acknowledged with its group like the rest, and the sample is added, once per
+    consumer group, to the dead-letter stream in the ready stream's slot, with the reason,
+    and counted on /metrics."""
+    lost, kept = feed.write(rng, sid(), group_id="g"), feed.write(rng, sid(), group_id="g")
+    consumer = feed.consumer("c0", group_size=2)
+    (group,) = consumer.next_groups(1, timeout_s=2)
+    assert consumer.settle([group], [lost.sample_id], "record missing") == [group]
+    assert feed.pending() == 0
+    dead = feed.redis.xrange(dead_letter_key(feed.stream))
+    assert [{k.decode(): v.decode() for k, v in f.items()} for _, f in dead] == [
+        {
+            "sample_id": lost.sample_id,
+            "consumer_group": "trainer",
+            "consumer": "c0",
+            "entry_id": group.entry_ids[group.sample_ids.index(lost.sample_id)],
+            "reason": "record missing",
+        }
+    ]
+    # A retry whose first answer was lost settles again, and adds nothing.
+    entries, samples = group.entry_ids, list(group.delivered.values())
+    assert feed.client.ack_ready("trainer", entries, "c0", samples, [lost.sample_id], "x") == 2
+    assert feed.redis.xlen(dead_letter_key(feed.stream)) == 1
+    assert feed.server.feed.dead_lettered == 1
+    assert kept.sample_id not in {f[b"sample_id"].decode() for _, f in dead}
+    registry = feed.server.metrics.registry  # what /metrics serves (test_metrics scrapes it)
+    assert registry.get_sample_value("route_cache_ready_dead_letters_total") == 1
+
+
 def test_async_client(single_store, rng, sid):
     feed = Feed(single_store)
     try:
@@ -460,6 +498,14 @@ def test_async_client(single_store, rng, sid):
         (lambda c: c.ack_ready("trainer", []), "entry_ids is empty"),
         (lambda c: c.ack_ready("trainer", ["1-0", "nope"]), "entry_ids[1]"),
         (lambda c: c.ack_ready("trainer", ["1-0"] * 301), "entry_ids has 301 ids"),
+        (
+            lambda c: c.ack_ready("trainer", ["1-0"], "c", ["s1"], ["s2"], "lost"),
+            "dead_letter_ids ['s2'] are not in sample_ids",
+        ),
+        (
+            lambda c: c.ack_ready("trainer", ["1-0"], "c", ["s1"], ["s1"]),
+            "dead_letter_reason must be",
+        ),
         # Past unsigned 64 bits: Redis would refuse it (found by fuzzing: it was INTERNAL).
         (lambda c: c.ack_ready("trainer", ["99999999999999999999"]), "entry_ids[0]"),
         (

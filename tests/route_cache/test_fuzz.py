@@ -482,9 +482,23 @@ def test_ack_ready_random_requests(server):
     stub = server[0]
 
     @FUZZ
-    @given(st.one_of(texts, st.just("fz-group")), st.lists(entry_ids, max_size=5))
-    def check(group, ids):
-        call(stub.AckReady, route_cache_pb2.AckReadyRequest(consumer_group=group, entry_ids=ids))
+    @given(
+        st.one_of(texts, st.just("fz-group")),
+        st.lists(entry_ids, max_size=5),
+        st.lists(texts, max_size=5),  # sample_ids
+        st.lists(texts, max_size=3),  # dead_letter_ids (issue 47)
+        texts,  # dead_letter_reason
+    )
+    def check(group, ids, samples, dead, reason):
+        request = route_cache_pb2.AckReadyRequest(
+            consumer_group=group,
+            entry_ids=ids,
+            consumer="fz",
+            sample_ids=samples,
+            dead_letter_ids=dead,
+            dead_letter_reason=reason,
+        )
+        call(stub.AckReady, request)
 
     check()
     assert_alive(server)

@@ -8,11 +8,13 @@ from __future__ import annotations
 import time
 
 import pytest
+from redis.cluster import key_slot
 
-from route_cache.record_format import record_key, routes_key
+from route_cache.feed import ReadyFeed
+from route_cache.record_format import freeing_key, record_key, routes_key, settled_key
 from routereplay.dev.redis_nodes import RedisProcess
 from routereplay.dev.synthetic import synthetic_record
-from routereplay.errors import NotFound, ResourceExhausted
+from routereplay.errors import NotFound, ResourceExhausted, Unavailable
 from tests.route_cache.conftest import SMALL
 from tests.route_cache.test_feed import Feed
 
@@ -59,7 +61,7 @@ def test_trim_drops_only_what_every_group_acknowledged(store, rng, sid):
         feed.server.feed.keep_acked_ms = 0  # the retry window, tested below
         assert feed.server.feed.trim() == 0  # b has not read: nothing is everybody's yet
         a = feed.consumer("a", group="a")
-        a.ack(a.next_groups(6, timeout_s=2))
+        assert len(a.settle(a.next_groups(6, timeout_s=2))) == 6
         assert feed.server.feed.trim() == 0  # b (declared) does not exist yet
         page = feed.client.read_ready("b", "b0", max_entries=4)
         acked = [e.entry_id for e in page.entries if e.sample_id != samples[1]]
@@ -89,7 +91,7 @@ def test_the_stream_refuses_announcements_at_its_cap(store, rng, sid):
         assert "cap" in str(refused.value) and refused.value.retry_after_s > 0
         assert _entries(feed) == samples
         consumer = feed.consumer("t")
-        consumer.ack(consumer.next_groups(3, timeout_s=2))
+        assert len(consumer.settle(consumer.next_groups(3, timeout_s=2))) == 3
         feed.server.feed.keep_acked_ms = 0
         feed.server.feed.trim()
         feed.client.write(late)
@@ -260,3 +262,41 @@ def test_the_budget_holds_each_cluster_node_to_its_own(rng, sid):
         client.close()
         for node in nodes:
             node.stop()
+
+
+def test_the_claim_shares_the_streams_slot_and_frees_only_what_every_group_committed(
+    store, rng, sid
+):
+    """Issue 47: a sample's claims live in the ready stream's slot, so one script claims and
+    acknowledges (a failover keeps both or loses both), and the record, on its own slot, is
+    freed in a second step: from the freeing set, which only the claim of the last commit
+    group fills. Here the acknowledging process dies between the two steps (its ``free``
+    never runs: the freeing is left to the route cache's ``Upkeep``, called by hand), and then
+    the records' shard fails at the second step: the acknowledgement, done, still counts."""
+    feed = Feed(store, commit_groups="a,b", free_grace_s=30)
+    feed.server.upkeep.stop()  # its free() is called by hand below
+    try:
+        record = feed.write(rng, sid())
+        stream_slot = key_slot(feed.stream.encode())
+        assert key_slot(settled_key(feed.stream, record.sample_id).encode()) == stream_slot
+        assert key_slot(freeing_key(feed.stream).encode()) == stream_slot
+        dying = ReadyFeed(feed.redis, feed.stream, commit_groups=("a", "b"), free_grace_ms=30_000)
+        dying.free = lambda samples=None: 0  # dies before freeing what it committed
+        failing = ReadyFeed(feed.redis, feed.stream, commit_groups=("a", "b"))
+
+        def unreachable(samples=None):
+            raise Unavailable("the records' shard is down (stands in for a failed PEXPIRE)")
+
+        failing.free = unreachable
+        upkeep = ReadyFeed(feed.redis, feed.stream, commit_groups=("a", "b"), free_grace_ms=30_000)
+        keys = (record_key(record.sample_id), routes_key(record.sample_id))
+        for group, freed, acker in (("a", 0, dying), ("b", 1, failing)):
+            (entry,) = feed.client.read_ready(group, f"{group}0", max_entries=1).entries
+            assert acker.ack(group, [entry.entry_id], f"{group}0", [record.sample_id]) == 1
+            assert all(feed.redis.pttl(k) > 60_000 for k in keys), group  # not freed yet
+            assert upkeep.free() == freed, group  # only once every commit group claimed it
+        assert all(0 < feed.redis.pttl(k) <= 30_000 for k in keys)
+        assert feed.redis.scard(freeing_key(feed.stream)) == 0
+        assert upkeep.free() == 0  # emptied: a repeat finds nothing
+    finally:
+        feed.close()

@@ -5,10 +5,14 @@ and routes) come from the route cache in one ``read_batch`` call per batch, or f
 file (``router_replay.replay_file`` / ``data.records_file``, written by ``save_records``).
 ``Prefetcher`` fetches batch i + 1 in a background thread while batch i trains.
 
-Missing records: ``missing_record=error`` fails the batch, naming the samples, before any
-training. ``missing_record=native`` counts and logs them; a sample whose tokens come from a feed
+Missing records (``routereplay.domain.record_checks.decide_missing`` decides, for the verl glue
+too): ``missing_record=error`` fails the batch, naming the samples, before any training.
+``missing_record=native`` counts and logs them; a sample whose tokens come from a feed
 (``BatchPlan.samples``) is then trained with native routing, and a sample known only by its id
-(nothing to train on without its record) is dropped from the batch. Never "expert 0, k times".
+(nothing to train on without its record) is dropped from the batch. A sample read from the
+ready feed (``BatchPlan.published``) whose record is gone is dropped and dead-lettered under
+either policy: the batch trains the rest, and the job never fails on it again at every restart.
+Never "expert 0, k times".
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from routereplay.domain.record import Record
+from routereplay.domain.record_checks import MISSING_RECORD_REASON, decide_missing
 from routereplay.domain.record_file import load_records
-from routereplay.errors import InvalidArgument
 from trainer.config import MissingRecord, TrainerConfig
 from trainer.data.feed_log import FeedLog, steps_checkpointed
 
@@ -70,6 +74,7 @@ class BatchPlan:
 
     sample_ids: list[str]
     samples: list[Sample] | None = None
+    published: bool = False  # read from the ready feed: a missing record is dead-lettered
 
 
 @dataclass
@@ -81,6 +86,7 @@ class FetchedBatch:
         records: The rollout's record of each sample, or None.
         missing: Ids without a record (``missing_record=native``).
         dropped: Ids dropped because neither a record nor a fed sample exists.
+        dead_letters: Of ``dropped``, the published samples, to dead-letter on the feed.
         fetch_s: Seconds the fetch itself took (in the background when prefetched).
         wait_s: Seconds the training loop waited for it.
         route_bytes: Route bytes this rank read from the route cache for it (0 where another
@@ -91,6 +97,7 @@ class FetchedBatch:
     records: list[Record | None]
     missing: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
+    dead_letters: list[str] = field(default_factory=list)
     fetch_s: float = 0.0
     wait_s: float = 0.0
     route_bytes: int = 0
@@ -154,25 +161,37 @@ def open_source(config: TrainerConfig) -> CacheSource | FileSource:
 
 
 def resolve(plan: BatchPlan, records: list[Record | None], missing: str) -> FetchedBatch:
-    """Apply the missing-record policy and pair samples with records.
+    """Apply the missing-record policy (``decide_missing``) and pair samples with records.
 
     Raises:
-        InvalidArgument: a record is missing under ``missing="error"``.
+        NotFound: a record is missing under ``missing="error"`` (not a published sample).
     """
-    absent = [s for s, r in zip(plan.sample_ids, records, strict=True) if r is None]
-    if absent and missing == MissingRecord.ERROR:
-        raise InvalidArgument(
-            f"no record in the route cache for {len(absent)} of {len(records)} samples: "
-            f"{absent[:8]} (router_replay.missing_record=native trains them natively)"
+    absent = decide_missing(
+        plan.sample_ids,
+        records,
+        MissingRecord(missing),
+        tokens_known=plan.samples is not None,
+        published=plan.published,
+    )
+    if absent.native:
+        log.warning(
+            "%d samples without a record route natively: %s", len(absent.native), absent.native[:8]
         )
-    if absent:
-        log.warning("%d samples without a record route natively: %s", len(absent), absent[:8])
+    if absent.dropped:
+        log.warning(
+            "%d samples without a record train nothing%s: %s",
+            len(absent.dropped),
+            " (dead-lettered on the ready feed)" if absent.dead_letter else "",
+            absent.dropped[:8],
+        )
     if plan.samples is not None:
         if [s.sample_id for s in plan.samples] != list(plan.sample_ids):
             raise ValueError("BatchPlan.samples must be in the order of sample_ids")
-        return FetchedBatch(list(plan.samples), list(records), absent)
+        return FetchedBatch(list(plan.samples), list(records), absent.native)
     kept = [r for r in records if r is not None]
-    return FetchedBatch([Sample.from_record(r) for r in kept], kept, absent, absent)
+    dead = absent.dropped if absent.dead_letter else []
+    samples = [Sample.from_record(r) for r in kept]
+    return FetchedBatch(samples, kept, absent.dropped, absent.dropped, dead)
 
 
 class Prefetcher:
@@ -273,6 +292,7 @@ class FeedPlans:
         self.wait_s = data.wait_s
         # The lead: step -> its batch's ReadyGroups, handed out and not acknowledged.
         self.handed_out: dict[int, list] = {}
+        self.dead_letters: dict[int, list[str]] = {}  # step -> its samples with no record
         self.consumer = None
         self._own_client = None
         self.log: FeedLog | None = None
@@ -329,14 +349,17 @@ class FeedPlans:
                     self.wait_s,
                 )
         ids = self.dp.from_lead(ids)
-        return None if ids is None else BatchPlan(ids)
+        return None if ids is None else BatchPlan(ids, published=True)
 
-    def ack(self) -> list:
+    def ack(self, dead_letters: Sequence[str] = ()) -> list:
         """The oldest batch handed out is trained (and checkpointed when due): acknowledge
         every batch a checkpoint covers, or, without checkpoints, this one (the lead; a no-op
-        elsewhere). Returns the trained batch's ``ReadyGroup``s."""
+        elsewhere). ``dead_letters``: its samples that trained nothing (record lost), settled
+        to the feed's dead-letter stream. Returns the trained batch's ``ReadyGroup``s."""
         if self.consumer is None:
             return []
+        if dead_letters:
+            self.dead_letters[self._reported] = list(dead_letters)
         groups = self.handed_out[self._reported]
         self._reported += 1
         self.ack_covered(self._reported if self.log is None else None)
@@ -352,7 +375,21 @@ class FeedPlans:
         through = min(through, self._reported)
         steps = [s for s in sorted(self.handed_out) if self._acked <= s < through]
         if steps:
-            self.consumer.ack([g for s in steps for g in self.handed_out[s]])
+            groups = [g for s in steps for g in self.handed_out[s]]
+            dead = [d for s in steps for d in self.dead_letters.get(s, ())]
+            # The trainer commits (checkpoints) before it settles, so a group ``settle`` says
+            # is not this consumer's is trained all the same: its entry was lost in a failover
+            # of the stream's master (read from the old one; found by the seeded soak, which
+            # then trained the writer's repeat of it again), or a stand-by settled it first.
+            # Either way it is remembered as done, so a repeat is dropped, not trained again.
+            won = self.consumer.settle(groups, dead, MISSING_RECORD_REASON)
+            kept = [g for g in groups if not any(g is w for w in won)]
+            if kept:
+                entries = [e for g in kept for e in g.entry_ids]
+                samples = [s for g in kept for s in g.sample_ids]
+                self.consumer.covered(entries, samples, [g.key for g in kept])
+            for s in steps:
+                self.dead_letters.pop(s, None)
             for s in steps:  # once acknowledged: a failed call is tried again by the next
                 del self.handed_out[s]
             if self.log is not None:

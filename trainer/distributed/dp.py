@@ -126,7 +126,7 @@ class DataParallel:
             return plan
         mine = self.indices(len(plan.sample_ids), mini_batch_size)
         samples = None if plan.samples is None else [plan.samples[i] for i in mine]
-        return BatchPlan([plan.sample_ids[i] for i in mine], samples)
+        return BatchPlan([plan.sample_ids[i] for i in mine], samples, plan.published)
 
     # -- collectives --------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ class StepDone:
     report: StepReport
     seconds: float
     routes_used: list[Record]
+    dead_letters: list[str] = field(default_factory=list)  # this rank's, to dead-letter
 
 
 class Output:
@@ -170,10 +171,12 @@ class FeedAck(Output):
     lead's report names its groups and the versions that generated them."""
 
     def __init__(self, run: Run):
-        self.feed, self.lead = run.feed, run.dp.lead
+        self.feed, self.lead, self.dp = run.feed, run.dp.lead, run.dp
 
     def after_step(self, done: StepDone) -> dict[str, Any] | None:
-        groups = self.feed.ack()
+        # Each rank fetched its share: the lead, which settles, learns every rank's lost ones.
+        dead = sorted({s for part in self.dp.all_gather(done.dead_letters) for s in part})
+        groups = self.feed.ack(dead)
         return {"feed": feed_batch(groups)} if self.lead else None
 
     def close(self) -> None:

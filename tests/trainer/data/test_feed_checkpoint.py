@@ -123,3 +123,32 @@ def test_without_checkpoints_each_batch_is_acknowledged_once_trained(tmp_path):
     plans = FeedPlans(config(None, 1), SINGLE, client=feed)
     plans.next_plan()
     assert len(feed.pending) == 4 and plans.ack() and len(feed.pending) == 2
+
+
+class LostEntryFeed(StreamFeed):
+    """The stream's master fails over after s1's first entry (2-0) was read from it: the
+    promoted replica never had it, so its acknowledgement takes nothing off the pending list,
+    and the writer's retry announced s1 again (5-0)."""
+
+    def read_ready(self, consumer_group, consumer, max_entries=256, pending_cursor="", **kw):
+        if not self.failed_over:  # the repeat is announced after the failover, not before
+            max_entries = min(max_entries, 4 - self.next)
+        return super().read_ready(consumer_group, consumer, max_entries, pending_cursor, **kw)
+
+    failed_over = False
+
+    def ack_ready(self, consumer_group, entry_ids, consumer="", sample_ids=()):
+        self.failed_over = True
+        self.pending.pop("2-0", None)
+        return super().ack_ready(consumer_group, entry_ids, consumer, sample_ids)
+
+
+def test_a_sample_whose_settle_found_its_entry_lost_is_not_trained_again(tmp_path):
+    """Found by the seeded soak (seed 2, the WAIT-only fault on the stream's shard): the
+    trainer trained s1, checkpointed, and its settle came back "not settled" (the entry was
+    lost); it did not remember s1, and trained the repeat in a later committed step."""
+    feed, checkpoints = LostEntryFeed(["s0", "s1", "s2", "s3", "s1", "s4"]), {}
+    job = Job(feed, tmp_path, 1, checkpoints)
+    job.run(4)
+    trained = [s for batch in job.weights for s in batch]
+    assert trained.count("s1") == 1, job.weights

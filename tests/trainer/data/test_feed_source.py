@@ -23,8 +23,10 @@ pytest.importorskip("megatron.core")
 
 from route_cache.config import Config
 from route_cache.connection import connect
+from route_cache.record_format import dead_letter_key, record_key, routes_key
 from route_cache.server import RouteCacheServer
 from route_cache.store import RouteStore
+from routereplay.domain.record_checks import MISSING_RECORD_REASON
 from routereplay.errors import RouteReplayError
 from routereplay.rpc.client import RouteCacheClient
 from routereplay.rpc.ready import ReadyConsumer
@@ -270,3 +272,31 @@ def test_bad_feed_settings_are_refused(overrides, message):
     base = ["model.path=m", "route_cache.target=localhost:1", "train.batch_size=4"]
     with pytest.raises(ConfigError, match=message):
         load_config(None, [*base, *overrides])
+
+
+def test_a_published_sample_whose_record_is_gone_is_dead_lettered_and_the_rest_trains(
+    tiny_model_dir, rollout, pg_collection, cache
+):
+    """Issue 47: a record lost after its announcement (here deleted straight from Redis: it
+    stands for a failover without WAIT, or a restart without AOF) used to fail its batch under
+    ``missing_record=error`` on every restart. Now the sample trains nothing, goes to the
+    dead-letter stream with its reason, the batch trains the other three, and nothing stays
+    pending (a restarted job would not meet it again)."""
+    first, _ = _groups(rollout)
+    for record in first:
+        cache.client.write(record)
+    lost = first[1].sample_id
+    cache.redis.delete(record_key(lost), routes_key(lost))
+    config = _config(
+        tiny_model_dir, cache.target, "data.source=feed", "data.group_size=4", "train.steps=1"
+    )
+    (report,) = train(config, None, pg_collection=pg_collection)
+    assert report.feed.groups == [first[0].group_id]
+    assert report.dropped_samples == 1 and report.missing_records == 1
+    dead = cache.redis.xrange(dead_letter_key(cache.stream))
+    assert [(f[b"sample_id"].decode(), f[b"consumer_group"].decode()) for _, f in dead] == [
+        (lost, "trainer")
+    ]
+    assert dead[0][1][b"reason"].decode() == MISSING_RECORD_REASON
+    assert cache.pending("trainer") == 0
+    assert cache.server.feed.dead_lettered == 1

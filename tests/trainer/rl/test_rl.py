@@ -18,7 +18,7 @@ pytest.importorskip("megatron.core")
 
 from routereplay.domain.record_file import load_records
 from routereplay.domain.route_stats import agreement
-from routereplay.errors import InvalidArgument
+from routereplay.errors import NotFound
 from tests.trainer.helpers import capture_routing, one_hot
 from tests.trainer.tolerance import loss_atol
 from trainer import layout
@@ -213,7 +213,7 @@ def test_missing_records_fail_or_train_natively(
     route_cache, rollout, tiny_model_dir, rollout_file, pg_collection
 ):
     ids = [r.sample_id for r in rollout[:4]] + ["nowhere-1"]
-    with pytest.raises(InvalidArgument, match="nowhere-1"):
+    with pytest.raises(NotFound, match="nowhere-1"):
         next(iter(Prefetcher(route_cache, [BatchPlan(ids)], "error")))
     # Known only by id: nothing to train on, dropped and counted.
     fetched = next(iter(Prefetcher(route_cache, [BatchPlan(ids)], "native")))
