@@ -182,6 +182,18 @@ def test_collapse_thresholds_hold_just_below():
     assert not sr.collapse(run)["collapsed"]
 
 
+def test_gradients_gone_to_zero_are_judged_not_divided_by():
+    """A policy gone deterministic (lr 0.03 in the probe) has no gradient left: a zero median
+    before a step is no division by zero; a gradient after it is an unbounded jump."""
+    run = probe_run()
+    for s in run["steps"][5:]:
+        s["grad_norm"] = [0.0]
+    assert not sr.collapse(run)["collapsed"]
+    run["steps"][25]["grad_norm"] = [0.5]
+    verdict = sr.collapse(run)
+    assert verdict["fired"] == ["gradient blow-up"] and verdict["grad_jump"] == math.inf
+
+
 def test_paired_ratio_and_thirds():
     data = records()
     # disabled's replayed KL a tenth of its natural one, R3's natural ten times its replayed

@@ -317,6 +317,14 @@ def cells(data: dict[str, Any], kind: str = "main", lr: float | None = None) -> 
     return out
 
 
+def _jump(grad: float, before: float) -> float:
+    """``grad`` over the median ``before`` it; from a zero median (no gradient left: a policy
+    gone deterministic) any gradient is an unbounded jump, and none is no jump (nan)."""
+    if before > 0:
+        return grad / before
+    return math.inf if grad > 0 else math.nan
+
+
 def _nanmedian(values: Iterable[float]) -> float:
     arr = np.asarray(list(values), np.float64)
     arr = arr[~np.isnan(arr)]
@@ -369,7 +377,7 @@ def collapse(run: dict[str, Any]) -> dict[str, Any]:
         fired.append("extreme tokens")
     grads = [value(s, "grad_norm") for s in steps]
     verdict["grad_norm_max"] = float(np.nanmax(grads))
-    jumps = [grads[i] / _nanmedian(grads[w:i]) for i in range(2 * w, len(grads))]
+    jumps = [_jump(grads[i], _nanmedian(grads[w:i])) for i in range(2 * w, len(grads))]
     verdict["grad_jump"] = float(np.nanmax(jumps)) if jumps else math.nan
     if jumps and verdict["grad_jump"] >= BLOWUP_FACTOR:
         fired.append("gradient blow-up")
