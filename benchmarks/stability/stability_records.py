@@ -318,11 +318,10 @@ def cells(data: dict[str, Any], kind: str = "main", lr: float | None = None) -> 
 
 
 def _jump(grad: float, before: float) -> float:
-    """``grad`` over the median ``before`` it; from a zero median (no gradient left: a policy
-    gone deterministic) any gradient is an unbounded jump, and none is no jump (nan)."""
-    if before > 0:
-        return grad / before
-    return math.inf if grad > 0 else math.nan
+    """``grad`` over the median ``before`` it; nan (no jump measured) from a zero median: a
+    policy gone deterministic has no gradient left, and its numerical residue after that is
+    not a blow-up."""
+    return grad / before if before > 0 else math.nan
 
 
 def _nanmedian(values: Iterable[float]) -> float:
