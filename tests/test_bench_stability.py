@@ -319,24 +319,36 @@ def test_the_driver_runs_ahead_as_asked(monkeypatch, ahead):
         assert any(version < 7 + step for step, version in enumerate(used))
 
 
-def test_from_records_writes_the_section_and_fails_on_a_missing_step(tmp_path, monkeypatch):
+@pytest.fixture
+def docs(tmp_path, monkeypatch):
+    """The docs and results folders of the benchmark, in ``tmp_path``."""
     monkeypatch.setattr(common, "DOCS", tmp_path / "benchmarks.md")
     monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
-    data = records()
-    path = tmp_path / "records.json"
+    return tmp_path
+
+
+def section_from(folder, data: dict, name: str = "records.json") -> str:
+    """``--from-records`` on ``data`` written to ``folder/name``; the docs it wrote."""
+    path = folder / name
     path.write_text(json.dumps(data))
     assert bench_stability.main(["--from-records", str(path)]) == 0
-    section = (tmp_path / "benchmarks.md").read_text()
+    return (folder / "benchmarks.md").read_text()
+
+
+def test_from_records_writes_the_section_and_fails_on_a_missing_step(docs):
+    data = records()
+    section = section_from(docs, data)
     assert "<!-- stability:begin -->" in section
     assert "| qwen3_moe | **0.100 / 0.100 / 0.100** | 0.100 (met) | 0.900 |" in section
     assert "No collapse probe in this run." in section
-    assert (tmp_path / bench_stability.FIGURE).stat().st_size > 0
-    assert json.loads((tmp_path / bench_stability.RECORDS).read_text()) == data
+    assert (docs / bench_stability.FIGURE).stat().st_size > 0
+    assert json.loads((docs / bench_stability.RECORDS).read_text()) == data
 
     del data["runs"][2]["steps"][-1]
+    path = docs / "records.json"
     path.write_text(json.dumps(data))
     assert bench_stability.main(["--from-records", str(path)]) == 1
-    assert "Partial run" in (tmp_path / "benchmarks.md").read_text()
+    assert "Partial run" in (docs / "benchmarks.md").read_text()
 
 
 def test_the_probe_runs_every_mode_at_every_rate(tmp_path):
@@ -361,45 +373,33 @@ def test_the_probe_runs_every_mode_at_every_rate(tmp_path):
     assert [p for p in sr.check(data) if "missing run:" not in p] == []  # no main runs here
 
 
-def test_an_experiment_writes_its_own_section_and_files(tmp_path, monkeypatch):
-    monkeypatch.setattr(common, "DOCS", tmp_path / "benchmarks.md")
-    monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
+def test_an_experiment_writes_its_own_section_and_files(docs):
     data = records()
     data["plan"] = {**PLAN, "tag": "stale", "staleness": 2}
     for run in data["runs"]:
         run["staleness"] = 2
         for s in run["steps"][3:]:
             s["rollout_versions"] = [s["step"] - 2]
-    path = tmp_path / "stale.json"
-    path.write_text(json.dumps(data))
-    assert bench_stability.main(["--from-records", str(path)]) == 0
-    section = (tmp_path / "benchmarks.md").read_text()
+    section = section_from(docs, data, "stale.json")
     assert "<!-- stability_stale:begin -->" in section and "<!-- stability:begin -->" not in section
     assert "`python -m benchmarks.stability.bench_stability --tag stale --staleness 2`" in section
     assert "lagged the newest policy by 2 versions (median), 2 at most" in section
     assert "## Stability experiment `stale`: --staleness 2" in section
     assert "**A short run** (25 steps per run, 2 seed(s))" in section
-    assert json.loads((tmp_path / "benchmarks-stability-stale.json").read_text()) == data
-    assert (tmp_path / "benchmarks-stability-stale.png").stat().st_size > 0
+    assert json.loads((docs / "benchmarks-stability-stale.json").read_text()) == data
+    assert (docs / "benchmarks-stability-stale.png").stat().st_size > 0
 
 
-def test_the_reading_claims_no_more_than_the_records(tmp_path, monkeypatch):
+def test_the_reading_claims_no_more_than_the_records(docs):
     """'Nothing was destabilised' only where no run collapsed; the clip-range sentence only
     where the largest ratio stays inside it."""
-    monkeypatch.setattr(common, "DOCS", tmp_path / "benchmarks.md")
-    monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
     data = records()
-    path = tmp_path / "records.json"
-    path.write_text(json.dumps(data))
-    assert bench_stability.main(["--from-records", str(path)]) == 0
-    section = (tmp_path / "benchmarks.md").read_text()
+    section = section_from(docs, data)
     assert "Nothing was destabilised in any mode" in section
     assert "So no token came near PPO's clip range" in section
     data["runs"][0]["steps"][12]["ratio_gt_2"] = 0.05
     data["runs"][0]["steps"][12]["max_gap"] = 0.9
-    path.write_text(json.dumps(data))
-    assert bench_stability.main(["--from-records", str(path)]) == 0
-    section = (tmp_path / "benchmarks.md").read_text()
+    section = section_from(docs, data)
     assert "Nothing was destabilised" not in section
     assert "Collapsed by the probe's criterion (below): main qwen3_moe disabled seed 0" in section
     assert "The largest ratio lies outside PPO's clip range" in section
