@@ -248,6 +248,8 @@ def free_dropped_groups(buffer_cls) -> None:
 
 def _free_records(target: str, keys: list[str], partition_id: str) -> None:
     """Delete the route cache records of TransferQueue's trajectories ``keys``."""
+    if not keys:
+        return
     import transfer_queue as tq
 
     from routereplay.errors import NotFound
@@ -255,8 +257,6 @@ def _free_records(target: str, keys: list[str], partition_id: str) -> None:
     from verl_integration.engine import row_ids
 
     try:
-        if not keys:
-            return
         data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["extra_fields"])
         samples = sorted({s for s in row_ids(data) if s is not None})
         with RouteCacheClient(target) as client:
