@@ -22,10 +22,12 @@ On loopback, bounded in time and operations:
   settle, then commit;
 - the trainer's own feed path (``fault_trainer.py``: ``FeedPlans``, ``CacheSource``, a
   checkpoint every 3 steps, ``FeedPlans.ack``; a stand-in step) on a consumer group of its
-  own, killed twice (SIGKILL between a step's checkpoint and its acknowledgement, and between
-  an acknowledgement and the next checkpoint) and restarted, as a supervisor would; the
-  checker counts its steps trained, committed (the final weights descend from them) and
-  discarded.
+  own, or with ``--trainer megatron`` the real one (``fault_megatron.py``: ``python -m
+  trainer``, megatron-core on 2 gloo ranks under torchrun, R3 on a tiny model of the records'
+  geometry), killed (SIGKILL between a step's checkpoint and its acknowledgement, between an
+  acknowledgement and the next checkpoint, and, in the full schedule, mid-step) and
+  restarted, as a supervisor would; the checker counts its steps trained, committed (the
+  final weights descend from them) and discarded.
 
 Faults on a schedule (``SCHEDULES``), each on a component (a shard, route cache 0, consumer
 c0, or everything) and injected only while an operation on that component is in flight; each
@@ -42,6 +44,7 @@ the longest write gap per shard, p50/p99 latency outside and during each fault, 
 time per fault, and a PNG timeline.
 
 Usage: python -m benchmarks.faults.bench_faults [--short | --soak] [--wait-replicas N] [--drop-ack]
+                    [--trainer stand-in|megatron]
                     [--mutate early-ack|commit-before-settle|no-aof|trainer-early-ack|
                               claim-apart|no-dead-letter]
 """
@@ -72,6 +75,7 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from benchmarks.common import wait_until
+from benchmarks.faults import fault_megatron
 from benchmarks.faults.fault_history import (
     TRAINER,
     WRITES,
@@ -118,8 +122,16 @@ MUTATIONS = (
     # is gone (the rule before issue 47): red as a trainer that crash-loops, never finishing.
     "no-dead-letter",
 )
+# The writers' rate with the real trainer (2 samples/s in all): a megatron step of the tiny
+# model takes seconds on 2 loaded cores, so the stand-in's 6 samples/s would outrun it.
+MEGATRON_SAMPLE_RATE = 0.5
 FEED_SHARD = 0  # the shard whose slots hold the ready stream (checked at the start)
-TRAINER_POINTS = {"trainer_kill_ack": "after_ack", "trainer_kill_step": "after_checkpoint"}
+TRAINER_POINTS = {
+    "trainer_kill_ack": "after_ack",
+    "trainer_kill_step": "after_checkpoint",
+    "trainer_kill_mid": "mid_step",
+}
+TRAINERS = ("stand-in", "megatron")  # fault_trainer.py; python -m trainer (fault_megatron.py)
 
 
 @dataclass
@@ -147,6 +159,7 @@ class FaultConfig:
     seed: int = 0
     sync_delay_s: int = 0  # repl-diskless-sync-delay (Redis's default, 5, stalls WAIT)
     schedule: str = ""  # "": SCHEDULES[short]; "soak": a seeded random one (see ``soak``)
+    trainer: str = "stand-in"  # ``TRAINERS``: megatron runs ``python -m trainer`` on 2 ranks
     # The route caches' Redis socket time-out (``?socket_timeout=`` in their --redis-url; the
     # service's own is 30 s): above WAIT's 2 s and a feed read's 1 s wait, below a black hole.
     redis_socket_timeout_s: float = 4.0
@@ -171,6 +184,7 @@ SCHEDULES = {
         # The trainer's faults run on a schedule of their own, beside the others.
         (14, "trainer_kill_ack", 0),
         (50, "trainer_kill_step", 0),
+        (90, "trainer_kill_mid", 0),
     ],
     True: [
         (2, "cache_kill", 1.5),
@@ -198,6 +212,7 @@ COMPONENT = {
     "proxy_delay": "all",
     "trainer_kill_ack": "trainer",
     "trainer_kill_step": "trainer",
+    "trainer_kill_mid": "trainer",
 }
 
 
@@ -370,32 +385,28 @@ class Environment:
             return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
     def start_trainer(self) -> None:
-        """The trainer's feed path (``fault_trainer.py``), resuming from its checkpoints."""
-        args = [
-            sys.executable,
-            "-m",
-            "benchmarks.faults.fault_trainer",
-            "--target",
-            self.target,
-            "--history",
-            str(self.workdir / "trainer.jsonl"),
-            "--checkpoint-dir",
-            str(self.workdir / "checkpoints"),
-            "--pause-dir",
-            str(self.pause_dir),
-            "--stop-file",
-            str(self.stop_file),
-            "--start",
-            repr(self.start),
-            "--step-s",
-            "0.02",
-        ]
+        """The trainer (``fault_trainer.py``, or ``python -m trainer`` through
+        ``fault_megatron.py``), resuming from its checkpoints."""
+        if self.config.trainer == "megatron":
+            args = fault_megatron.command(self.workdir, self.target, self.start)
+        else:
+            args = [
+                *(sys.executable, "-m", "benchmarks.faults.fault_trainer", "--target", self.target),
+                *("--history", str(self.workdir / "trainer.jsonl")),
+                *("--checkpoint-dir", str(self.workdir / "checkpoints")),
+                *("--pause-dir", str(self.pause_dir), "--stop-file", str(self.stop_file)),
+                *("--start", repr(self.start), "--step-s", "0.02"),
+            ]
         if self.config.mutate == "trainer-early-ack":
             args += ["--mutate", "early-ack"]
         if self.config.mutate == "no-dead-letter":
             args += ["--mutate", "no-dead-letter"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env.pop("WORLD_SIZE", None)
         with open(self.workdir / "trainer.log", "ab") as log:
-            self.trainer = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+            self.trainer = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env
+            )
 
     def pair(self, shard: int) -> tuple[RedisProcess, RedisProcess]:
         return self.masters[shard], self.replicas[shard]
@@ -466,6 +477,8 @@ class Environment:
                 proc.wait(20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        if self.trainer is not None:  # torchrun's ranks, should it have left any
+            kill_tree(self.trainer)
         for proc in self.caches:
             if proc is not None:
                 stop_process(proc, 5)
@@ -936,16 +949,16 @@ def kill_trainer(env: Environment, name: str, mark) -> dict:
     try:
         proc = env.trainer
         (env.pause_dir / point).touch()
-        wait_until(
-            lambda: proc.poll() is not None or _process_state(proc) == "T",
-            60,
+        wait_until(  # it logs ``paused``, then stops itself (the lead rank, under torchrun)
+            lambda: proc.poll() is not None or (_last_entry(log) or {}).get("op") == "paused",
+            120,
             f"the trainer's stop at {point}",
         )
         last = _last_entry(log) or {}
         if proc.poll() is not None or last.get("op") != "paused" or last.get("point") != point:
             raise RuntimeError(f"the trainer did not stop at {point}: {last}, rc {proc.poll()}")
         mark()
-        proc.kill()
+        kill_tree(proc)
         if proc.wait() != -signal.SIGKILL:
             raise RuntimeError(f"the trainer ended with {proc.returncode}, not by SIGKILL")
         lives = _count_ops(log, "resume")
@@ -968,6 +981,19 @@ def kill_trainer(env: Environment, name: str, mark) -> dict:
     finally:
         (env.pause_dir / point).unlink(missing_ok=True)
         env.trainer_fault = False
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` and every process under it (torchrun starts its ranks in sessions of
+    their own: its process group does not hold them)."""
+    import psutil
+
+    with contextlib.suppress(psutil.NoSuchProcess):
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.kill()
+        for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
 
 
 def supervise(env: Environment, history: History, stop: threading.Event) -> None:
@@ -1343,7 +1369,7 @@ def run(config: FaultConfig, out: Path, png: Path | None = None) -> dict:
     env.traffic = Traffic()
     stop = threading.Event()
     prefix = f"fr-{uuid.uuid4().hex[:6]}"
-    consumer_logs = [workdir / "c0.jsonl", workdir / "c1.jsonl", workdir / "trainer.jsonl"]
+    consumer_logs = [workdir / f"{n}.jsonl" for n in ("c0", "c1", "trainer", "trainer-r1")]
     try:
         env.start_redis()
         env.start_cache(0)
@@ -1419,17 +1445,7 @@ def run(config: FaultConfig, out: Path, png: Path | None = None) -> dict:
             thread.join()
         for thread in chaos_threads[:2]:
             thread.join()
-        published = {
-            e["sample"] for e in history.entries if e["op"] == "append" and e["ok"] and e["final"]
-        }
-        drain_deadline = time.monotonic() + 60
-        while time.monotonic() < drain_deadline:  # every published sample trained, or give up
-            done = load_history(consumer_logs)
-            trained = {e["sample"] for e in done if e["op"] == "train"}
-            stepped = {s for e in done if e["op"] == "step" for s in e["samples"]}
-            if published <= trained and published <= stepped:
-                break
-            time.sleep(0.5)
+        drain(env, history, config, consumer_logs, f"{prefix}-fill")
         time.sleep(config.claim_idle_ms / 1000 + 1)  # room for a late double train to show
         env.stop_file.touch()
         for proc in [*env.consumers, env.trainer]:
@@ -1463,6 +1479,39 @@ def run(config: FaultConfig, out: Path, png: Path | None = None) -> dict:
     results["trail"] = trail(entries, flagged(verdict), out)
     shutil.rmtree(workdir, ignore_errors=True)
     return results
+
+
+def drain(env, history, config, logs: list[Path], fill_prefix: str) -> None:
+    """Wait until every published sample is trained by the consumers and by the trainer (or
+    give up: the checker then names what was not). The real trainer trains whole batches
+    (``FeedPlans``): when fewer than a batch are left and it has been idle a while, the run
+    writes as many more samples (``-fill-``, checked like the rest) as complete the batch, and
+    no more until it has stepped again."""
+    batch = fault_megatron.BATCH if config.trainer == "megatron" else 1
+    fill_ids = sample_ids(env, fill_prefix, None)
+    deadline = time.monotonic() + (240 if batch > 1 else 60)
+    last_step, filled = time.monotonic(), False
+    with RouteCacheClient(env.target, timeout_s=OP_TIMEOUT_S, retry=RETRY) as client:
+        while time.monotonic() < deadline:
+            published = {
+                e["sample"]
+                for e in history.entries
+                if e["op"] == "append" and e["ok"] and e["final"]
+            }
+            done = load_history(logs)
+            trained = {e["sample"] for e in done if e["op"] == "train"}
+            stepped = {s for e in done if e["op"] in ("step", "dead_letter") for s in e["samples"]}
+            if published <= trained and published <= stepped:
+                return
+            if any(e["op"] == "step" and e["t"] > history.now() - 5 for e in done):
+                last_step, filled = time.monotonic(), False
+            left = len(published - stepped) % batch
+            if left and not filled and time.monotonic() - last_step > 5:
+                for _ in range(batch - left):
+                    sample = next(fill_ids)
+                    run_sample(client, env, history, config, sample, "any", time.monotonic())
+                filled = True
+            time.sleep(0.5)
 
 
 def report(results: dict) -> str:
@@ -1516,8 +1565,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--mutate", choices=MUTATIONS, default="", help="remove a guarantee: the run must fail"
     )
+    parser.add_argument(
+        "--trainer",
+        choices=TRAINERS,
+        default="stand-in",
+        help="the trainer's feed path with a stand-in step, or python -m trainer (megatron)",
+    )
     parser.add_argument("--quick", action="store_true", help="run_all's smoke run: --short")
     args = parser.parse_args(argv)
+    if args.trainer == "megatron" and args.mutate in ("trainer-early-ack", "no-dead-letter"):
+        parser.error(f"--mutate {args.mutate} mutates the stand-in trainer: not with megatron")
     short = args.short or args.quick
     config = FaultConfig(
         duration_s=args.duration or (24.0 if short else 600.0 if args.soak else 90.0),
@@ -1527,6 +1584,8 @@ def main(argv: list[str] | None = None) -> int:
         mutate=args.mutate,
         seed=args.seed,
         schedule="soak" if args.soak else "",
+        trainer=args.trainer,
+        sample_rate=MEGATRON_SAMPLE_RATE if args.trainer == "megatron" else FaultConfig.sample_rate,
         max_ops=30_000 if args.soak else FaultConfig.max_ops,  # 8000 ends a soak's writes early
     )
     from benchmarks.common import RESULTS, machine, write_section
@@ -1536,6 +1595,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("_no_wait" if not args.wait_replicas else "")
         + ("_drop_ack" if args.drop_ack else "")
         + (f"_{args.mutate.replace('-', '_')}" if args.mutate else "")
+        + ("_megatron" if args.trainer == "megatron" else "")
     )
     png = None
     if not short and name in ("faults", "faults_soak"):
@@ -1556,6 +1616,7 @@ def main(argv: list[str] | None = None) -> int:
         + (f" --wait-replicas {args.wait_replicas}" if args.wait_replicas != 1 else "")
         + (" --drop-ack" * args.drop_ack)
         + (f" --mutate {args.mutate}" if args.mutate else "")
+        + (f" --trainer {args.trainer}" if args.trainer != "stand-in" else "")
     )
     write_section(
         name,

@@ -3,8 +3,9 @@
 
 What is the trainer's (``trainer.train``'s order, per step): ``FeedPlans`` (the lead's
 ``ReadyConsumer`` on its own consumer group, ``trainer``, with the feed log beside the
-checkpoints), the records fetched through ``CacheSource`` and checked by ``resolve``, a
-checkpoint every ``--every`` steps (``trainer.checkpoint.save``: model, optimizer, RNG, step),
+checkpoints), the records fetched through ``CacheSource`` and checked by ``resolve``,
+the step's lost records logged as dead letters (``DeadLetters``), a checkpoint every
+``--every`` steps (``trainer.checkpoint.save``: model, optimizer, RNG, step),
 then ``FeedPlans.ack`` (``FeedAck``), and at the end the final checkpoint and
 ``FeedPlans.close``; a restarted process resumes from ``checkpoint.latest`` as ``train`` does.
 What stands in: the model (one parameter, the number of steps trained), the step (a digest of
@@ -16,8 +17,9 @@ Logged (see ``fault_history``): ``resume`` (steps done by the checkpoint loaded)
 
 The run asks for a kill at a point by creating ``PAUSE_DIR/<point>``: the process deletes it,
 logs ``paused`` and stops itself (SIGSTOP) there, and the run SIGKILLs it. Points:
-``after_checkpoint`` (a step trained and checkpointed, not acknowledged) and ``after_ack``
-(a step trained and its acknowledgement called, not checkpointed).
+``mid_step`` (a batch fetched, its step not taken), ``after_checkpoint`` (a step trained and
+checkpointed, not acknowledged) and ``after_ack`` (a step trained and its acknowledgement
+called, not checkpointed).
 
 ``--mutate early-ack``: acknowledge every batch once trained, whether or not a checkpoint
 covers it (the gap issue 29 found): a kill after the acknowledgement loses samples.
@@ -121,11 +123,13 @@ def run(args) -> int:
                 if tries == 99:
                     raise
                 time.sleep(0.2)
+        pause(args, history, "mid_step", step)  # fetched, not trained
         time.sleep(args.step_s)
         with torch.no_grad():
             model.weight += 1.0  # the stand-in update: the weights count the steps trained
         if fetched.dead_letters:  # records lost: trained nothing, settled as dead letters
             history.log("dead_letter", samples=fetched.dead_letters, step=step)
+        plans.dead_letter(fetched.dead_letters)  # ``DeadLetters``: logged before the checkpoint
         history.log(
             "step",
             step=step,
@@ -138,7 +142,7 @@ def run(args) -> int:
             history.log("checkpoint", steps_done=step + 1)
             pause(args, history, "after_checkpoint", step)
         held = {s: list(g) for s, g in plans.handed_out.items()}
-        ack(plans, history, held, fetched.dead_letters)
+        ack(plans, history, held)
         if (step + 1) % args.every:
             pause(args, history, "after_ack", step)
         step += 1
@@ -156,15 +160,15 @@ def run(args) -> int:
     return 0
 
 
-def ack(plans: FeedPlans, history: History, held: dict, dead_letters: list[str]) -> None:
-    """``FeedAck.after_step``: ``plans.ack(dead_letters)``, retried while the route cache is
-    down; logs the samples it acknowledged."""
+def ack(plans: FeedPlans, history: History, held: dict) -> None:
+    """``FeedAck.after_step``: ``plans.ack()``, retried while the route cache is down; logs
+    the samples it acknowledged."""
     first = True
     while True:
         try:
             if first:
                 first = False
-                plans.ack(dead_letters)
+                plans.ack()
             else:  # the step was reported; its acknowledgement failed: acknowledge again
                 plans.ack_covered(plans._reported if plans.log is None else None)
             break

@@ -298,14 +298,23 @@ class ReadyConsumer:
         entry_ids: Sequence[str],
         sample_ids: Iterable[str],
         group_keys: Iterable[tuple[str, str]],
+        dead: Sequence[tuple[str, str]] = (),
+        reason: str = "",
         chunk: int = 512,
     ) -> int:
         """Entries an earlier process of this consumer trained and a checkpoint covers
         (``trainer.data.feed_log``): acknowledge them, and drop later repeats of those
-        samples and groups as if this process had acknowledged them. Returns how many
-        entries the server still had pending."""
+        samples and groups as if this process had acknowledged them. ``dead``: (entry id,
+        sample id) of those entries whose sample trained nothing, settled first, to the
+        dead-letter stream with ``reason``. Returns how many entries the server still had
+        pending."""
         ids = list(entry_ids)
         acknowledged = 0
+        for start in range(0, len(dead), chunk):
+            entries, samples = zip(*dead[start : start + chunk], strict=True)
+            acknowledged += self.client.ack_ready(
+                self.consumer_group, entries, self.consumer, samples, samples, reason
+            )
         for start in range(0, len(ids), chunk):
             acknowledged += self.client.ack_ready(
                 self.consumer_group, ids[start : start + chunk], self.consumer

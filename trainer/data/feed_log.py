@@ -9,13 +9,15 @@ acknowledgement: the resumed job would be offered the checkpointed batches again
 them twice. This log closes it:
 
 ``checkpoint_dir/feed.jsonl``, one JSON line per batch handed out, written and fsynced before
-the step trains (``{"step", "entries", "samples", "groups"}``), and one line per
-acknowledgement (``{"acked_through": step}``). A resumed job (``steps_done`` from the
-checkpoint it loads) acknowledges the entries of the steps the checkpoint covers and that were
-not acknowledged yet, remembers every sample and group the checkpoint covers (so later repeats
-of them are dropped, not trained again), and forgets the steps the checkpoint does not cover
-(they were trained and discarded with the weights; their entries are still pending on the
-feed and come back to train again).
+the step trains (``{"step", "entries", "samples", "groups"}``), one line per step with samples
+whose record was gone, before its checkpoint (``{"dead": step, "entries", "samples"}``: each
+of their entries and its sample), and one line per acknowledgement (``{"acked_through":
+step}``). A resumed job (``steps_done`` from the checkpoint it loads) acknowledges the entries
+of the steps the checkpoint covers and that were not acknowledged yet (settling the dead
+letters among them to the dead-letter stream), remembers every sample and group the
+checkpoint covers (so later repeats of them are dropped, not trained again), and forgets the
+steps the checkpoint does not cover (they were trained and discarded with the weights; their
+entries are still pending on the feed and come back to train again).
 
 Delivery, per sample: exactly once in the steps the final weights descend from; a step
 trained after the last checkpoint of a killed job is discarded and its samples trained again
@@ -51,6 +53,7 @@ class Resumed:
 
     entries: list[str] = field(default_factory=list)
     entry_samples: list[str] = field(default_factory=list)  # the samples of ``entries``
+    dead: list[tuple[str, str]] = field(default_factory=list)  # of ``entries``: (entry, sample)
     samples: list[str] = field(default_factory=list)
     groups: list[tuple[str, str]] = field(default_factory=list)
     discarded_steps: list[int] = field(default_factory=list)
@@ -84,10 +87,14 @@ class FeedLog:
                 found.entry_samples += e["samples"]
             found.samples += e["samples"]
             found.groups += [tuple(g) for g in e["groups"]]
+        dead = [e for e in lines if "dead" in e and e["dead"] < steps_done]
+        for e in dead:
+            if e["dead"] > acked:
+                found.dead += list(zip(e["entries"], e["samples"], strict=True))
         found.discarded_steps = sorted(
             {e["step"] for e in lines if e.get("step", -1) >= steps_done}
         )
-        kept = steps + ([{"acked_through": acked}] if acked >= 0 else [])
+        kept = steps + dead + ([{"acked_through": acked}] if acked >= 0 else [])
         tmp = self.path.with_name(f".{NAME}.tmp")
         tmp.write_text("".join(json.dumps(e) + "\n" for e in kept))
         os.replace(tmp, self.path)
@@ -103,6 +110,12 @@ class FeedLog:
                 "groups": [list(g.key) for g in groups],
             }
         )
+
+    def dead_letters(self, step: int, delivered: list[tuple[str, str]]) -> None:
+        """Step ``step``'s samples whose record was gone, as (entry id, sample id) pairs:
+        logged before its checkpoint, so a resume settles them as dead letters."""
+        entries, samples = [e for e, _ in delivered], [s for _, s in delivered]
+        self._write({"dead": step, "entries": entries, "samples": samples})
 
     def acked(self, through_step: int) -> None:
         """Every batch up to step ``through_step`` is acknowledged on the feed."""

@@ -324,7 +324,13 @@ class FeedPlans:
             )
             if self.resumed is not None:
                 resumed = self.resumed
-                self.consumer.covered(resumed.entries, resumed.samples, resumed.groups)
+                self.consumer.covered(
+                    resumed.entries,
+                    resumed.samples,
+                    resumed.groups,
+                    resumed.dead,
+                    MISSING_RECORD_REASON,
+                )
 
     def __iter__(self) -> Iterator[BatchPlan]:
         while (plan := self.next_plan()) is not None:
@@ -351,15 +357,27 @@ class FeedPlans:
         ids = self.dp.from_lead(ids)
         return None if ids is None else BatchPlan(ids, published=True)
 
-    def ack(self, dead_letters: Sequence[str] = ()) -> list:
+    def dead_letter(self, dead_letters: Sequence[str]) -> None:
+        """The oldest batch handed out trained nothing for ``dead_letters`` (record lost): they
+        are settled to the feed's dead-letter stream with its acknowledgement, and written to
+        the feed log now, before the step's checkpoint, so a job killed between the checkpoint
+        and the acknowledgement settles them when it resumes (the lead; a no-op elsewhere)."""
+        if self.consumer is None or not dead_letters:
+            return
+        step = self._reported
+        self.dead_letters[step] = list(dead_letters)
+        if self.log is not None:
+            dead = set(dead_letters)
+            pairs = [(e, s) for g in self.handed_out[step] for e, s in g.delivered.items()]
+            self.log.dead_letters(step, [(e, s) for e, s in pairs if s in dead])
+
+    def ack(self) -> list:
         """The oldest batch handed out is trained (and checkpointed when due): acknowledge
         every batch a checkpoint covers, or, without checkpoints, this one (the lead; a no-op
-        elsewhere). ``dead_letters``: its samples that trained nothing (record lost), settled
-        to the feed's dead-letter stream. Returns the trained batch's ``ReadyGroup``s."""
+        elsewhere), settling its ``dead_letter`` samples. Returns the trained batch's
+        ``ReadyGroup``s."""
         if self.consumer is None:
             return []
-        if dead_letters:
-            self.dead_letters[self._reported] = list(dead_letters)
         groups = self.handed_out[self._reported]
         self._reported += 1
         self.ack_covered(self._reported if self.log is None else None)

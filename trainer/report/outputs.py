@@ -3,11 +3,14 @@
 
 The table's order is the rule: the metrics see the step first; the export (and the push to
 the rollout servers) comes before the console line, so the line names the new policy
-versions; the checkpoint comes after the export; the feed is acknowledged only after the
-checkpoint, so a crash before it leads to redelivery, never to a batch trained and lost; the
+versions; the checkpoint comes after the export; the batch's lost records are logged as dead letters
+before the checkpoint, and the feed is acknowledged only after it, so a crash before it leads
+to redelivery, never to a batch trained and lost, and a crash after it settles the dead
+letters on resume; the
 records file and the JSON report are written when the run ends. Each row names the setting
-that turns the output on and whether only the lead rank runs it (the export, the checkpoint
-and the feed's acknowledgement are collectives: every rank runs them).
+that turns the output on and whether only the lead rank runs it (the export, the dead
+letters, the checkpoint and the feed's acknowledgement are collectives: every rank runs
+them).
 """
 
 from __future__ import annotations
@@ -166,17 +169,29 @@ class Checkpoint(Output):
         self.saved = step
 
 
+class DeadLetters(Output):
+    """The batch's samples whose record was gone: each rank fetched its share, so the lead,
+    which settles them, learns every rank's, and logs them before the checkpoint
+    (``FeedPlans.dead_letter``)."""
+
+    def __init__(self, run: Run):
+        self.feed, self.dp = run.feed, run.dp
+
+    def after_step(self, done: StepDone) -> None:
+        self.feed.dead_letter(
+            sorted({s for part in self.dp.all_gather(done.dead_letters) for s in part})
+        )
+
+
 class FeedAck(Output):
     """The feed's batch acknowledged once trained (and checkpointed when configured); the
     lead's report names its groups and the versions that generated them."""
 
     def __init__(self, run: Run):
-        self.feed, self.lead, self.dp = run.feed, run.dp.lead, run.dp
+        self.feed, self.lead = run.feed, run.dp.lead
 
     def after_step(self, done: StepDone) -> dict[str, Any] | None:
-        # Each rank fetched its share: the lead, which settles, learns every rank's lost ones.
-        dead = sorted({s for part in self.dp.all_gather(done.dead_letters) for s in part})
-        groups = self.feed.ack(dead)
+        groups = self.feed.ack()
         return {"feed": feed_batch(groups)} if self.lead else None
 
     def close(self) -> None:
@@ -220,6 +235,7 @@ OUTPUTS = (
     OutputRow(ExportAndPush, lambda run: run.config.train.export_dir, lead_only=False),
     OutputRow(lambda run: Console(), lambda run: True, lead_only=True),
     OutputRow(TensorBoard, lambda run: run.config.report.tensorboard_dir, lead_only=True),
+    OutputRow(DeadLetters, lambda run: run.feed is not None, lead_only=False),
     OutputRow(Checkpoint, lambda run: run.config.train.checkpoint_dir, lead_only=False),
     OutputRow(FeedAck, lambda run: run.feed is not None, lead_only=False),
     OutputRow(RecordsFile, lambda run: run.config.router_replay.record_file, lead_only=True),

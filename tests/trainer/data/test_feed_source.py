@@ -36,6 +36,7 @@ from tests.trainer.tolerance import loss_atol
 from trainer.config import ConfigError, load_config
 from trainer.data.source import BatchPlan, FeedPlans
 from trainer.distributed.dp import DataParallel, ModelParallel
+from trainer.report.outputs import FeedAck
 from trainer.report.step_report import reports_from_json
 from trainer.sharding import Parallelism, RankCoords
 from trainer.train import train
@@ -300,3 +301,36 @@ def test_a_published_sample_whose_record_is_gone_is_dead_lettered_and_the_rest_t
     assert dead[0][1][b"reason"].decode() == MISSING_RECORD_REASON
     assert cache.pending("trainer") == 0
     assert cache.server.feed.dead_lettered == 1
+
+
+def test_a_dead_letter_of_a_job_killed_before_its_acknowledgement_is_settled_on_resume(
+    tiny_model_dir, rollout, pg_collection, cache, tmp_path, monkeypatch
+):
+    """A job killed after a step's checkpoint and before its acknowledgement: the resumed job
+    acknowledges the step's entries from the feed log (it must not train them again), and
+    the sample whose record was gone reaches the dead-letter stream then, with its reason:
+    the dead letters are logged before the checkpoint (``DeadLetters``)."""
+    first, _ = _groups(rollout)
+    for record in first:
+        cache.client.write(record)
+    lost = first[2].sample_id
+    cache.redis.delete(record_key(lost), routes_key(lost))
+    config = _config(
+        tiny_model_dir,
+        cache.target,
+        "data.source=feed",
+        "data.group_size=4",
+        "train.steps=1",
+        f"train.checkpoint_dir={tmp_path / 'ckpt'}",
+    )
+    with monkeypatch.context() as killed:  # the kill: no acknowledgement, no closing one
+        killed.setattr(FeedAck, "after_step", lambda self, done: None)
+        killed.setattr(FeedPlans, "close", lambda self: self.log.close())
+        (report,) = train(config, None, pg_collection=pg_collection)
+    assert report.dropped_samples == 1
+    assert cache.pending("trainer") == 4 and not cache.redis.exists(dead_letter_key(cache.stream))
+    assert train(config, None, pg_collection=pg_collection) == []  # the checkpoint covers it
+    dead = cache.redis.xrange(dead_letter_key(cache.stream))
+    assert [f[b"sample_id"].decode() for _, f in dead] == [lost]
+    assert dead[0][1][b"reason"].decode() == MISSING_RECORD_REASON
+    assert cache.pending("trainer") == 0
