@@ -47,6 +47,13 @@ class DataLoss(RouteReplayError):
     status = "DATA_LOSS"
 
 
+class DeadlineExceeded(RouteReplayError):
+    """The caller's time-out passed before an answer came (raised by the clients, never
+    answered by a server)."""
+
+    status = "DEADLINE_EXCEEDED"
+
+
 class CaptureError(RouteReplayError):
     """The engine's captured routes are missing or implausible (answered as INTERNAL).
 
@@ -71,5 +78,6 @@ BY_STATUS = {
         Unavailable,
         ResourceExhausted,
         DataLoss,
+        DeadlineExceeded,
     )
 }

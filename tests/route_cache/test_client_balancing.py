@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 
 from route_cache.config import Config
 from route_cache.connection import connect
@@ -62,3 +63,30 @@ def test_calls_spread_fail_over_and_come_back(redis_node, sid):
     finally:
         for replica in replicas:
             replica.stop(0)
+
+
+def test_a_call_that_outlives_its_time_out_raises_deadline_exceeded(redis_node):
+    """A route cache behind a proxy that black-holes the open connection: the client's
+    time-out ends the call with DEADLINE_EXCEEDED, not INTERNAL (the fault run logged its
+    writers' time-outs in the black holes as INTERNAL, a server fault they were not)."""
+    from routereplay.dev.fault_proxy import FaultProxy
+    from routereplay.errors import DeadlineExceeded, NotFound
+
+    store = RouteStore(connect(redis_node.url, cluster=False))
+    server = RouteCacheServer(Config(host="127.0.0.1", port=0, grace_s=1), store).start()
+    proxy = FaultProxy(server.port).start()
+    try:
+        target = f"127.0.0.1:{proxy.port}"
+        with RouteCacheClient(target, timeout_s=0.5, retry=RetryPolicy(attempts=1)) as client:
+            with pytest.raises(NotFound):  # the connection is up
+                client.stat("absent")
+            proxy.blackhole(2.0)
+            try:
+                client.stat("absent")
+            except DeadlineExceeded as exc:
+                assert exc.status == "DEADLINE_EXCEEDED"
+            else:
+                raise AssertionError("a call into a black hole returned")
+    finally:
+        proxy.close()
+        server.stop(0)
