@@ -83,6 +83,17 @@ class History:
                 self._file.write(json.dumps(entry) + "\n")
         return entry
 
+    def log_step(self, step: int, fetched) -> dict:
+        """A trainer's ``step``: its number, the samples it trained and each record's digest
+        (``fetched``: a ``trainer.data.source.FetchedBatch``)."""
+        return self.log(
+            "step",
+            step=step,
+            samples=[s.sample_id for s in fetched.samples],
+            digests=[digest(r) for r in fetched.records],
+            turns=[len(r.turns) for r in fetched.records],
+        )
+
     def close(self) -> None:
         if self._file:
             self._file.close()

@@ -34,7 +34,7 @@ import signal
 import sys
 from pathlib import Path
 
-from benchmarks.faults.fault_history import GEOMETRY, TRAINER, History, digest
+from benchmarks.faults.fault_history import GEOMETRY, TRAINER, History
 
 BATCH = 16  # samples per step (8 per rank, one micro-batch each)
 
@@ -141,13 +141,7 @@ def install(args, history: History, rank: int) -> None:
     def run_tapped(self, fetched, step=0):
         state.update(step=step, optimizer_steps=0)
         result = run(self, fetched, step)
-        history.log(
-            "step",
-            step=step,
-            samples=[s.sample_id for s in fetched.samples],
-            digests=[digest(r) for r in fetched.records],
-            turns=[len(r.turns) for r in fetched.records],
-        )
+        history.log_step(step, fetched)
         return result
 
     RLStep.run = run_tapped

@@ -43,7 +43,7 @@ sys.modules.setdefault("megatron", None)  # the stand-in has no megatron: 10-20 
 
 import torch  # noqa: E402  (after the line above)
 
-from benchmarks.faults.fault_history import History, digest  # noqa: E402
+from benchmarks.faults.fault_history import History  # noqa: E402
 from routereplay.errors import RouteReplayError  # noqa: E402
 from routereplay.rpc.client import RetryPolicy, RouteCacheClient  # noqa: E402
 from trainer import checkpoint  # noqa: E402
@@ -130,13 +130,7 @@ def run(args) -> int:
         if fetched.dead_letters:  # records lost: trained nothing, settled as dead letters
             history.log("dead_letter", samples=fetched.dead_letters, step=step)
         plans.dead_letter(fetched.dead_letters)  # ``DeadLetters``: logged before the checkpoint
-        history.log(
-            "step",
-            step=step,
-            samples=[s.sample_id for s in fetched.samples],
-            digests=[digest(r) for r in fetched.records],
-            turns=[len(r.turns) for r in fetched.records],
-        )
+        history.log_step(step, fetched)
         if (step + 1) % args.every == 0:
             checkpoint.save(args.checkpoint_dir, step + 1, built, optimizer)
             history.log("checkpoint", steps_done=step + 1)
