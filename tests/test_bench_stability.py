@@ -373,6 +373,33 @@ def test_the_probe_runs_every_mode_at_every_rate(tmp_path):
     assert [p for p in sr.check(data) if "missing run:" not in p] == []  # no main runs here
 
 
+def test_the_probe_replicates_at_its_own_seed(tmp_path):
+    """--probe-seed: every probe run at that seed (with --init-seeds, its own initial
+    weights), its records checked under it."""
+    seeds = []
+
+    class Pipeline:
+        def run(self, family, mode, dtype, seed, lr, steps, kind, spread):
+            seeds.append(seed)
+            return {
+                **probe_run(steps),
+                "mode": mode,
+                "lr": lr,
+                "seed": seed,
+                "router_spread": spread,
+            }
+
+    argv = ["--tag", "replicate", "--init-seeds", "--probe-lrs", "3e-3", "--probe-seed", "1"]
+    args = bench_stability.parse(argv)
+    data = {"plan": bench_stability.plan_of(args), "runs": []}
+    assert data["plan"]["probe_seed"] == 1
+    assert bench_stability.run_flags(data["plan"]) == ["--probe-lrs 0.003", "--probe-seed 1"]
+    bench_stability.probe(args, data, Pipeline(), tmp_path / "partial.json", set())
+    assert seeds == [1, 1, 1] and data["probe"]["seed"] == 1
+    assert [v["mode"] for v in sr.probe_verdicts(data)] == ["disabled", "R2", "R3"]
+    assert [p for p in sr.check(data) if "missing run:" not in p] == []
+
+
 def test_an_experiment_writes_its_own_section_and_files(docs):
     data = records()
     data["plan"] = {**PLAN, "tag": "stale", "staleness": 2}
@@ -382,7 +409,8 @@ def test_an_experiment_writes_its_own_section_and_files(docs):
             s["rollout_versions"] = [s["step"] - 2]
     section = section_from(docs, data, "stale.json")
     assert "<!-- stability_stale:begin -->" in section and "<!-- stability:begin -->" not in section
-    assert "`python -m benchmarks.stability.bench_stability --tag stale --staleness 2`" in section
+    command = "--tag stale --staleness 2 --fp32-seeds 2 --steps 25 --lr 0.001 --probe-lrs`"
+    assert f"`python -m benchmarks.stability.bench_stability {command}" in section
     assert "lagged the newest policy by 2 versions (median), 2 at most" in section
     assert "## Stability experiment `stale`: --staleness 2" in section
     assert "**A short run** (25 steps per run, 2 seed(s))" in section

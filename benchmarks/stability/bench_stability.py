@@ -13,7 +13,7 @@ Runs: per family, seed and variant (``stability_records.VARIANTS``): ``disabled`
 with the trainer in bf16, and R3 with the trainer in float32 (the mismatch's sources:
 disabled has routing and precision differing, R3 in bf16 precision alone, R3 in float32 only
 the kernels' residue). Then the collapse probe: on one family and seed, every mode at every
-learning rate of ``--probe-lrs``, each run to its end and judged by
+learning rate of ``--probe-lrs`` (seed ``--probe-seed``), each run to its end and judged by
 ``stability_records.collapse`` (extreme tokens, a gradient blow-up, the reward falling; KL
 growth alone is not collapse).
 
@@ -91,6 +91,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="the collapse probe's learning rates, in the order tried (none: no probe)",
     )
     parser.add_argument("--probe-steps", type=int, default=30, help="RL steps per probe run")
+    parser.add_argument(
+        "--probe-seed",
+        type=int,
+        default=0,
+        help="the probe's seed (with --init-seeds also its initial weights): a replicate",
+    )
     parser.add_argument("--groups", type=int, default=2, help="GRPO groups per step")
     parser.add_argument("--n", type=int, default=4, help="samples per group")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per sample")
@@ -184,6 +190,7 @@ def plan_of(args) -> dict:
         "lr": args.lr,
         "probe_lrs": list(args.probe_lrs),
         "probe_steps": args.probe_steps,
+        "probe_seed": args.probe_seed,
         "groups": args.groups,
         "n": args.n,
         "max_tokens": args.max_tokens,
@@ -365,7 +372,7 @@ def run_all(args, data: dict, partial: Path) -> None:
 def probe(args, data: dict, pipeline: Pipeline, partial: Path, done: set) -> None:
     """Every mode at every rate of ``--probe-lrs``, each run to its end whatever it shows,
     each judged by ``stability_records.collapse``."""
-    family, seed = args.families[0], 0
+    family, seed = args.families[0], args.probe_seed
     found = {"family": family, "seed": seed, "rates_tried": [], "modes_at": {}, "verdicts": []}
     data["probe"] = found
     for lr in args.probe_lrs:
@@ -469,6 +476,8 @@ def markdown(
     )
     if plan.get("tag"):
         command += " " + " ".join(sr_flags(plan))
+    if run_flags(plan):
+        command += " " + " ".join(run_flags(plan))
     fp32 = plan.get("fp32_seeds", len(plan["seeds"]))
     spreads = sr.spreads(plan)
     ratios = sr.ratios(table)
@@ -596,7 +605,8 @@ with like is replay on and off on one model, which the paired ratio is.
         )
     heading = "Stability: the training-inference mismatch over an RL run, without replay, R2, R3"
     if plan.get("tag"):
-        heading = f"Stability experiment `{plan['tag']}`: {', '.join(sr_flags(plan)[1:])}"
+        flags = sr_flags(plan)[1:] or run_flags(plan)
+        heading = f"Stability experiment `{plan['tag']}`: {', '.join(flags)}"
         if plan["steps"] < 60 or len(plan["seeds"]) < 2:
             partial += (
                 f"\n**A short run** ({plan['steps']} steps per run, "
@@ -745,6 +755,30 @@ def sr_flags(plan: dict) -> list[str]:
         else:
             out.append(f"{flag} {value}")
     return [f"--tag {plan['tag']}", *out]
+
+
+def run_flags(plan: dict) -> list[str]:
+    """The flags of the run's size and rates (families, seeds, steps, lr, probe) where they
+    differ from the defaults, so that the section's command reproduces its records."""
+    default = plan_of(parse([]))
+    out = []
+    if plan["families"] != default["families"]:
+        out.append(f"--families {' '.join(plan['families'])}")
+    if len(plan["seeds"]) != len(default["seeds"]):
+        out.append(f"--seeds {len(plan['seeds'])}")
+    fp32 = plan.get("fp32_seeds", len(plan["seeds"]))
+    if fp32 != min(default["fp32_seeds"], len(plan["seeds"])):
+        out.append(f"--fp32-seeds {fp32}")
+    for key in ("steps", "lr", "max_tokens"):
+        if plan[key] != default[key]:
+            out.append(f"--{key.replace('_', '-')} {plan[key]:g}")
+    if plan["probe_lrs"] != default["probe_lrs"]:
+        out.append(" ".join(["--probe-lrs", *(f"{x:g}" for x in plan["probe_lrs"])]))
+    if plan["probe_lrs"]:
+        for key in ("probe_steps", "probe_seed"):
+            if plan.get(key, default[key]) != default[key]:
+                out.append(f"--{key.replace('_', '-')} {plan[key]:g}")
+    return out
 
 
 # The experiments the main run leaves out, with their wall time estimated from its own seconds
