@@ -431,3 +431,20 @@ def test_the_reading_claims_no_more_than_the_records(docs):
     assert "Nothing was destabilised" not in section
     assert "Collapsed by the probe's criterion (below): main qwen3_moe disabled seed 0" in section
     assert "The largest ratio lies outside PPO's clip range" in section
+
+
+def test_the_main_section_lists_the_experiments_beside_it(docs):
+    """Each experiment's records beside the docs: a line with its flags, runs, minutes and what
+    collapsed, recomputed from those records; none: no such paragraph."""
+    assert "Run as short first looks" not in section_from(docs, records())
+    data = records()
+    data["plan"] = {**PLAN, "tag": "epochs", "ppo_epochs": 8, "families": ["qwen3_moe"]}
+    data["runs"] = [r for r in data["runs"] if r["family"] == "qwen3_moe"]
+    data["runs"][0]["steps"][12]["ratio_gt_2"] = 0.05
+    (docs / "benchmarks-stability-epochs.json").write_text(json.dumps(data))
+    section = section_from(docs, records())
+    assert (
+        "- `epochs` (`--ppo-epochs 8 --families qwen3_moe --fp32-seeds 2 --steps 25 --lr 0.001 "
+        "--probe-lrs`): 8 runs of 25 steps, 0 min; collapsed: main qwen3_moe disabled seed 0 "
+        "lr 0.001 (extreme tokens)" in section
+    )

@@ -444,7 +444,16 @@ def report(data: dict, docs_dir: Path, source: Path | None = None) -> list[str]:
     }
     common.write_section(
         section,
-        markdown(data, first, table, problems, figure_name, probe_name, records_name),
+        markdown(
+            data,
+            first,
+            table,
+            problems,
+            figure_name,
+            probe_name,
+            records_name,
+            "" if data["plan"].get("tag") else experiments_done(docs_dir),
+        ),
         {"summary": summary, "records": str(records)},
     )
     return problems
@@ -463,6 +472,7 @@ def markdown(
     figure_name: str = FIGURE,
     probe_name: str = PROBE_FIGURE,
     records_name: str = RECORDS,
+    done: str = "",
 ) -> str:
     plan = data["plan"]
     main_runs = [r for r in data["runs"] if r["kind"] == "main"]
@@ -589,10 +599,11 @@ with like is replay on and off on one model, which the paired ratio is.
     if not plan.get("tag"):
         # RL steps of each: spreads or seeds x families x modes x steps (+ the fp32 runs)
         probe_command = EXPERIMENTS.format(
+            done=DONE.format(done=done) if done else "",
             margin=sec * 4 * 2 * 2 * 3 * 60 / 3600,
             seeds=sec * 4 * 2 * 3 * 60 / 3600,
             bf16=sec * (2 * 2 * 3 + 2) * 60 / 3600,
-            stress=sec * 3 * 30 / 60,
+            stress=sec * 3 * 2 * 60 / 60,
             sec=sec,
         )
     sweep = ""
@@ -781,14 +792,54 @@ def run_flags(plan: dict) -> list[str]:
     return out
 
 
+def experiments_done(docs_dir: Path) -> str:
+    """A line per experiment whose records lie beside the docs: its flags, its runs, their
+    time, and which runs collapsed by the probe's criterion (recomputed from the records)."""
+    lines = []
+    for path in sorted(docs_dir.glob("benchmarks-stability-*.json")):
+        data = json.loads(path.read_text())
+        plan = data["plan"]
+        if not plan.get("tag"):
+            continue
+        main = [r for r in data["runs"] if r["kind"] == "main"]
+        probe = [r for r in data["runs"] if r["kind"] != "main"]
+        verdicts = [(r, sr.collapse(r)) for r in data["runs"]]
+        collapsed = [
+            f"{sr.run_name(r)} ({', '.join(v['fired'])})" for r, v in verdicts if v["collapsed"]
+        ]
+        probe_text = (
+            f" and {len(probe)} probe runs of {plan['probe_steps']} at lr "
+            + ", ".join(f"{x:g}" for x in plan["probe_lrs"])
+            if probe
+            else ""
+        )
+        lines.append(
+            f"- `{plan['tag']}` (`{' '.join(sr_flags(plan)[1:] + run_flags(plan))}`): "
+            f"{len(main)} runs of {plan['steps']} steps{probe_text}, "
+            f"{sum(r['seconds'] for r in data['runs']) / 60:.0f} min; "
+            + (f"collapsed: {'; '.join(collapsed)}" if collapsed else "no run collapsed")
+            + f" (*Stability experiment `{plan['tag']}`* below)."
+        )
+    return "\n".join(lines)
+
+
+# The experiments with records of their own, when there are any (``experiments_done``).
+DONE = """
+Run as short first looks, each with its own records, figures and section in this file (1-2
+seeds, 10-30 steps: not evidence of the main run's weight); the minutes are the runs' own,
+"collapsed" the probe's criterion (below) on every run of the experiment:
+
+{done}
+"""
+
 # The experiments the main run leaves out, with their wall time estimated from its own seconds
 # per RL step (a quiet 2-core machine).
 EXPERIMENTS = """
 ### Experiments not in these records
-
-Each is a flag of the benchmark and writes its own records, figures and section
-(`--tag`), never the main run's; the wall times are estimates from this run's
-{sec:.1f} s per RL step:
+{done}
+Not run at the main run's size (2 seeds, 60 steps). Each is a flag of the benchmark and
+writes its own records, figures and section (`--tag`), never the main run's; the wall times
+are estimates from this run's {sec:.1f} s per RL step:
 
 - Router margins, wide to narrow: `python -m benchmarks.stability.bench_stability --tag margins
   --router-spreads 1 0.3 0.1 0.03 --fp32-seeds 0 --probe-lrs` (about {margin:.1f} h).
@@ -797,11 +848,12 @@ Each is a flag of the benchmark and writes its own records, figures and section
 - A bf16 rollout, two bf16 engines with different kernels (vLLM's CPU build serves bf16 on
   a CPU with AVX512-BF16, routes captured and weights reloaded as in float32): `--tag bf16
   --rollout-dtype bfloat16 --probe-lrs` (about {bf16:.1f} h).
-- Settings reported as unstable, one family, each `--families qwen3_moe --seeds 1
-  --fp32-seeds 0 --steps 30 --probe-lrs` (at the main rate; add `--lr 0.003` for the
-  probe's): `--tag epochs --ppo-epochs 8`, `--tag groups --n 16`, `--tag stale --staleness
-  2` (about {stress:.0f} min each at the main run's cost per step; more epochs and larger
-  groups cost more per step).
+- Settings reported as unstable, one family, each `--families qwen3_moe --fp32-seeds 0
+  --probe-lrs` (at the main rate; add `--lr 0.003` for the probe's): `--tag epochs
+  --ppo-epochs 8`, `--tag groups --n 16`, `--tag stale --staleness 2` (about {stress:.0f} min
+  each at the main run's cost per step; more epochs and larger groups cost more per step).
+- The collapse probe with more seeds: `--probe-seed K --init-seeds` replicates it at seed K,
+  each seed its own initial weights.
 """
 
 
