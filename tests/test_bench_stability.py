@@ -448,3 +448,13 @@ def test_the_main_section_lists_the_experiments_beside_it(docs):
         "--probe-lrs`): 8 runs of 25 steps, 0 min; collapsed: main qwen3_moe disabled seed 0 "
         "lr 0.001 (extreme tokens)" in section
     )
+
+
+def test_clipping_to_the_last_step_is_said_so(docs):
+    """A run that clips to its last step reads 'to the last step', not 'nothing after step N'."""
+    data = records()
+    assert "PPO clipped\nto the last step, up to 1% of a step's tokens" in section_from(docs, data)
+    for run in data["runs"]:
+        for s in run["steps"][10:]:
+            s["clip_fraction"] = 0.0
+    assert "PPO clipped\nnothing after step 9" in section_from(docs, data)

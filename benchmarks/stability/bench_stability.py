@@ -587,7 +587,7 @@ largest fraction of a step's tokens at a ratio above 2 (or below 1/2, the paper'
 tokens) is {scale["extreme_max"]:.0%}.{_near_clip(scale)} Entropy moved
 {scale["entropy_first"]:.2f} -> {scale["entropy_last"]:.2f} nats (range
 {scale["entropy_min"]:.2f}-{scale["entropy_max"]:.2f}); PPO clipped
-{f"nothing after step {clipped}" if clipped is not None else "nothing"}{fp32_clip}; the
+{_clipping(scale, plan["steps"])}{fp32_clip}; the
 median batch reward was {rewards}. {_collapsed(scale)}{_destabilised(scale, data)}
 The paper's
 dense-to-MoE ratio ({sr.PAPER_DENSE_KL:.2g} / {sr.PAPER_MOE_KL:.4g} = {paper:.2f}) compares
@@ -710,6 +710,15 @@ def _staleness(plan: dict, data: dict | None = None) -> str:
         else ""
     )
     return f" or up to {k} versions older (`--staleness {k}`{lagged})"
+
+
+def _clipping(scale: dict, steps: int) -> str:
+    clipped = scale["last_clipped_step"]
+    if clipped is None:
+        return "nothing"
+    if clipped < steps - 1:
+        return f"nothing after step {clipped}"
+    return f"to the last step, up to {scale['largest_clip_fraction']:.0%} of a step's tokens"
 
 
 def _near_clip(scale: dict) -> str:
