@@ -458,3 +458,9 @@ def test_clipping_to_the_last_step_is_said_so(docs):
         for s in run["steps"][10:]:
             s["clip_fraction"] = 0.0
     assert "PPO clipped\nnothing after step 9" in section_from(docs, data)
+
+
+def test_the_paper_comparison_says_larger_where_it_is():
+    assert bench_stability._against_paper(2.25e-6) == "682x smaller"
+    assert bench_stability._against_paper(1.0e-3) == "1.5x smaller"
+    assert bench_stability._against_paper(1.97e-3) == "1.3x larger"

@@ -581,7 +581,7 @@ def markdown(
 **The absolute scale, and what was not observed.** Over the {scale["records"]} step records
 of the main runs: the median KL of the bf16 trainer's steps is {sr.fmt(scale["median_kl"])},
 against the R3 paper's {sr.PAPER_MOE_KL:.4g} for Qwen3-30B-A3B
-({sr.PAPER_MOE_KL / scale["median_kl"]:.0f}x smaller). The largest per-token gap is
+({_against_paper(scale["median_kl"])}). The largest per-token gap is
 {scale["largest_gap"]:.3f} nats, a probability ratio of {scale["largest_ratio"]:.3f}; the
 largest fraction of a step's tokens at a ratio above 2 (or below 1/2, the paper's extreme
 tokens) is {scale["extreme_max"]:.0%}.{_near_clip(scale)} Entropy moved
@@ -719,6 +719,14 @@ def _clipping(scale: dict, steps: int) -> str:
     if clipped < steps - 1:
         return f"nothing after step {clipped}"
     return f"to the last step, up to {scale['largest_clip_fraction']:.0%} of a step's tokens"
+
+
+def _against_paper(kl: float) -> str:
+    """This KL against the R3 paper's: "683x smaller"; "1.3x larger" where it is not smaller."""
+    ratio = sr.PAPER_MOE_KL / kl
+    if ratio >= 2:
+        return f"{ratio:.0f}x smaller"
+    return f"{ratio:.1f}x smaller" if ratio >= 1 else f"{1 / ratio:.1f}x larger"
 
 
 def _near_clip(scale: dict) -> str:
