@@ -464,3 +464,23 @@ def test_the_paper_comparison_says_larger_where_it_is():
     assert bench_stability._against_paper(2.25e-6) == "682x smaller"
     assert bench_stability._against_paper(1.0e-3) == "1.5x smaller"
     assert bench_stability._against_paper(1.97e-3) == "1.3x larger"
+
+
+def test_a_gradient_spike_is_judged_from_step_10_as_the_section_says(tmp_path):
+    """The criterion judges gradient jumps from step 2 x COLLAPSE_WINDOW on; the probe's text
+    says so, so that a spike before it (seen in the runs) is not read as judged."""
+    early, late = probe_run(), probe_run()
+    early["steps"][7]["grad_norm"] = [1000.0]
+    late["steps"][12]["grad_norm"] = [1000.0]
+    assert not sr.collapse(early)["collapsed"]
+    assert sr.collapse(late)["fired"] == ["gradient blow-up"]
+
+    class Pipeline:
+        def run(self, family, mode, dtype, seed, lr, steps, kind, spread):
+            return {**probe_run(steps), "mode": mode, "lr": lr, "router_spread": spread}
+
+    args = bench_stability.parse(["--probe-lrs", "3e-3"])
+    data = {"plan": bench_stability.plan_of(args), "runs": []}
+    bench_stability.probe(args, data, Pipeline(), tmp_path / "partial.json", set())
+    text = bench_stability.probe_markdown(data, data)
+    assert "judged from step 10 on, so a spike before that is not" in text

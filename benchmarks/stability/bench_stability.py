@@ -842,9 +842,9 @@ def experiments_done(docs_dir: Path) -> str:
 
 # The experiments with records of their own, when there are any (``experiments_done``).
 DONE = """
-Run as short first looks, each with its own records, figures and section in this file (1-2
+Run as short first looks, each with its own records, figures and section in this file (1 to 3
 seeds, 10-30 steps: not evidence of the main run's weight); the minutes are the runs' own,
-"collapsed" the probe's criterion (below) on every run of the experiment:
+"collapsed" the probe's criterion (*Collapse probe*, above) on every run of the experiment:
 
 {done}
 """
@@ -926,7 +926,8 @@ def probe_markdown(data: dict, first: dict, probe_name: str = PROBE_FIGURE) -> s
 every rate, each run to its end. A run *collapses* when training fails: a value not finite or
 the trainer dead; a step with at least {sr.EXTREME_FRACTION:.0%} of its tokens at a probability
 ratio above 2 or below 1/2; a step's gradient norm {sr.BLOWUP_FACTOR:g}x the median of the
-steps before it (the first {sr.COLLAPSE_WINDOW}, whose early spike every mode shows, left out);
+steps before it (the first {sr.COLLAPSE_WINDOW}, whose early spike every mode shows, left out;
+judged from step {2 * sr.COLLAPSE_WINDOW} on, so a spike before that is not);
 or the expected reward of the last {sr.COLLAPSE_WINDOW} steps at most {sr.REWARD_FALL:.0%} of
 the best {sr.COLLAPSE_WINDOW}-step window before. {found}{missing}
 
