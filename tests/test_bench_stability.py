@@ -373,6 +373,33 @@ def test_the_probe_runs_every_mode_at_every_rate(tmp_path):
     assert [p for p in sr.check(data) if "missing run:" not in p] == []  # no main runs here
 
 
+def test_the_probe_replicates_at_its_own_seed(tmp_path):
+    """--probe-seed: every probe run at that seed (with --init-seeds, its own initial
+    weights), its records checked under it."""
+    seeds = []
+
+    class Pipeline:
+        def run(self, family, mode, dtype, seed, lr, steps, kind, spread):
+            seeds.append(seed)
+            return {
+                **probe_run(steps),
+                "mode": mode,
+                "lr": lr,
+                "seed": seed,
+                "router_spread": spread,
+            }
+
+    argv = ["--tag", "replicate", "--init-seeds", "--probe-lrs", "3e-3", "--probe-seed", "1"]
+    args = bench_stability.parse(argv)
+    data = {"plan": bench_stability.plan_of(args), "runs": []}
+    assert data["plan"]["probe_seed"] == 1
+    assert bench_stability.run_flags(data["plan"]) == ["--probe-lrs 0.003", "--probe-seed 1"]
+    bench_stability.probe(args, data, Pipeline(), tmp_path / "partial.json", set())
+    assert seeds == [1, 1, 1] and data["probe"]["seed"] == 1
+    assert [v["mode"] for v in sr.probe_verdicts(data)] == ["disabled", "R2", "R3"]
+    assert [p for p in sr.check(data) if "missing run:" not in p] == []
+
+
 def test_an_experiment_writes_its_own_section_and_files(docs):
     data = records()
     data["plan"] = {**PLAN, "tag": "stale", "staleness": 2}
@@ -382,7 +409,8 @@ def test_an_experiment_writes_its_own_section_and_files(docs):
             s["rollout_versions"] = [s["step"] - 2]
     section = section_from(docs, data, "stale.json")
     assert "<!-- stability_stale:begin -->" in section and "<!-- stability:begin -->" not in section
-    assert "`python -m benchmarks.stability.bench_stability --tag stale --staleness 2`" in section
+    command = "--tag stale --staleness 2 --fp32-seeds 2 --steps 25 --lr 0.001 --probe-lrs`"
+    assert f"`python -m benchmarks.stability.bench_stability {command}" in section
     assert "lagged the newest policy by 2 versions (median), 2 at most" in section
     assert "## Stability experiment `stale`: --staleness 2" in section
     assert "**A short run** (25 steps per run, 2 seed(s))" in section
@@ -403,3 +431,56 @@ def test_the_reading_claims_no_more_than_the_records(docs):
     assert "Nothing was destabilised" not in section
     assert "Collapsed by the probe's criterion (below): main qwen3_moe disabled seed 0" in section
     assert "The largest ratio lies outside PPO's clip range" in section
+
+
+def test_the_main_section_lists_the_experiments_beside_it(docs):
+    """Each experiment's records beside the docs: a line with its flags, runs, minutes and what
+    collapsed, recomputed from those records; none: no such paragraph."""
+    assert "Run as short first looks" not in section_from(docs, records())
+    data = records()
+    data["plan"] = {**PLAN, "tag": "epochs", "ppo_epochs": 8, "families": ["qwen3_moe"]}
+    data["runs"] = [r for r in data["runs"] if r["family"] == "qwen3_moe"]
+    data["runs"][0]["steps"][12]["ratio_gt_2"] = 0.05
+    (docs / "benchmarks-stability-epochs.json").write_text(json.dumps(data))
+    section = section_from(docs, records())
+    assert (
+        "- `epochs` (`--ppo-epochs 8 --families qwen3_moe --fp32-seeds 2 --steps 25 --lr 0.001 "
+        "--probe-lrs`): 8 runs of 25 steps, 0 min; collapsed: main qwen3_moe disabled seed 0 "
+        "lr 0.001 (extreme tokens)" in section
+    )
+
+
+def test_clipping_to_the_last_step_is_said_so(docs):
+    """A run that clips to its last step reads 'to the last step', not 'nothing after step N'."""
+    data = records()
+    assert "PPO clipped\nto the last step, up to 1% of a step's tokens" in section_from(docs, data)
+    for run in data["runs"]:
+        for s in run["steps"][10:]:
+            s["clip_fraction"] = 0.0
+    assert "PPO clipped\nnothing after step 9" in section_from(docs, data)
+
+
+def test_the_paper_comparison_says_larger_where_it_is():
+    assert bench_stability._against_paper(2.25e-6) == "682x smaller"
+    assert bench_stability._against_paper(1.0e-3) == "1.5x smaller"
+    assert bench_stability._against_paper(1.97e-3) == "1.3x larger"
+
+
+def test_a_gradient_spike_is_judged_from_step_10_as_the_section_says(tmp_path):
+    """The criterion judges gradient jumps from step 2 x COLLAPSE_WINDOW on; the probe's text
+    says so, so that a spike before it (seen in the runs) is not read as judged."""
+    early, late = probe_run(), probe_run()
+    early["steps"][7]["grad_norm"] = [1000.0]
+    late["steps"][12]["grad_norm"] = [1000.0]
+    assert not sr.collapse(early)["collapsed"]
+    assert sr.collapse(late)["fired"] == ["gradient blow-up"]
+
+    class Pipeline:
+        def run(self, family, mode, dtype, seed, lr, steps, kind, spread):
+            return {**probe_run(steps), "mode": mode, "lr": lr, "router_spread": spread}
+
+    args = bench_stability.parse(["--probe-lrs", "3e-3"])
+    data = {"plan": bench_stability.plan_of(args), "runs": []}
+    bench_stability.probe(args, data, Pipeline(), tmp_path / "partial.json", set())
+    text = bench_stability.probe_markdown(data, data)
+    assert "judged from step 10 on, so a spike before that is not" in text

@@ -13,7 +13,7 @@ Runs: per family, seed and variant (``stability_records.VARIANTS``): ``disabled`
 with the trainer in bf16, and R3 with the trainer in float32 (the mismatch's sources:
 disabled has routing and precision differing, R3 in bf16 precision alone, R3 in float32 only
 the kernels' residue). Then the collapse probe: on one family and seed, every mode at every
-learning rate of ``--probe-lrs``, each run to its end and judged by
+learning rate of ``--probe-lrs`` (seed ``--probe-seed``), each run to its end and judged by
 ``stability_records.collapse`` (extreme tokens, a gradient blow-up, the reward falling; KL
 growth alone is not collapse).
 
@@ -91,6 +91,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="the collapse probe's learning rates, in the order tried (none: no probe)",
     )
     parser.add_argument("--probe-steps", type=int, default=30, help="RL steps per probe run")
+    parser.add_argument(
+        "--probe-seed",
+        type=int,
+        default=0,
+        help="the probe's seed (with --init-seeds also its initial weights): a replicate",
+    )
     parser.add_argument("--groups", type=int, default=2, help="GRPO groups per step")
     parser.add_argument("--n", type=int, default=4, help="samples per group")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per sample")
@@ -184,6 +190,7 @@ def plan_of(args) -> dict:
         "lr": args.lr,
         "probe_lrs": list(args.probe_lrs),
         "probe_steps": args.probe_steps,
+        "probe_seed": args.probe_seed,
         "groups": args.groups,
         "n": args.n,
         "max_tokens": args.max_tokens,
@@ -365,7 +372,7 @@ def run_all(args, data: dict, partial: Path) -> None:
 def probe(args, data: dict, pipeline: Pipeline, partial: Path, done: set) -> None:
     """Every mode at every rate of ``--probe-lrs``, each run to its end whatever it shows,
     each judged by ``stability_records.collapse``."""
-    family, seed = args.families[0], 0
+    family, seed = args.families[0], args.probe_seed
     found = {"family": family, "seed": seed, "rates_tried": [], "modes_at": {}, "verdicts": []}
     data["probe"] = found
     for lr in args.probe_lrs:
@@ -437,7 +444,16 @@ def report(data: dict, docs_dir: Path, source: Path | None = None) -> list[str]:
     }
     common.write_section(
         section,
-        markdown(data, first, table, problems, figure_name, probe_name, records_name),
+        markdown(
+            data,
+            first,
+            table,
+            problems,
+            figure_name,
+            probe_name,
+            records_name,
+            "" if data["plan"].get("tag") else experiments_done(docs_dir),
+        ),
         {"summary": summary, "records": str(records)},
     )
     return problems
@@ -456,6 +472,7 @@ def markdown(
     figure_name: str = FIGURE,
     probe_name: str = PROBE_FIGURE,
     records_name: str = RECORDS,
+    done: str = "",
 ) -> str:
     plan = data["plan"]
     main_runs = [r for r in data["runs"] if r["kind"] == "main"]
@@ -469,6 +486,8 @@ def markdown(
     )
     if plan.get("tag"):
         command += " " + " ".join(sr_flags(plan))
+    if run_flags(plan):
+        command += " " + " ".join(run_flags(plan))
     fp32 = plan.get("fp32_seeds", len(plan["seeds"]))
     spreads = sr.spreads(plan)
     ratios = sr.ratios(table)
@@ -562,13 +581,13 @@ def markdown(
 **The absolute scale, and what was not observed.** Over the {scale["records"]} step records
 of the main runs: the median KL of the bf16 trainer's steps is {sr.fmt(scale["median_kl"])},
 against the R3 paper's {sr.PAPER_MOE_KL:.4g} for Qwen3-30B-A3B
-({sr.PAPER_MOE_KL / scale["median_kl"]:.0f}x smaller). The largest per-token gap is
+({_against_paper(scale["median_kl"])}). The largest per-token gap is
 {scale["largest_gap"]:.3f} nats, a probability ratio of {scale["largest_ratio"]:.3f}; the
 largest fraction of a step's tokens at a ratio above 2 (or below 1/2, the paper's extreme
 tokens) is {scale["extreme_max"]:.0%}.{_near_clip(scale)} Entropy moved
 {scale["entropy_first"]:.2f} -> {scale["entropy_last"]:.2f} nats (range
 {scale["entropy_min"]:.2f}-{scale["entropy_max"]:.2f}); PPO clipped
-{f"nothing after step {clipped}" if clipped is not None else "nothing"}{fp32_clip}; the
+{_clipping(scale, plan["steps"])}{fp32_clip}; the
 median batch reward was {rewards}. {_collapsed(scale)}{_destabilised(scale, data)}
 The paper's
 dense-to-MoE ratio ({sr.PAPER_DENSE_KL:.2g} / {sr.PAPER_MOE_KL:.4g} = {paper:.2f}) compares
@@ -580,10 +599,11 @@ with like is replay on and off on one model, which the paired ratio is.
     if not plan.get("tag"):
         # RL steps of each: spreads or seeds x families x modes x steps (+ the fp32 runs)
         probe_command = EXPERIMENTS.format(
+            done=DONE.format(done=done) if done else "",
             margin=sec * 4 * 2 * 2 * 3 * 60 / 3600,
             seeds=sec * 4 * 2 * 3 * 60 / 3600,
             bf16=sec * (2 * 2 * 3 + 2) * 60 / 3600,
-            stress=sec * 3 * 30 / 60,
+            stress=sec * 3 * 2 * 60 / 60,
             sec=sec,
         )
     sweep = ""
@@ -596,7 +616,8 @@ with like is replay on and off on one model, which the paired ratio is.
         )
     heading = "Stability: the training-inference mismatch over an RL run, without replay, R2, R3"
     if plan.get("tag"):
-        heading = f"Stability experiment `{plan['tag']}`: {', '.join(sr_flags(plan)[1:])}"
+        flags = sr_flags(plan)[1:] or run_flags(plan)
+        heading = f"Stability experiment `{plan['tag']}`: {', '.join(flags)}"
         if plan["steps"] < 60 or len(plan["seeds"]) < 2:
             partial += (
                 f"\n**A short run** ({plan['steps']} steps per run, "
@@ -691,6 +712,23 @@ def _staleness(plan: dict, data: dict | None = None) -> str:
     return f" or up to {k} versions older (`--staleness {k}`{lagged})"
 
 
+def _clipping(scale: dict, steps: int) -> str:
+    clipped = scale["last_clipped_step"]
+    if clipped is None:
+        return "nothing"
+    if clipped < steps - 1:
+        return f"nothing after step {clipped}"
+    return f"to the last step, up to {scale['largest_clip_fraction']:.0%} of a step's tokens"
+
+
+def _against_paper(kl: float) -> str:
+    """This KL against the R3 paper's: "683x smaller"; "1.3x larger" where it is not smaller."""
+    ratio = sr.PAPER_MOE_KL / kl
+    if ratio >= 2:
+        return f"{ratio:.0f}x smaller"
+    return f"{ratio:.1f}x smaller" if ratio >= 1 else f"{1 / ratio:.1f}x larger"
+
+
 def _near_clip(scale: dict) -> str:
     if scale["largest_ratio"] < 1 + 0.2:
         return " So no token came near PPO's clip range (0.8-1.2) through the mismatch."
@@ -747,14 +785,78 @@ def sr_flags(plan: dict) -> list[str]:
     return [f"--tag {plan['tag']}", *out]
 
 
+def run_flags(plan: dict) -> list[str]:
+    """The flags of the run's size and rates (families, seeds, steps, lr, probe) where they
+    differ from the defaults, so that the section's command reproduces its records."""
+    default = plan_of(parse([]))
+    out = []
+    if plan["families"] != default["families"]:
+        out.append(f"--families {' '.join(plan['families'])}")
+    if len(plan["seeds"]) != len(default["seeds"]):
+        out.append(f"--seeds {len(plan['seeds'])}")
+    fp32 = plan.get("fp32_seeds", len(plan["seeds"]))
+    if fp32 != min(default["fp32_seeds"], len(plan["seeds"])):
+        out.append(f"--fp32-seeds {fp32}")
+    for key in ("steps", "lr", "max_tokens"):
+        if plan[key] != default[key]:
+            out.append(f"--{key.replace('_', '-')} {plan[key]:g}")
+    if plan["probe_lrs"] != default["probe_lrs"]:
+        out.append(" ".join(["--probe-lrs", *(f"{x:g}" for x in plan["probe_lrs"])]))
+    if plan["probe_lrs"]:
+        for key in ("probe_steps", "probe_seed"):
+            if plan.get(key, default[key]) != default[key]:
+                out.append(f"--{key.replace('_', '-')} {plan[key]:g}")
+    return out
+
+
+def experiments_done(docs_dir: Path) -> str:
+    """A line per experiment whose records lie beside the docs: its flags, its runs, their
+    time, and which runs collapsed by the probe's criterion (recomputed from the records)."""
+    lines = []
+    for path in sorted(docs_dir.glob("benchmarks-stability-*.json")):
+        data = json.loads(path.read_text())
+        plan = data["plan"]
+        if not plan.get("tag"):
+            continue
+        main = [r for r in data["runs"] if r["kind"] == "main"]
+        probe = [r for r in data["runs"] if r["kind"] != "main"]
+        verdicts = [(r, sr.collapse(r)) for r in data["runs"]]
+        collapsed = [
+            f"{sr.run_name(r)} ({', '.join(v['fired'])})" for r, v in verdicts if v["collapsed"]
+        ]
+        probe_text = (
+            f" and {len(probe)} probe runs of {plan['probe_steps']} at lr "
+            + ", ".join(f"{x:g}" for x in plan["probe_lrs"])
+            if probe
+            else ""
+        )
+        lines.append(
+            f"- `{plan['tag']}` (`{' '.join(sr_flags(plan)[1:] + run_flags(plan))}`): "
+            f"{len(main)} runs of {plan['steps']} steps{probe_text}, "
+            f"{sum(r['seconds'] for r in data['runs']) / 60:.0f} min; "
+            + (f"collapsed: {'; '.join(collapsed)}" if collapsed else "no run collapsed")
+            + f" (*Stability experiment `{plan['tag']}`* below)."
+        )
+    return "\n".join(lines)
+
+
+# The experiments with records of their own, when there are any (``experiments_done``).
+DONE = """
+Run as short first looks, each with its own records, figures and section in this file (1 to 3
+seeds, 10-30 steps: not evidence of the main run's weight); the minutes are the runs' own,
+"collapsed" the probe's criterion (*Collapse probe*, above) on every run of the experiment:
+
+{done}
+"""
+
 # The experiments the main run leaves out, with their wall time estimated from its own seconds
 # per RL step (a quiet 2-core machine).
 EXPERIMENTS = """
 ### Experiments not in these records
-
-Each is a flag of the benchmark and writes its own records, figures and section
-(`--tag`), never the main run's; the wall times are estimates from this run's
-{sec:.1f} s per RL step:
+{done}
+Not run at the main run's size (2 seeds, 60 steps). Each is a flag of the benchmark and
+writes its own records, figures and section (`--tag`), never the main run's; the wall times
+are estimates from this run's {sec:.1f} s per RL step:
 
 - Router margins, wide to narrow: `python -m benchmarks.stability.bench_stability --tag margins
   --router-spreads 1 0.3 0.1 0.03 --fp32-seeds 0 --probe-lrs` (about {margin:.1f} h).
@@ -763,11 +865,12 @@ Each is a flag of the benchmark and writes its own records, figures and section
 - A bf16 rollout, two bf16 engines with different kernels (vLLM's CPU build serves bf16 on
   a CPU with AVX512-BF16, routes captured and weights reloaded as in float32): `--tag bf16
   --rollout-dtype bfloat16 --probe-lrs` (about {bf16:.1f} h).
-- Settings reported as unstable, one family, each `--families qwen3_moe --seeds 1
-  --fp32-seeds 0 --steps 30 --probe-lrs` (at the main rate; add `--lr 0.003` for the
-  probe's): `--tag epochs --ppo-epochs 8`, `--tag groups --n 16`, `--tag stale --staleness
-  2` (about {stress:.0f} min each at the main run's cost per step; more epochs and larger
-  groups cost more per step).
+- Settings reported as unstable, one family, each `--families qwen3_moe --fp32-seeds 0
+  --probe-lrs` (at the main rate; add `--lr 0.003` for the probe's): `--tag epochs
+  --ppo-epochs 8`, `--tag groups --n 16`, `--tag stale --staleness 2` (about {stress:.0f} min
+  each at the main run's cost per step; more epochs and larger groups cost more per step).
+- The collapse probe with more seeds: `--probe-seed K --init-seeds` replicates it at seed K,
+  each seed its own initial weights.
 """
 
 
@@ -823,7 +926,8 @@ def probe_markdown(data: dict, first: dict, probe_name: str = PROBE_FIGURE) -> s
 every rate, each run to its end. A run *collapses* when training fails: a value not finite or
 the trainer dead; a step with at least {sr.EXTREME_FRACTION:.0%} of its tokens at a probability
 ratio above 2 or below 1/2; a step's gradient norm {sr.BLOWUP_FACTOR:g}x the median of the
-steps before it (the first {sr.COLLAPSE_WINDOW}, whose early spike every mode shows, left out);
+steps before it (the first {sr.COLLAPSE_WINDOW}, whose early spike every mode shows, left out;
+judged from step {2 * sr.COLLAPSE_WINDOW} on, so a spike before that is not);
 or the expected reward of the last {sr.COLLAPSE_WINDOW} steps at most {sr.REWARD_FALL:.0%} of
 the best {sr.COLLAPSE_WINDOW}-step window before. {found}{missing}
 
