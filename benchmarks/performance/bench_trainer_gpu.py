@@ -59,6 +59,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from routereplay.families.base import TINY_SIZE, MoESize
 from tests.support.replay import recording
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,7 +70,7 @@ class Size:
     """A benchmark size: the model's, the micro-batch's (sample lengths) and the run's."""
 
     name: str
-    model: dict
+    model: MoESize
     vocab: int
     lengths: tuple[int, ...]
     repeats: int
@@ -81,7 +82,7 @@ class Size:
 # work, not launch overhead alone, and two copies fit one 80 GB GPU (docstring).
 GPU = Size(
     name="gpu",
-    model=dict(
+    model=MoESize(
         hidden_size=2048,
         intermediate_size=6144,
         moe_intermediate_size=768,
@@ -100,17 +101,7 @@ GPU = Size(
 # The tests' tiny model (hidden 128, 4 layers, 8 experts top-2): seconds on one CPU thread.
 TINY = Size(
     name="tiny",
-    model=dict(
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-    ),
+    model=TINY_SIZE,
     vocab=512,
     lengths=(40, 33, 28, 40),
     repeats=3,
@@ -140,12 +131,11 @@ def write_config(out: Path, size: Size) -> Path:
     """A Qwen3-MoE ``config.json`` of ``size``, every layer MoE (no weights: the model is
     initialised from a seed)."""
     from routereplay.dev.tiny_model import family_config
-    from routereplay.families.base import MoESize
 
     out.mkdir(parents=True, exist_ok=True)
     config = family_config(
         "qwen3_moe",
-        MoESize(**size.model),
+        size.model,
         {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1},
     )
     config.vocab_size = size.vocab
@@ -549,9 +539,9 @@ def main(argv: list[str] | None = None) -> dict:
         "device": device.type,
         "dtype": args.dtype,
         "model": (
-            f"Qwen3-MoE, {m['num_hidden_layers']} layers (all MoE), hidden {m['hidden_size']}, "
-            f"{m['num_attention_heads']} heads of {m['head_dim']}, {m['num_experts']} experts of "
-            f"width {m['moe_intermediate_size']} top-{m['num_experts_per_tok']}, vocabulary "
+            f"Qwen3-MoE, {m.num_hidden_layers} layers (all MoE), hidden {m.hidden_size}, "
+            f"{m.num_attention_heads} heads of {m.head_dim}, {m.num_experts} experts of "
+            f"width {m.moe_intermediate_size} top-{m.num_experts_per_tok}, vocabulary "
             f"{size.vocab}, {params / 1e6:,.1f} M parameters"
         ),
         "parameters": params,
