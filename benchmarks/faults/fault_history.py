@@ -36,7 +36,8 @@ import threading
 import time
 import zlib
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,6 +94,23 @@ class History:
             digests=[digest(r) for r in fetched.records],
             turns=[len(r.turns) for r in fetched.records],
         )
+
+    @contextmanager
+    def acks_of(self, plans) -> Iterator[None]:
+        """Log ``ack`` with the samples of the batches a trainer's ``plans``
+        (``trainer.data.source.FeedPlans``) acknowledged within: those that left its
+        ``handed_out``."""
+        held = {step: list(groups) for step, groups in plans.handed_out.items()}
+        yield
+        samples = [
+            s
+            for step in held
+            if step not in plans.handed_out
+            for g in held[step]
+            for s in g.sample_ids
+        ]
+        if samples:
+            self.log("ack", samples=samples, ok=True)
 
     def close(self) -> None:
         if self._file:

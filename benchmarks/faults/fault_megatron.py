@@ -74,8 +74,9 @@ def command(workdir: Path, target: str, time_zero: float, batch: int = BATCH) ->
     ]
 
 
-def install(args, history: History, rank: int) -> None:
-    """Wrap the trainer's functions with the taps (see the module's docstring)."""
+def install(args, history: History, rank: int) -> dict:
+    """Wrap the trainer's functions with the taps (see the module's docstring). Returns what
+    the taps learn of the run as it goes (``checkpoints``: its checkpoint folder)."""
     from trainer.data import source
     from trainer.optim import AdamW
     from trainer.report import outputs
@@ -92,14 +93,11 @@ def install(args, history: History, rank: int) -> None:
             history.log("paused", point=point, step=step)
             os.kill(os.getpid(), signal.SIGSTOP)  # the run SIGKILLs the job here
 
-    def acked(plans, held: dict) -> list[str]:
-        return [x for s in held if s not in plans.handed_out for g in held[s] for x in g.sample_ids]
-
     feed_init = source.FeedPlans.__init__
 
     def init(self, config, dp, client=None):
         feed_init(self, config, dp, client)
-        state["every"] = config.train.checkpoint_every
+        state.update(every=config.train.checkpoint_every, checkpoints=config.train.checkpoint_dir)
         if dp.lead:
             history.log("resume", steps_done=self.step, discarded_steps=self.discarded_steps)
             if self.resumed is not None and self.resumed.entry_samples:
@@ -115,11 +113,9 @@ def install(args, history: History, rank: int) -> None:
             history.log("deliver", samples=plan.sample_ids, step=self.step - 1)
         return plan
 
-    def close(self):
-        held = {s: list(g) for s, g in self.handed_out.items()}
-        close_feed(self)
-        if self.dp.lead and (samples := acked(self, held)):
-            history.log("ack", samples=samples, ok=True)
+    def close(self):  # the lead's alone hands out: the others' ``handed_out`` stays empty
+        with history.acks_of(self):
+            close_feed(self)
 
     close_feed = source.FeedPlans.close
     source.FeedPlans.__init__ = init
@@ -167,10 +163,8 @@ def install(args, history: History, rank: int) -> None:
     ack_after = outputs.FeedAck.after_step
 
     def ack_after_tapped(self, done):
-        held = {s: list(g) for s, g in self.feed.handed_out.items()}
-        learned = ack_after(self, done)
-        if self.lead and (samples := acked(self.feed, held)):
-            history.log("ack", samples=samples, ok=True)
+        with history.acks_of(self.feed):
+            learned = ack_after(self, done)
         if done.dead_letters:  # this rank's share's
             history.log("dead_letter", samples=done.dead_letters, step=done.step)
         if (done.step + 1) % state["every"]:
@@ -178,6 +172,7 @@ def install(args, history: History, rank: int) -> None:
         return learned
 
     outputs.FeedAck.after_step = ack_after_tapped
+    return state
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,15 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     if rank:
         path = path.with_name(f"{path.stem}-r{rank}{path.suffix}")
     history = History(path, "trainer", args.time_zero)
-    install(args, history, rank)
     from trainer.__main__ import main as trainer_main
 
+    state = install(args, history, rank)
     rc = trainer_main(argv[split + 1 :])
     if rank == 0 and rc == 0:
         from trainer.data.feed_log import steps_checkpointed
 
-        config_dir = next(a.split("=", 1)[1] for a in argv if a.startswith("train.checkpoint_dir="))
-        history.log("finish", steps_done=steps_checkpointed(config_dir))
+        history.log("finish", steps_done=steps_checkpointed(state["checkpoints"]))
     history.close()
     return rc
 

@@ -135,43 +135,37 @@ def run(args) -> int:
             checkpoint.save(args.checkpoint_dir, step + 1, built, optimizer)
             history.log("checkpoint", steps_done=step + 1)
             pause(args, history, "after_checkpoint", step)
-        held = {s: list(g) for s, g in plans.handed_out.items()}
-        ack(plans, history, held)
+        ack(plans, history)
         if (step + 1) % args.every:
             pause(args, history, "after_ack", step)
         step += 1
     if step > start and step % args.every:
         checkpoint.save(args.checkpoint_dir, step, built, optimizer)
         history.log("checkpoint", steps_done=step)
-    held = {s: list(g) for s, g in plans.handed_out.items()}
-    plans.close()
-    acked = [x for s in held if s not in plans.handed_out for g in held[s] for x in g.sample_ids]
-    if acked:
-        history.log("ack", samples=acked, ok=True)
+    with history.acks_of(plans):
+        plans.close()
     history.log("finish", steps_done=step, weight=float(model.weight.item()))
     history.close()
     source.close()
     return 0
 
 
-def ack(plans: FeedPlans, history: History, held: dict) -> None:
+def ack(plans: FeedPlans, history: History) -> None:
     """``FeedAck.after_step``: ``plans.ack()``, retried while the route cache is down; logs
     the samples it acknowledged."""
     first = True
-    while True:
-        try:
-            if first:
-                first = False
-                plans.ack()
-            else:  # the step was reported; its acknowledgement failed: acknowledge again
-                plans.ack_covered(plans._reported if plans.log is None else None)
-            break
-        except RouteReplayError as exc:
-            history.log("ack", samples=[], ok=False, status=exc.status)
-            time.sleep(0.2)
-    acked = [x for s in held if s not in plans.handed_out for g in held[s] for x in g.sample_ids]
-    if acked:
-        history.log("ack", samples=acked, ok=True)
+    with history.acks_of(plans):
+        while True:
+            try:
+                if first:
+                    first = False
+                    plans.ack()
+                else:  # the step was reported; its acknowledgement failed: acknowledge again
+                    plans.ack_covered(plans._reported if plans.log is None else None)
+                break
+            except RouteReplayError as exc:
+                history.log("ack", samples=[], ok=False, status=exc.status)
+                time.sleep(0.2)
 
 
 def main(argv: list[str] | None = None) -> int:

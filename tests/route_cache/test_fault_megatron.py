@@ -70,13 +70,16 @@ def start(workdir, target: str, t0: float) -> subprocess.Popen:
         return subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def paused_at(workdir, job: subprocess.Popen, point: str, timeout_s: float = 300) -> dict:
-    """Wait for this job's lead to log ``paused`` at ``point`` (then stopped by itself)."""
+def paused_at(
+    workdir, job: subprocess.Popen, life: int, point: str, timeout_s: float = 300
+) -> dict:
+    """Wait for the lead of the job's ``life``-th process to log ``paused`` at ``point`` (then
+    stopped by itself)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         history = load_history([workdir / "trainer.jsonl"])
         resumes = [i for i, e in enumerate(history) if e["op"] == "resume"]
-        if len(resumes) == job.life and history[-1]["op"] == "paused":
+        if len(resumes) == life and history[-1]["op"] == "paused":
             assert history[-1]["point"] == point, history[-1]
             return history[-1]
         log = (workdir / "trainer.log").read_text(errors="replace")
@@ -95,8 +98,7 @@ def test_the_real_trainer_killed_at_each_point_trains_every_sample_once(feed, tm
         (tmp_path / "pause").mkdir(exist_ok=True)
         (tmp_path / "pause" / point).touch()
         job = start(tmp_path, target, t0)
-        job.life = life
-        paused_at(tmp_path, job, point)
+        paused_at(tmp_path, job, life, point)
         kill_tree(job)
         job.wait(30)
     (tmp_path / "stop").touch()

@@ -3,14 +3,13 @@
 
 The table's order is the rule: the metrics see the step first; the export (and the push to
 the rollout servers) comes before the console line, so the line names the new policy
-versions; the checkpoint comes after the export; the batch's lost records are logged as dead letters
-before the checkpoint, and the feed is acknowledged only after it, so a crash before it leads
-to redelivery, never to a batch trained and lost, and a crash after it settles the dead
-letters on resume; the
-records file and the JSON report are written when the run ends. Each row names the setting
-that turns the output on and whether only the lead rank runs it (the export, the dead
-letters, the checkpoint and the feed's acknowledgement are collectives: every rank runs
-them).
+versions; the checkpoint comes after the export; the batch's lost records are logged as dead
+letters before the checkpoint, and the feed is acknowledged only after it, so a crash before
+it leads to redelivery, never to a batch trained and lost, and a crash after it settles the
+dead letters on resume; the records file and the JSON report are written when the run ends.
+Each row names the setting that turns the output on and whether only the lead rank runs it
+(the export, the dead letters, the checkpoint and the feed's acknowledgement are collectives:
+every rank runs them).
 """
 
 from __future__ import annotations
